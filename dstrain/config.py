@@ -1,0 +1,253 @@
+"""Recipe schema: defaults < recipe YAML < dotted CLI overrides, validated with helpful errors.
+
+A recipe is a YAML file with the sections below; every key is documented in README.md.
+`--train.max_steps=20` style overrides reach any key. Unknown keys are errors naming the closest one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .errors import UserError, closest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = REPO_ROOT / "recipes"
+DEFAULT_RECIPE = RECIPES_DIR / "tiny" / "pretrain.yaml"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "recipes/tiny/model"  # hub id or local directory
+    from_scratch: str = "auto"  # auto: random init when the directory holds a config but no weights
+    tokenizer: Optional[str] = None  # defaults to name_or_path
+    config_overrides: dict = field(default_factory=dict)  # e.g. {num_hidden_layers: 2} on top of config.json
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None  # e.g. sdpa, eager, flash_attention_2
+
+    def __post_init__(self) -> None:
+        self.from_scratch = str(self.from_scratch).lower()
+        _one_of("model.from_scratch", self.from_scratch, ("auto", "true", "false"))
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tiny"  # hub id, local file (json/jsonl/csv/parquet/txt), directory, or saved dataset
+    name: Optional[str] = None  # hub dataset configuration name
+    format: str = "text"  # text (packed pretraining) | prompt_response | chat (SFT, loss on responses)
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    train_split: str = "train"
+    val_split: Optional[str] = "validation"  # used when the dataset has it; else val_fraction is carved out
+    val_fraction: float = 0.05
+    cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/dstrain/tokenized
+    num_proc: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of("data.format", self.format, ("text", "prompt_response", "chat"))
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise UserError(f"data.val_fraction={self.val_fraction} must be in [0, 1); try 0.05")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    micro_batch_size: int = 8  # sequences per rank per forward pass
+    grad_accum_steps: int = 1
+    seq_len: int = 128
+    lr: float = 2e-3
+    lr_schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    warmup_steps: int = 10  # capped at max_steps
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    weight_decay: float = 0.1  # applied to matrices only, never to biases and norms
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto: the DeepSpeed config's (fp32 on CPU) | bf16 | fp16 | fp32
+    activation_checkpointing: bool = False
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
+            if getattr(self, name) < 1:
+                raise UserError(f"train.{name}={getattr(self, name)} must be a positive integer")
+        if self.lr <= 0:
+            raise UserError(f"train.lr={self.lr} must be positive")
+        if self.warmup_steps < 0:
+            raise UserError(f"train.warmup_steps={self.warmup_steps} must be 0 or more")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"train.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        _one_of("train.lr_schedule", self.lr_schedule, ("cosine", "linear", "constant"))
+        _one_of("train.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50  # optimizer steps between evaluations; 0 evaluates only at the end
+    max_batches: Optional[int] = None  # cap on validation batches per rank; None = the whole split
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # optimizer steps between checkpoints; one is always saved at the end
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a newer one is complete
+    export_hf: bool = True  # write <output_dir>/hf at the end
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise UserError(f"checkpoint.keep_last={self.keep_last} must be at least 1")
+
+
+@dataclass
+class LogConfig:
+    wandb: bool = True  # offline when no WANDB_API_KEY is set
+    wandb_project: str = "dstrain"
+    run_name: Optional[str] = None
+    progress_bar: bool = True
+    plot: bool = True  # loss curve PNG at the end
+
+
+@dataclass
+class Recipe:
+    ds_config: str = "zero2.json"  # file in ds_configs/ or a path; --ds_config overrides
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    # Real recipes name the cluster they were written for; used to check their batch arithmetic.
+    world_size: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}{closest(str(value), choices)}")
+
+
+def resolve_recipe_path(name: str | Path) -> Path:
+    """A path as given, or a name looked up under recipes/ (with or without .yaml)."""
+    for candidate in (Path(name), RECIPES_DIR / name, RECIPES_DIR / f"{name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(str(p.relative_to(RECIPES_DIR)) for p in RECIPES_DIR.rglob("*.yaml"))
+    raise UserError(f"recipe '{name}' not found; pass a path or one of: {', '.join(known)}"
+                    f"{closest(str(name), known)}")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """['--train.lr=1e-3', '--model.name_or_path', 'x'] -> nested dict; values parsed as YAML scalars."""
+    nested: dict = {}
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if not item.startswith("--"):
+            raise UserError(f"unexpected argument '{item}'; overrides look like --train.max_steps=20")
+        key, sep, value = item[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(items) or items[i + 1].startswith("--"):
+                raise UserError(f"override --{key} has no value; write --{key}=VALUE")
+            value = items[i + 1]
+            i += 1
+        i += 1
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            parsed = value
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override --{key} conflicts with another override of '{part}'")
+        node[parts[-1]] = parsed
+    return nested
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "config_overrides":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Coerce/validate a value against a dataclass field's type hint, with a one-line error."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        hint = [a for a in typing.get_args(hint) if a is not type(None)][0]
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, (int, float, bool)) and not isinstance(value, bool):
+        return str(value)
+    if hint is str and isinstance(value, bool):
+        return str(value).lower()
+    expected = {int: int, float: float, str: str, bool: bool, list: list, dict: dict}.get(hint)
+    if expected is not None:
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if not ok:
+            raise UserError(f"{key}={value!r} should be of type {expected.__name__}")
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise UserError(f"'{prefix.rstrip('.')}' should be a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise UserError(f"unknown recipe key '{prefix}{key}'{closest(key, names)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_type(f"{prefix}{key}", value, hint)
+    return cls(**kwargs)
+
+
+def load_recipe(path: str | Path | None, overrides: dict | None = None) -> Recipe:
+    """Defaults < YAML file < overrides, validated."""
+    raw: dict = {}
+    if path is not None:
+        recipe_path = resolve_recipe_path(path)
+        try:
+            raw = yaml.safe_load(recipe_path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {recipe_path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"recipe {recipe_path} should be a mapping with model/data/train sections")
+    return _build(Recipe, _merge(raw, overrides or {}), "")
+
+
+def dump_recipe(recipe: Recipe, path: Path) -> None:
+    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def local_or_hub(name: str) -> str:
+    """A path that exists as given or relative to the repo root (recipes use repo-relative paths), else
+    the name unchanged (a Hugging Face Hub id)."""
+    for candidate in (Path(name).expanduser(), REPO_ROOT / name):
+        if candidate.exists():
+            return str(candidate)
+    return name

@@ -1,0 +1,301 @@
+"""Datasets: load through `datasets`, tokenize once (cached), pack or mask, and hand each data-parallel
+rank its distinct share of every global batch in a seeded order that is a pure function of the step.
+
+Because batch contents depend only on (seed, step), the data position in a checkpoint is the step
+itself: resuming at step k reproduces exactly the batches an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .config import DataConfig, local_or_hub
+from .errors import UserError
+
+IGNORE_INDEX = -100
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
+                 ".text": "text", ".arrow": "arrow"}
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_raw(cfg: DataConfig):
+    """A DatasetDict from a hub id, a local file, a local directory, or a dataset saved with save_to_disk."""
+    import datasets
+
+    location = local_or_hub(cfg.path)
+    path = Path(location)
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+        elif path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise UserError(f"data.path {path} has an unsupported extension; use one of "
+                                f"{', '.join(sorted(FILE_BUILDERS))}")
+            loaded = datasets.load_dataset(builder, data_files=str(path))
+        elif path.is_dir():
+            loaded = datasets.load_dataset(str(path))
+        else:
+            loaded = datasets.load_dataset(location, cfg.name)
+    except UserError:
+        raise
+    except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
+        raise UserError(f"cannot load dataset '{cfg.path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        f"; check data.path (a local file/dir, or a hub id reachable from here)") from None
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({cfg.train_split: loaded})
+    if cfg.train_split not in loaded:
+        raise UserError(f"dataset '{cfg.path}' has no split '{cfg.train_split}' (splits: {', '.join(loaded)}); "
+                        f"set data.train_split")
+    return loaded
+
+
+def split_train_val(raw, cfg: DataConfig, seed: int):
+    """(train, val) raw splits: the named validation split when present, else a seeded carve-out."""
+    train = raw[cfg.train_split]
+    if len(train) == 0:
+        raise UserError(f"dataset '{cfg.path}' split '{cfg.train_split}' has no rows")
+    if cfg.val_split and cfg.val_split in raw:
+        return train, raw[cfg.val_split]
+    if cfg.val_fraction == 0:
+        return train, None
+    if len(train) < 2:
+        raise UserError(f"dataset '{cfg.path}' has too few rows to carve out a validation split; "
+                        f"set data.val_fraction=0")
+    parts = train.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+def _require_field(dataset, field_name: str, key: str, path: str) -> None:
+    if field_name not in dataset.column_names:
+        raise UserError(f"dataset '{path}' has no field '{field_name}' (columns: {', '.join(dataset.column_names)});"
+                        f" set {key} to one of them")
+
+
+def pack_texts(texts: list[str], tokenizer, seq_len: int) -> list[list[int]]:
+    """Concatenate documents, each followed by EOS, and cut into full seq_len blocks (no padding)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the tokenizer has no eos_token; packing needs one to separate documents")
+    flat: list[int] = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        flat.extend(ids)
+        flat.append(eos)
+    usable = len(flat) // seq_len * seq_len
+    return [flat[i:i + seq_len] for i in range(0, usable, seq_len)]
+
+
+def _segments_with_template(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
+    """Split a templated conversation into (text, trainable) pieces: only assistant replies train."""
+    def render(msgs, gen):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    pieces, previous = [], ""
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            prompt = render(messages[:i], True) if i else render([], True)
+            full = render(messages[:i + 1], False)
+            if not (prompt.startswith(previous) and full.startswith(prompt)):
+                raise UserError("the tokenizer's chat template does not render conversations prefix by prefix; "
+                                "set data.format=prompt_response or fix the template")
+            pieces += [(prompt[len(previous):], False), (full[len(prompt):], True)]
+        else:
+            full = render(messages[:i + 1], False)
+            pieces.append((full[len(previous):], False))
+        previous = full
+    return pieces
+
+
+def _segments_plain(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
+    pieces: list[tuple[str, bool]] = []
+    for message in messages:
+        if message.get("role") == "assistant":
+            pieces += [("assistant: ", False), (message["content"] + (tokenizer.eos_token or ""), True)]
+        else:
+            pieces.append((f"{message.get('role', 'user')}: {message['content']}\n", False))
+    return pieces
+
+
+def sft_example(messages: list[dict], tokenizer, seq_len: int) -> Optional[dict]:
+    """input_ids / labels / attention_mask of one conversation, padded to seq_len; labels only on replies.
+
+    None when truncation leaves no reply token to learn from."""
+    if tokenizer.chat_template:
+        pieces = _segments_with_template(messages, tokenizer)
+        ids, labels = [], []
+    else:
+        pieces = _segments_plain(messages, tokenizer)
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        ids, labels = list(bos), [IGNORE_INDEX] * len(bos)
+    for text, trainable in pieces:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trainable else [IGNORE_INDEX] * len(piece)
+    ids, labels = ids[:seq_len], labels[:seq_len]
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n_pad = seq_len - len(ids)
+    return {"input_ids": ids + [pad] * n_pad, "labels": labels + [IGNORE_INDEX] * n_pad,
+            "attention_mask": [1] * len(ids) + [0] * n_pad}
+
+
+def _to_messages(row: dict, cfg: DataConfig) -> list[dict]:
+    if cfg.format == "chat":
+        return row[cfg.messages_field]
+    return [{"role": "user", "content": str(row[cfg.prompt_field])},
+            {"role": "assistant", "content": str(row[cfg.response_field])}]
+
+
+def check_fields(dataset, cfg: DataConfig) -> None:
+    if cfg.format == "text":
+        fields = [(cfg.text_field, "data.text_field")]
+    elif cfg.format == "chat":
+        fields = [(cfg.messages_field, "data.messages_field")]
+    else:
+        fields = [(cfg.prompt_field, "data.prompt_field"), (cfg.response_field, "data.response_field")]
+    for name, key in fields:
+        _require_field(dataset, name, key, cfg.path)
+
+
+def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int):
+    """Raw split -> model-ready split (input_ids [+ labels, attention_mask for SFT])."""
+    check_fields(dataset, cfg)
+    if cfg.format == "text":
+        def fn(batch):
+            return {"input_ids": pack_texts(batch[cfg.text_field], tokenizer, seq_len)}
+    else:
+        def fn(batch):
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            examples = [sft_example(_to_messages(r, cfg), tokenizer, seq_len) for r in rows]
+            examples = [e for e in examples if e is not None]
+            return {k: [e[k] for e in examples] for k in ("input_ids", "labels", "attention_mask")}
+    return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
+                       num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenizing")
+
+
+# ----------------------------------------------------------------------------- cache
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template,
+                          "eos": tokenizer.eos_token, "bos": tokenizer.bos_token, "pad": tokenizer.pad_token,
+                          "class": type(tokenizer).__name__}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def cache_key(cfg: DataConfig, seq_len: int, seed: int, tokenizer, raw_fingerprints: list[str]) -> str:
+    payload = json.dumps({"data": asdict(cfg) | {"cache_dir": None, "num_proc": None}, "seq_len": seq_len,
+                          "seed": seed, "tokenizer": _tokenizer_fingerprint(tokenizer), "raw": raw_fingerprints,
+                          "version": 1}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DSTRAIN_CACHE", Path.home() / ".cache" / "dstrain")) / "tokenized"
+
+
+@dataclass
+class Prepared:
+    train: Any
+    val: Any
+    cache_path: Path
+    cache_hit: bool
+
+
+def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, is_local_main: bool, barrier) -> Prepared:
+    """Tokenize on each node's first rank (or reuse the cache), then load on every rank."""
+    import datasets
+
+    raw = load_raw(cfg)
+    train_raw, val_raw = split_train_val(raw, cfg, seed)
+    check_fields(train_raw, cfg)  # on every rank, so a bad field fails everywhere instead of hanging a barrier
+    fingerprints = [train_raw._fingerprint] + ([val_raw._fingerprint] if val_raw is not None else [])
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    path = root / cache_key(cfg, seq_len, seed, tokenizer, fingerprints)
+    hit = (path / "done").exists()
+    if is_local_main and not hit:
+        tmp = root / f".tmp-{path.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        splits = {"train": tokenize(train_raw, cfg, tokenizer, seq_len)}
+        if val_raw is not None:
+            splits["validation"] = tokenize(val_raw, cfg, tokenizer, seq_len)
+        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        (tmp / "done").write_text("ok\n")
+        try:
+            tmp.rename(path)
+        except OSError:  # another node on a shared filesystem published it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    loaded = datasets.load_from_disk(str(path))
+    train = loaded["train"].with_format("torch")
+    val = loaded["validation"].with_format("torch") if "validation" in loaded else None
+    if len(train) == 0:
+        hint = "provide longer or more documents, or lower train.seq_len" if cfg.format == "text" else \
+            "every example was empty or truncated away; raise train.seq_len"
+        raise UserError(f"dataset '{cfg.path}' gives no training sequences of length {seq_len}: {hint}")
+    return Prepared(train, val if val is not None and len(val) else None, path, hit)
+
+
+# ----------------------------------------------------------------------------- batching
+
+def _stack(rows: dict) -> dict[str, torch.Tensor]:
+    batch = {k: v.long() for k, v in rows.items()}
+    if "labels" not in batch:
+        batch["labels"] = batch["input_ids"].clone()
+    return batch
+
+
+class TrainStream:
+    """Global batch `step` holds stream samples [step*G, (step+1)*G); sample k is element k % n of a
+    permutation seeded by (seed, k // n), so each epoch is reshuffled and any step can be re-created."""
+
+    def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
+                 seed: int):
+        self.dataset, self.seed = dataset, seed
+        self.micro, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum_steps, dp_rank, dp_size
+        self.global_batch = micro_batch_size * grad_accum_steps * dp_size
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset)))
+        return self._perm[1]
+
+    def sample_index(self, k: int) -> int:
+        n = len(self.dataset)
+        return int(self._permutation(k // n)[k % n])
+
+    def global_batch_indices(self, step: int) -> list[int]:
+        start = step * self.global_batch
+        return [self.sample_index(k) for k in range(start, start + self.global_batch)]
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's grad_accum_steps micro-batches of global batch `step`."""
+        out = []
+        for m in range(self.accum):
+            start = step * self.global_batch + (m * self.dp_size + self.dp_rank) * self.micro
+            idx = [self.sample_index(k) for k in range(start, start + self.micro)]
+            out.append(_stack(self.dataset[idx]))
+        return out
+
+
+def eval_batches(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 max_batches: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+    """This rank's strided share of the validation split; every rank gets the same number of batches."""
+    per_rank = len(dataset) // dp_size
+    idx = list(range(dp_rank, per_rank * dp_size, dp_size))
+    batches = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
+    if max_batches is not None:
+        batches = batches[:max_batches]
+    return [_stack(dataset[b]) for b in batches]

@@ -1,0 +1,71 @@
+"""The only module that reads RANK / LOCAL_RANK / WORLD_SIZE; works under deepspeed, torchrun,
+accelerate launch and plain `python` (one process)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def env_context() -> DistContext:
+    """Rank layout from the launcher's environment, before any process group exists."""
+    return DistContext(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                       world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init() -> DistContext:
+    """Start the process group (gloo on CPU, nccl on CUDA: DeepSpeed's accelerator decides)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    ctx = env_context()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ctx.local_rank)
+    deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    return ctx
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not torch.distributed.is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]

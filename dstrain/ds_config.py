@@ -1,0 +1,260 @@
+"""Load a DeepSpeed JSON, validate its keys, fill every "auto" from the recipe, check batch arithmetic.
+
+The recipe owns the batch sizes, optimizer hyper-parameters, LR schedule, clipping and precision; the
+shipped JSONs say "auto" for all of them so the two can never disagree. An explicit value in the JSON
+that contradicts the recipe is an error, not a silent winner.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import REPO_ROOT, Recipe
+from .errors import UserError, closest
+
+DS_CONFIGS_DIR = REPO_ROOT / "ds_configs"
+
+# Top-level keys DeepSpeed 0.19 reads (runtime/config.py and the section configs it imports).
+TOP_LEVEL_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+    "scheduler", "fp16", "bf16", "bfloat16", "torch_autocast", "amp", "gradient_clipping", "prescale_gradients",
+    "gradient_predivide_factor", "gradient_allreduce_op", "communication_data_type",
+    "seq_parallel_communication_data_type", "zero_optimization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    "disable_allgather", "disable_python_gc", "activation_checkpointing", "flops_profiler", "comms_logger",
+    "tensorboard", "wandb", "csv_monitor", "comet", "checkpoint", "data_types", "dataloader_drop_last",
+    "pipeline", "tensor_parallel", "sparse_attention", "data_efficiency", "curriculum_learning",
+    "compression_training", "autotuning", "aio", "elasticity", "hybrid_engine", "compile", "weight_quantization",
+    "sparse_gradients", "nebula", "timers", "log_level", "use_data_before_expert_parallelism",
+    "managed_gradient_accumulation", "eigenvalue", "progressive_layer_drop", "quantize_training",
+    "graph_harvesting", "sequence_parallel_size", "expert_parallel", "zenflow", "datastates_ckpt",
+    "check_overflow", "vocabulary_size", "mics_shard_size", "mics_hierarchical_params_gather",
+}
+
+
+def _section_models() -> dict[str, Any]:
+    """Pydantic models DeepSpeed validates sections with; their field names and aliases are the valid keys."""
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+    return {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
+        "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig,
+        "bf16": DeepSpeedBF16Config,
+        "fp16": DeepSpeedFP16Config,
+        "tensor_parallel": TPTrainingConfig,
+        "compile": CompileConfig,
+        "comms_logger": CommsLoggerConfig,
+    }
+
+
+def _model_keys(model: Any) -> set[str]:
+    keys = set()
+    for name, info in model.model_fields.items():
+        keys.add(name)
+        if info.alias:
+            keys.add(info.alias)
+    return keys
+
+
+def validate_keys(cfg: dict) -> None:
+    """Unknown or misspelled keys are errors that name the closest valid key."""
+    for key in cfg:
+        if key not in TOP_LEVEL_KEYS:
+            raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS)}")
+    for dotted, model in _section_models().items():
+        node: Any = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        valid = _model_keys(model)
+        for key in node:
+            if key not in valid:
+                raise UserError(f"unknown DeepSpeed config key '{dotted}.{key}'{closest(key, valid)}")
+
+
+def resolve_path(name: str | Path) -> Path:
+    """A path as given, or a file name looked up in ds_configs/ (with or without .json)."""
+    for candidate in (Path(name), DS_CONFIGS_DIR / name, DS_CONFIGS_DIR / f"{name}.json"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.name for p in DS_CONFIGS_DIR.glob("*.json"))
+    raise UserError(f"DeepSpeed config '{name}' not found; pass a path or one of: {', '.join(known)}"
+                    f"{closest(str(name), known)}")
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load(name: str | Path, overrides: dict | None = None) -> dict:
+    """The JSON, with `--ds.zero_optimization.stage=3`-style overrides merged in, keys validated."""
+    path = resolve_path(name)
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"DeepSpeed config {path} should be a JSON object")
+    cfg = _merge(cfg, overrides or {})
+    validate_keys(cfg)
+    return cfg
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    name: str = "cpu"
+    bf16: bool = True
+    fp16: bool = False
+
+    @classmethod
+    def detect(cls) -> "DeviceCaps":
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        return cls(name=acc.device_name(), bf16=bool(acc.is_bf16_supported()), fp16=bool(acc.is_fp16_supported()))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split: data-parallel x pipeline stages x tensor-parallel."""
+    world_size: int
+    pipeline_stages: int = 1
+    tensor_parallel: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.pipeline_stages * self.tensor_parallel)
+
+
+def layout_of(cfg: dict, world_size: int) -> Layout:
+    stages = int((cfg.get("pipeline") or {}).get("stages", 1) or 1)
+    tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    if world_size % (stages * tp):
+        raise UserError(f"world size {world_size} is not divisible by pipeline stages ({stages}) x "
+                        f"tensor-parallel size ({tp}); launch a multiple of {stages * tp} ranks")
+    return Layout(world_size, stages, tp)
+
+
+def _is_auto(value: Any) -> bool:
+    return value == "auto"
+
+
+def _fill(section: dict, key: str, value: Any, where: str, recipe_key: str) -> None:
+    """Set section[key] from the recipe when missing or "auto"; an explicit different value is an error."""
+    current = section.get(key, "auto")
+    if _is_auto(current):
+        section[key] = value
+    elif current != value:
+        raise UserError(f"DeepSpeed config {where}.{key}={current!r} disagrees with recipe {recipe_key}={value!r}; "
+                        f"set it to \"auto\" in the JSON so the recipe decides")
+
+
+def _precision(cfg: dict, recipe: Recipe, caps: DeviceCaps) -> str:
+    wanted = recipe.train.precision
+    if wanted == "auto" and caps.name == "cpu":
+        # The CPU accelerator emulates bf16: measured ~10x slower than fp32 here (README, "Precision").
+        wanted = "fp32"
+    if wanted == "auto":
+        bf16 = (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False)
+        fp16 = (cfg.get("fp16") or {}).get("enabled", False)
+        wanted = "bf16" if bf16 in (True, "auto") else "fp16" if fp16 in (True, "auto") else "fp32"
+    if wanted == "fp16" and not caps.fp16:
+        raise UserError(f"fp16 is not supported on this device ({caps.name}); use a bf16 config such as "
+                        f"zero2.json or pass --train.precision=bf16")
+    if wanted == "bf16" and not caps.bf16:
+        raise UserError(f"bf16 is not supported on this device ({caps.name}); use an *_fp16.json config or "
+                        f"pass --train.precision=fp16")
+    cfg.pop("bfloat16", None)
+    cfg.setdefault("bf16", {})["enabled"] = wanted == "bf16"
+    cfg.setdefault("fp16", {})["enabled"] = wanted == "fp16"
+    return wanted
+
+
+def _find_auto(node: Any, path: str = "") -> str | None:
+    if _is_auto(node):
+        return path or "<root>"
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found = _find_auto(value, f"{path}.{key}" if path else key)
+            if found:
+                return found
+    return None
+
+
+def offloads_optimizer(cfg: dict) -> bool:
+    device = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    return device in ("cpu", "nvme")
+
+
+def uses_recipe_schedule(cfg: dict) -> bool:
+    """True when the resolved config left the LR schedule to the recipe (dstrain.schedule)."""
+    return "scheduler" not in cfg
+
+
+def zero_stage(cfg: dict) -> int:
+    return int((cfg.get("zero_optimization") or {}).get("stage", 0))
+
+
+def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps) -> dict:
+    """A complete DeepSpeed config with no "auto" left, consistent with the recipe and the world size."""
+    cfg = copy.deepcopy(raw)
+    validate_keys(cfg)
+    train = recipe.train
+    layout = layout_of(cfg, world_size)
+    _precision(cfg, recipe, caps)
+
+    _fill(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size, "", "train.micro_batch_size")
+    _fill(cfg, "gradient_accumulation_steps", train.grad_accum_steps, "", "train.grad_accum_steps")
+    global_batch = train.micro_batch_size * train.grad_accum_steps * layout.data_parallel
+    current = cfg.get("train_batch_size", "auto")
+    if _is_auto(current):
+        cfg["train_batch_size"] = global_batch
+    elif current != global_batch:
+        raise UserError(
+            f"train_batch_size={current} but micro_batch_size {train.micro_batch_size} x grad_accum_steps "
+            f"{train.grad_accum_steps} x data-parallel world {layout.data_parallel} = {global_batch}; set "
+            f"train_batch_size to \"auto\" or choose train.grad_accum_steps so the product is {current}")
+
+    optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if _is_auto(optimizer.get("type", "auto")):
+        optimizer["type"] = "AdamW"
+    if _is_auto(optimizer.get("params", "auto")):
+        optimizer["params"] = {}
+    params = optimizer["params"]
+    for key, value, recipe_key in (("lr", train.lr, "train.lr"), ("betas", list(train.betas), "train.betas"),
+                                   ("eps", train.eps, "train.eps"),
+                                   ("weight_decay", train.weight_decay, "train.weight_decay")):
+        _fill(params, key, value, "optimizer.params", recipe_key)
+    if caps.name == "cpu" and not offloads_optimizer(cfg) and optimizer["type"].lower() in ("adam", "adamw"):
+        # FusedAdam on the CPU accelerator is a JIT-compiled C++ op; torch's AdamW is the same update.
+        params.setdefault("torch_adam", True)
+
+    if _is_auto((cfg.get("scheduler") or {"type": "auto"}).get("type", "auto")):
+        cfg.pop("scheduler", None)  # dstrain.schedule builds it from the recipe (see there for why)
+
+    _fill(cfg, "gradient_clipping", float(train.max_grad_norm), "", "train.max_grad_norm")
+    cfg.setdefault("steps_per_print", 10 ** 9)  # dstrain's own progress bar reports steps
+    cfg.setdefault("wall_clock_breakdown", False)
+
+    leftover = _find_auto(cfg)
+    if leftover:
+        raise UserError(f"DeepSpeed config key '{leftover}' is \"auto\" but no recipe value fills it; "
+                        f"give it a value in the JSON")
+    return cfg
+
+
+def write(cfg: dict, path: Path) -> None:
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

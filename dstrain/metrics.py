@@ -1,0 +1,115 @@
+"""What a person sees: a progress bar, metrics.jsonl, wandb and a loss curve, all from rank 0 only."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from .config import LogConfig
+from .dist import DistContext
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, cfg: LogConfig, ctx: DistContext, start_step: int, total_steps: int,
+                 resolved_config: dict):
+        self.enabled = ctx.is_main
+        self.run_dir, self.cfg = run_dir, cfg
+        self.path = run_dir / "metrics.jsonl"
+        self.bar = self.wandb = None
+        if not self.enabled:
+            return
+        # A resumed run continues the log from its checkpoint: rows past it came from the lost attempt.
+        kept = [row for row in read_metrics(self.path) if row["step"] <= start_step]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        self.file = open(self.path, "a", buffering=1)
+        if cfg.progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=1.0)
+        if cfg.wandb:
+            self._init_wandb(resolved_config)
+
+    def _init_wandb(self, resolved_config: dict) -> None:
+        import wandb
+
+        id_file = self.run_dir / "wandb_id"
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex[:12])
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.run_name or self.run_dir.name,
+                                id=id_file.read_text().strip(), resume="allow", dir=str(self.run_dir),
+                                config=resolved_config, mode=mode)
+
+    def _write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: Optional[float], tokens: int,
+             seconds: float) -> None:
+        if not self.enabled:
+            return
+        tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
+        self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                     "tokens_per_s": tokens_per_s})
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+
+    def evaluation(self, step: int, eval_loss: float) -> None:
+        if not self.enabled:
+            return
+        perplexity = math.exp(eval_loss) if eval_loss < 50 else float("inf")
+        self._write({"step": step, "eval_loss": eval_loss, "perplexity": perplexity})
+        self.message(f"step {step}: eval_loss={eval_loss:.4f} perplexity={perplexity:.2f}")
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.cfg.plot:
+            plot_losses(self.path, self.run_dir / "loss.png")
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_losses(metrics_path: Path, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

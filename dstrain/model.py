@@ -1,0 +1,118 @@
+"""Build any AutoModelForCausalLM (hub id, local dir, or config for a from-scratch run) and its tokenizer.
+
+Under ZeRO-3 an HfDeepSpeedConfig is alive while the model is constructed, so transformers builds and
+loads it inside `deepspeed.zero.Init`: parameters are partitioned as they are created and no rank ever
+holds the whole model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig, TrainConfig, local_or_hub
+from .errors import UserError, closest
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _unreachable(name: str, error: Exception) -> UserError:
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return UserError(f"cannot load '{name}': not a local directory, and the Hugging Face Hub did not provide it "
+                     f"({first}); download it where the Hub is reachable (huggingface-cli download {name}) and "
+                     f"set model.name_or_path to that directory")
+
+
+def load_config(cfg: ModelConfig, seq_len: int):
+    from transformers import AutoConfig, MODEL_FOR_CAUSAL_LM_MAPPING
+
+    location = local_or_hub(cfg.name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(location, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        if Path(location).exists():
+            raise UserError(f"model.name_or_path {location} has no usable config.json: "
+                            f"{str(e).splitlines()[0]}") from None
+        raise _unreachable(cfg.name_or_path, e) from None
+    for key, value in cfg.config_overrides.items():
+        if not hasattr(config, key):
+            raise UserError(f"model.config_overrides: '{key}' is not a field of {type(config).__name__}"
+                            f"{closest(key, config.to_dict().keys())}")
+        setattr(config, key, value)
+    remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal:
+        raise UserError(f"'{cfg.name_or_path}' is a {config.model_type} model, which has no causal-LM head in "
+                        f"transformers; choose a causal language model (Llama, GPT-2, Mistral, Qwen2, ...)")
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if max_positions is not None and seq_len > max_positions:
+        raise UserError(f"train.seq_len={seq_len} exceeds the model's maximum positions ({max_positions}); "
+                        f"set train.seq_len<={max_positions}")
+    return location, config
+
+
+def has_weights(location: str) -> bool:
+    path = Path(location)
+    return path.is_dir() and any((path / f).exists() for f in WEIGHT_FILES)
+
+
+def from_scratch(cfg: ModelConfig, location: str) -> bool:
+    if cfg.from_scratch == "auto":
+        return Path(location).is_dir() and not has_weights(location)
+    if cfg.from_scratch == "false" and Path(location).is_dir() and not has_weights(location):
+        raise UserError(f"model.name_or_path {location} has a config but no weights; set model.from_scratch=true "
+                        f"(or auto) to start from random weights")
+    return cfg.from_scratch == "true"
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer or cfg.name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(local_or_hub(name), trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _unreachable(name, e) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer) -> tuple[torch.nn.Module, Any]:
+    """The model, and the HfDeepSpeedConfig that must stay referenced while a ZeRO-3 model lives."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    location, config = load_config(cfg, train.seq_len)
+    zero3 = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
+    hf_ds_config = HfDeepSpeedConfig(ds_cfg) if zero3 else None  # transformers now builds under zero.Init
+    kwargs = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    torch.manual_seed(train.seed)  # same random init on every rank for from-scratch runs
+    if from_scratch(cfg, location):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(location, config=config, **kwargs)
+        except OSError as e:
+            raise _unreachable(cfg.name_or_path, e) from None
+    embedding = model.get_input_embeddings().weight
+    if len(tokenizer) > getattr(embedding, "ds_shape", embedding.shape)[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    if train.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model, hf_ds_config
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (embeddings, linear weights); never biases or norm scales (nanoGPT / HF rule)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitioned params keep their shape here
+        (decay if len(shape) >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

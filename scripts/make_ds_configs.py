@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Write ds_configs/*.json: one DeepSpeed config per strategy, "auto" wherever the recipe decides.
+
+The JSONs are the product (edit them freely); this script only keeps the family consistent when a
+shared setting changes. tests/unit/test_shipped_configs.py checks that its output equals the files.
+"""
+import copy
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "ds_configs"
+
+BASE = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "auto", "params": "auto"},
+    "bf16": {"enabled": True},
+}
+FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+        "min_loss_scale": 1}
+ZERO12 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50_000_000,
+          "allgather_bucket_size": 50_000_000}
+ZERO3 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50_000_000,
+         "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+         "stage3_max_live_parameters": 100_000_000, "stage3_max_reuse_distance": 100_000_000,
+         "sub_group_size": 100_000_000}
+CPU_OPT = {"device": "cpu", "pin_memory": True}
+CPU_PARAM = {"device": "cpu", "pin_memory": True}
+NVME_OPT = {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4}
+NVME_PARAM = {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+              "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
+AIO = {"block_size": 1_048_576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+
+STRATEGIES = {
+    "zero0": {"zero_optimization": {"stage": 0}},
+    "zero1": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000}},
+    "zero2": {"zero_optimization": {"stage": 2, **ZERO12}},
+    "zero3": {"zero_optimization": {"stage": 3, **ZERO3}},
+    "zero2_offload": {"zero_optimization": {"stage": 2, **ZERO12, "offload_optimizer": CPU_OPT}},
+    "zero3_offload": {"zero_optimization": {"stage": 3, **ZERO3, "offload_optimizer": CPU_OPT,
+                                            "offload_param": CPU_PARAM}},
+    "zero3_nvme": {"zero_optimization": {"stage": 3, **ZERO3, "offload_optimizer": NVME_OPT,
+                                         "offload_param": NVME_PARAM}, "aio": AIO},
+}
+
+
+def configs() -> dict[str, dict]:
+    out = {}
+    for name, extra in STRATEGIES.items():
+        cfg = copy.deepcopy(BASE) | copy.deepcopy(extra)
+        out[f"{name}.json"] = cfg
+        fp16 = copy.deepcopy(cfg)
+        del fp16["bf16"]
+        fp16["fp16"] = FP16
+        out[f"{name}_fp16.json"] = fp16
+    return out
+
+
+def render(cfg: dict) -> str:
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.mkdir(exist_ok=True)
+    for name, cfg in configs().items():
+        (OUT / name).write_text(render(cfg))
+    print(f"wrote {len(configs())} configs to {OUT}")

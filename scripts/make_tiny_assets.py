@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Generate the tiny corpus, tokenizer and model config the default recipe trains on.
+
+Everything here is deterministic (fixed seeds, single-threaded tokenizer training), so running the
+script again reproduces the shipped files byte for byte; `tests/unit/test_assets.py` checks that.
+
+Outputs (all small enough to ship in git):
+  data/tiny/train.jsonl, data/tiny/val.jsonl   {"text": ...}          raw-text pretraining
+  data/tiny_sft/train.jsonl                    {"prompt", "response"} supervised fine-tuning
+  data/tiny_chat/train.jsonl                   {"messages": [...]}    chat-format SFT
+  recipes/tiny/model/                          config.json + tokenizer files of a tiny Llama
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers' BPE trainer is deterministic single-threaded
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+NAMES = ["Mira", "Tom", "Ada", "Ravi", "Lena", "Omar", "Yuki", "Sam", "Ines", "Kofi", "Nora", "Ivan"]
+ITEMS = ["apples", "pears", "books", "coins", "stones", "shells", "cards", "keys", "cups", "lamps"]
+COLORS = ["red", "blue", "green", "yellow", "white", "black", "brown", "gray"]
+PLACES = ["the market", "the river", "the school", "the forest", "the harbor", "the library", "the hill"]
+ANIMALS = ["cat", "dog", "fox", "owl", "horse", "goat", "crow", "frog"]
+VERBS_PAST = ["walked to", "ran to", "looked at", "waited near", "painted", "visited"]
+WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "foggy"]
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen"]
+
+
+def _story(rng: random.Random) -> str:
+    """A short story whose later sentences follow from earlier ones (counts add up, names recur)."""
+    a, b = rng.sample(NAMES, 2)
+    item, color, place = rng.choice(ITEMS), rng.choice(COLORS), rng.choice(PLACES)
+    n, k = rng.randint(1, 9), rng.randint(1, 9)
+    sentences = [
+        f"It was a {rng.choice(WEATHER)} day.",
+        f"{a} {rng.choice(VERBS_PAST)} {place}.",
+        f"{a} had {NUMBER_WORDS[n]} {color} {item}.",
+        f"{b} gave {a} {NUMBER_WORDS[k]} more {color} {item}.",
+        f"Now {a} has {NUMBER_WORDS[n + k]} {color} {item}.",
+    ]
+    if rng.random() < 0.5:
+        animal = rng.choice(ANIMALS)
+        sentences.append(f"A {animal} followed {a} and {b} home from {place}.")
+        sentences.append(f"The {animal} was happy.")
+    if rng.random() < 0.5:
+        x, y = rng.randint(0, 9), rng.randint(0, 9)
+        sentences.append(f"{b} said that {x} plus {y} is {x + y}.")
+    return " ".join(sentences)
+
+
+def _qa(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(3)
+    if kind == 0:
+        x, y = rng.randint(0, 9), rng.randint(0, 9)
+        return f"What is {x} plus {y}?", f"{x} plus {y} is {x + y}."
+    if kind == 1:
+        n = rng.randint(0, 17)
+        return f"Write {n} in words.", f"{n} is {NUMBER_WORDS[n]}."
+    a, item, n = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 9)
+    return (f"{a} has {NUMBER_WORDS[n]} {item} and finds one more. How many {item} does {a} have?",
+            f"{a} has {NUMBER_WORDS[n + 1]} {item}.")
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def make_data(out: Path, n_train: int, n_val: int, n_sft: int, seed: int) -> dict[str, list[dict]]:
+    rng = random.Random(seed)
+    train = [{"text": _story(rng)} for _ in range(n_train)]
+    val = [{"text": _story(rng)} for _ in range(n_val)]
+    qa = [_qa(rng) for _ in range(n_sft)]
+    sft = [{"prompt": q, "response": a} for q, a in qa]
+    chat = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in qa]
+    files = {"tiny/train.jsonl": train, "tiny/val.jsonl": val, "tiny_sft/train.jsonl": sft,
+             "tiny_chat/train.jsonl": chat}
+    for name, rows in files.items():
+        _write_jsonl(out / name, rows)
+    return files
+
+
+def make_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model_config(vocab_size: int, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", type=Path, default=ROOT / "data")
+    parser.add_argument("--model_dir", type=Path, default=ROOT / "recipes" / "tiny" / "model")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--vocab_size", type=int, default=1024)
+    args = parser.parse_args()
+
+    files = make_data(args.data_dir, n_train=6000, n_val=300, n_sft=3000, seed=args.seed)
+    texts = [r["text"] for r in files["tiny/train.jsonl"]]
+    texts += [r["prompt"] + " " + r["response"] for r in files["tiny_sft/train.jsonl"]]
+    tokenizer = make_tokenizer(texts, args.vocab_size)
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(args.model_dir)
+    make_model_config(len(tokenizer), tokenizer).save_pretrained(args.model_dir)
+    print(f"wrote {args.data_dir} and {args.model_dir} (vocab {len(tokenizer)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Train a Hugging Face causal LM with DeepSpeed.
+
+    deepspeed train.py --ds_config zero3.json                      # default tiny recipe, every local device
+    deepspeed train.py --recipe recipes/llama-3.2-1b/sft.yaml --train.max_steps=500
+    python train.py ...  |  torchrun --nproc_per_node 2 train.py ...  |  accelerate launch ... train.py ...
+
+parse -> resolve config -> init distributed -> build -> loop. See README.md for every recipe key.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from dstrain.config import DEFAULT_RECIPE, RECIPES_DIR, Recipe, load_recipe, parse_overrides, resolve_recipe_path
+from dstrain.errors import UserError
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     epilog="Any recipe key can be overridden: --train.max_steps=20 "
+                                            "--model.name_or_path=/path/to/model; any DeepSpeed key with "
+                                            "--ds.: --ds.zero_optimization.stage=3")
+    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="YAML in recipes/ or a path")
+    parser.add_argument("--ds_config", default=None, help="JSON in ds_configs/ or a path (default: the recipe's)")
+    parser.add_argument("--output_dir", default=None, help="run directory (default: runs/<recipe name>)")
+    parser.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), never, or a path")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    args, rest = parser.parse_known_args(argv)
+    return args, parse_overrides(rest)
+
+
+def default_run_dir(recipe_arg: str) -> Path:
+    path = resolve_recipe_path(recipe_arg).resolve()
+    name = path.relative_to(RECIPES_DIR).with_suffix("") if path.is_relative_to(RECIPES_DIR) else Path(path.stem)
+    return Path("runs") / str(name).replace(os.sep, "-")
+
+
+def prepare_run_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to output_dir {path}: {e.strerror}; choose a writable --output_dir") from None
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, overrides = parse_args(argv)
+    ds_overrides = overrides.pop("ds", {})  # --ds.zero_optimization.stage=3 edits the DeepSpeed JSON
+    recipe: Recipe = load_recipe(args.recipe, overrides)
+    recipe.ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or recipe.ds_config
+    run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
+
+    import deepspeed
+    from dstrain import checkpoint, data, dist, ds_config, model as models, schedule
+    from dstrain.metrics import Metrics
+    from dstrain.steps import evaluate, train_step
+
+    resume_from = checkpoint.resolve_resume(args.resume, run_dir / "checkpoints")
+    raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
+    ctx = dist.init()
+    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect())
+    layout = ds_config.layout_of(ds_cfg, ctx.world_size)
+    train = recipe.train
+
+    tokenizer = models.load_tokenizer(recipe.model)
+    prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
+    model, _hf_ds_config = models.build(recipe.model, train, ds_cfg, tokenizer)
+    checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx)
+    scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
+                                      lr_scheduler=scheduler, config=ds_cfg)
+    dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else ctx.rank
+    stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, dp_rank,
+                              layout.data_parallel, train.seed)
+    val = data.eval_batches(prepared.val, train.micro_batch_size, dp_rank, layout.data_parallel,
+                            recipe.eval.max_batches) if prepared.val is not None else []
+    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx)
+    start = ckpt.load(engine, resume_from, stream.global_batch)["step"] if resume_from else 0
+    metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg})
+    metrics.message(f"{'resumed from ' + str(resume_from) if resume_from else 'starting'} at step {start}; "
+                    f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}")
+    tokens_per_step = stream.global_batch * train.seq_len
+    if start == 0 and val:
+        metrics.evaluation(0, evaluate(engine, val))
+
+    for step in range(start + 1, train.max_steps + 1):
+        began, lr = time.perf_counter(), engine.get_lr()[0]
+        loss, _ = train_step(engine, stream.micro_batches(step - 1), layout.data_parallel)
+        metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens_per_step,
+                     time.perf_counter() - began)
+        if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
+            metrics.evaluation(step, evaluate(engine, val))
+        if ckpt.due(step, train.max_steps):
+            ckpt.save(engine, step, {"global_batch": stream.global_batch})
+
+    final = ckpt.save(engine, train.max_steps, {"global_batch": stream.global_batch})
+    if recipe.checkpoint.export_hf and ctx.is_main and not (start == train.max_steps and (run_dir / "hf").exists()):
+        checkpoint.export_hf(final, run_dir / "hf", checkpoint.export_dtype(ds_cfg))
+        metrics.message(f"exported {run_dir / 'hf'}")
+    metrics.close()
+
+
+def _as_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as error:
+        if os.environ.get("RANK", "0") == "0":  # every rank hits the same input error; say it once
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
