@@ -90,18 +90,21 @@ def main(argv: list[str] | None = None) -> None:
     if start == 0 and val:
         metrics.evaluation(0, evaluate(engine, val))
 
-    for step in range(start + 1, train.max_steps + 1):
+    last = train.exit_at_step or train.max_steps
+    for step in range(start + 1, last + 1):
         began, lr = time.perf_counter(), engine.get_lr()[0]
         loss, _ = train_step(engine, stream.micro_batches(step - 1), layout.data_parallel)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens_per_step,
                      time.perf_counter() - began)
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, evaluate(engine, val))
-        if ckpt.due(step, train.max_steps):
+        if ckpt.due(step, last):
             ckpt.save(engine, step, {"global_batch": stream.global_batch})
 
-    final = ckpt.save(engine, train.max_steps, {"global_batch": stream.global_batch})
-    if recipe.checkpoint.export_hf and ctx.is_main and not (start == train.max_steps and (run_dir / "hf").exists()):
+    final = ckpt.save(engine, max(start, last), {"global_batch": stream.global_batch})
+    if last < train.max_steps:
+        metrics.message(f"stopped at step {last} (train.exit_at_step); run again with --resume auto to continue")
+    elif recipe.checkpoint.export_hf and ctx.is_main and not (start == last and (run_dir / "hf").exists()):
         checkpoint.export_hf(final, run_dir / "hf", checkpoint.export_dtype(ds_cfg))
         metrics.message(f"exported {run_dir / 'hf'}")
     metrics.close()

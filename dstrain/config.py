@@ -72,6 +72,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: the DeepSpeed config's (fp32 on CPU) | bf16 | fp16 | fp32
     activation_checkpointing: bool = False
     seed: int = 42
+    exit_at_step: Optional[int] = None  # checkpoint and exit after this step; --resume auto continues later
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
@@ -83,6 +84,8 @@ class TrainConfig:
             raise UserError(f"train.warmup_steps={self.warmup_steps} must be 0 or more")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise UserError(f"train.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if self.exit_at_step is not None and not 0 < self.exit_at_step <= self.max_steps:
+            raise UserError(f"train.exit_at_step={self.exit_at_step} must be between 1 and train.max_steps")
         _one_of("train.lr_schedule", self.lr_schedule, ("cosine", "linear", "constant"))
         _one_of("train.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
 

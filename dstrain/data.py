@@ -33,6 +33,8 @@ def load_raw(cfg: DataConfig):
 
     location = local_or_hub(cfg.path)
     path = Path(location)
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"dataset file {path} is empty; point data.path at a file with rows")
     try:
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
             loaded = datasets.load_from_disk(str(path))
@@ -48,7 +50,7 @@ def load_raw(cfg: DataConfig):
             loaded = datasets.load_dataset(location, cfg.name)
     except UserError:
         raise
-    except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
+    except (FileNotFoundError, ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
         raise UserError(f"cannot load dataset '{cfg.path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                         f"; check data.path (a local file/dir, or a hub id reachable from here)") from None
     if isinstance(loaded, datasets.Dataset):

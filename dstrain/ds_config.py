@@ -164,13 +164,13 @@ def _fill(section: dict, key: str, value: Any, where: str, recipe_key: str) -> N
 
 def _precision(cfg: dict, recipe: Recipe, caps: DeviceCaps) -> str:
     wanted = recipe.train.precision
-    if wanted == "auto" and caps.name == "cpu":
-        # The CPU accelerator emulates bf16: measured ~10x slower than fp32 here (README, "Precision").
-        wanted = "fp32"
     if wanted == "auto":
         bf16 = (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False)
         fp16 = (cfg.get("fp16") or {}).get("enabled", False)
         wanted = "bf16" if bf16 in (True, "auto") else "fp16" if fp16 in (True, "auto") else "fp32"
+        if wanted == "bf16" and caps.name == "cpu":
+            # The CPU accelerator emulates bf16: measured ~10x slower than fp32 here (README, "Precision").
+            wanted = "fp32"
     if wanted == "fp16" and not caps.fp16:
         raise UserError(f"fp16 is not supported on this device ({caps.name}); use a bf16 config such as "
                         f"zero2.json or pass --train.precision=bf16")

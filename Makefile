@@ -1,0 +1,48 @@
+# Two commands on a fresh machine: `make train` and `make test`. Everything else is optional.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+# every local device: the GPUs, or 2 CPU ranks on a machine without one
+NUM_RANKS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
+# CPU ranks share the cores; without this each rank would start one thread per core
+export OMP_NUM_THREADS ?= $(shell n=$$(( $$(nproc) / $(NUM_RANKS) )); [ $$n -gt 0 ] && echo $$n || echo 1)
+export TOKENIZERS_PARALLELISM ?= false
+RECIPE ?= recipes/tiny/pretrain.yaml
+DS_CONFIG ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-fast lint assets clean
+
+setup: $(VENV)/.installed
+
+# A system python that already has torch (a CUDA image) lends it to the venv instead of a reinstall.
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	@if [ ! -x $(PY) ]; then \
+	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
+	  else python3 -m venv $(VENV); fi; fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	@$(PY) -c "import torch, deepspeed, transformers; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>/dev/null
+	@touch $@
+
+train: setup
+	$(VENV)/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --recipe $(RECIPE) $(if $(DS_CONFIG),--ds_config $(DS_CONFIG)) $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m compileall -q train.py dstrain tests bench scripts
+
+# regenerate the shipped tiny corpus, tokenizer and DeepSpeed configs (deterministic)
+assets: setup
+	$(PY) scripts/make_tiny_assets.py
+	$(PY) scripts/make_ds_configs.py
+
+clean:
+	rm -rf runs .pytest_cache

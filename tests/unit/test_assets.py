@@ -1,0 +1,30 @@
+"""Shipped generated files are exactly what their scripts produce (so they can be trusted and rebuilt)."""
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tiny_assets_regenerate_identically(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_assets.py"), "--data_dir", str(tmp_path / "data"),
+                    "--model_dir", str(tmp_path / "model")], check=True, capture_output=True)
+    for rel in ("tiny/train.jsonl", "tiny/val.jsonl", "tiny_sft/train.jsonl", "tiny_chat/train.jsonl"):
+        assert digest(tmp_path / "data" / rel) == digest(ROOT / "data" / rel), rel
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert digest(tmp_path / "model" / name) == digest(ROOT / "recipes/tiny/model" / name), name
+
+
+def test_ds_configs_match_their_generator():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_ds_configs
+    shipped = {p.name for p in (ROOT / "ds_configs").glob("*.json")}
+    generated = make_ds_configs.configs()
+    assert set(generated) <= shipped
+    for name, cfg in generated.items():
+        assert (ROOT / "ds_configs" / name).read_text() == make_ds_configs.render(cfg), name

@@ -1,0 +1,77 @@
+"""Recipe loading, precedence, overrides and validation messages; every shipped recipe loads."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dstrain.config import RECIPES_DIR, Recipe, load_recipe, parse_overrides
+from dstrain.errors import UserError
+
+ALL_RECIPES = sorted(RECIPES_DIR.rglob("*.yaml"))
+
+
+def test_recipes_exist():
+    names = {str(p.relative_to(RECIPES_DIR)) for p in ALL_RECIPES}
+    assert {"tiny/pretrain.yaml", "tiny/sft.yaml", "tiny/chat_sft.yaml"} <= names
+    assert len(names) >= 6  # plus the 1B, 7B and 8B real recipes
+
+
+@pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: str(p.relative_to(RECIPES_DIR)))
+def test_every_recipe_loads_and_keeps_its_values(path):
+    raw = yaml.safe_load(path.read_text())
+    recipe = load_recipe(path)
+    for section in ("model", "data", "train"):
+        for key, value in (raw.get(section) or {}).items():
+            got = getattr(getattr(recipe, section), key)
+            assert got == value or float(got) == float(value), (section, key)
+
+
+def test_precedence_defaults_recipe_overrides(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  lr: 1.0e-4\n  max_steps: 30\n")
+    recipe = load_recipe(p, parse_overrides(["--train.max_steps=7", "--model.name_or_path", "/x/y"]))
+    assert recipe.train.lr == 1e-4            # from the recipe
+    assert recipe.train.max_steps == 7        # CLI beats recipe
+    assert recipe.model.name_or_path == "/x/y"
+    assert recipe.train.seq_len == Recipe().train.seq_len  # default kept
+
+
+def test_override_values_are_typed():
+    o = parse_overrides(["--train.lr=3e-4", "--log.wandb=false", "--train.betas=[0.9,0.99]",
+                         "--data.val_split=null"])
+    recipe = load_recipe(None, o)
+    assert recipe.train.lr == pytest.approx(3e-4) and recipe.log.wandb is False
+    assert recipe.train.betas == [0.9, 0.99] and recipe.data.val_split is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--train.max_step=3"], "unknown recipe key 'train.max_step' (did you mean 'max_steps'?)"),
+    (["--trian.lr=1"], "unknown recipe key 'trian' (did you mean 'train'?)"),
+    (["--train.micro_batch_size=abc"], "train.micro_batch_size='abc' should be of type int"),
+    (["--train.micro_batch_size=0"], "train.micro_batch_size=0 must be a positive integer"),
+    (["--data.format=txt"], "data.format='txt' is not one of text, prompt_response, chat (did you mean 'text'?)"),
+    (["--train.precision=fp8"], "train.precision='fp8' is not one of"),
+    (["--train.betas=[0.9]"], "train.betas=[0.9] must be two numbers"),
+    (["--train.exit_at_step=999"], "train.exit_at_step=999 must be between 1 and train.max_steps"),
+    (["--train.lr"], "override --train.lr has no value"),
+])
+def test_validation_messages(args, message):
+    with pytest.raises(UserError) as err:
+        load_recipe(None, parse_overrides(args))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_recipe_name_lists_choices():
+    with pytest.raises(UserError, match=r"recipe 'tiny/pretrian.yaml' not found.*did you mean 'tiny/pretrain.yaml'"):
+        load_recipe("tiny/pretrian.yaml")
+
+
+def test_recipe_must_be_mapping(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(UserError, match="should be a mapping"):
+        load_recipe(p)
+    p.write_text("train: {lr: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_recipe(p)

@@ -1,0 +1,139 @@
+"""Packing, SFT masking, the resumable per-rank sampler, validation sharding, the tokenization cache."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dstrain import data
+from dstrain.config import DataConfig
+from dstrain.errors import UserError
+from dstrain.model import load_tokenizer
+from dstrain.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(ModelConfig(name_or_path="recipes/tiny/model"))
+
+
+def test_packing_has_no_padding_and_separates_documents_with_eos(tok):
+    docs = ["It was a sunny day.", "Mira had two keys.", "Tom ran to the hill."] * 20
+    blocks = data.pack_texts(docs, tok, seq_len=16)
+    flat = [t for b in blocks for t in b]
+    expected = []
+    for d in docs:
+        expected += tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert all(len(b) == 16 for b in blocks)
+    assert flat == expected[:len(flat)]               # nothing dropped or padded inside
+    assert len(expected) - len(flat) < 16             # only the tail that cannot fill a block
+    assert tok.pad_token_id not in flat
+
+
+def _trained_text(example, tok):
+    ids = [i for i, l in zip(example["input_ids"], example["labels"]) if l != data.IGNORE_INDEX]
+    return tok.decode(ids)
+
+
+def test_prompt_response_trains_only_on_the_response_with_template(tok):
+    ex = data.sft_example([{"role": "user", "content": "What is 2 plus 3?"},
+                           {"role": "assistant", "content": "2 plus 3 is 5."}], tok, seq_len=48)
+    assert len(ex["input_ids"]) == 48
+    assert _trained_text(ex, tok) == "2 plus 3 is 5.</s>"      # reply + EOS, nothing of the prompt
+    text = tok.decode(ex["input_ids"][:sum(ex["attention_mask"])])
+    assert text.startswith("<|user|>What is 2 plus 3?</s><|assistant|>")
+    n = sum(ex["attention_mask"])
+    assert ex["labels"][n:] == [data.IGNORE_INDEX] * (48 - n)   # padding never trains
+
+
+def test_multi_turn_chat_trains_every_assistant_turn(tok):
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
+    ex = data.sft_example(msgs, tok, seq_len=64)
+    assert _trained_text(ex, tok) == "Hello</s>one two</s>"
+
+
+def test_without_chat_template_plain_format(tok):
+    tok2 = load_tokenizer(ModelConfig(name_or_path="recipes/tiny/model"))
+    tok2.chat_template = None
+    ex = data.sft_example([{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}], tok2, 32)
+    assert _trained_text(ex, tok2) == "A.</s>"
+    assert tok2.decode(ex["input_ids"][:sum(ex["attention_mask"])]).startswith("<s>user: Q?\nassistant: ")
+
+
+def test_truncated_away_reply_is_dropped(tok):
+    long_prompt = "word " * 100
+    assert data.sft_example([{"role": "user", "content": long_prompt},
+                             {"role": "assistant", "content": "x"}], tok, seq_len=16) is None
+
+
+def _stream(n, micro, accum, dp, seed=0):
+    ds = torch.utils.data.TensorDataset(torch.arange(n))
+
+    class Indexable:
+        def __len__(self):
+            return n
+
+        def __getitem__(self, idx):
+            return {"input_ids": torch.tensor(idx).view(-1, 1)}
+    return [data.TrainStream(Indexable(), micro, accum, r, dp, seed) for r in range(dp)]
+
+
+def test_ranks_split_each_global_batch_into_distinct_samples():
+    streams = _stream(n=50, micro=3, accum=2, dp=2)
+    for step in range(12):  # crosses several epochs (global batch 12, 50 samples)
+        seen = [int(x) for s in streams for mb in s.micro_batches(step) for x in mb["input_ids"].flatten()]
+        assert sorted(seen) == sorted(streams[0].global_batch_indices(step))
+        assert len(seen) == 12
+    # every epoch visits every sample exactly once
+    first_epoch = [streams[0].sample_index(k) for k in range(50)]
+    assert sorted(first_epoch) == list(range(50))
+    second_epoch = [streams[0].sample_index(k) for k in range(50, 100)]
+    assert sorted(second_epoch) == list(range(50)) and second_epoch != first_epoch
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    a = _stream(40, 4, 1, 2, seed=7)[1]
+    b = _stream(40, 4, 1, 2, seed=7)[1]
+    for step in (9, 0, 3):  # any order: nothing carried between calls but the step
+        assert torch.equal(a.micro_batches(step)[0]["input_ids"], b.micro_batches(step)[0]["input_ids"])
+    c = _stream(40, 4, 1, 2, seed=8)[1]
+    assert not torch.equal(a.micro_batches(0)[0]["input_ids"], c.micro_batches(0)[0]["input_ids"])
+    # the contract a reference loop can rebuild without dstrain: epoch permutation from (seed, epoch)
+    perm = np.random.default_rng([7, 0]).permutation(40)
+    assert a.global_batch_indices(0) == perm[:8].tolist()
+
+
+def test_eval_batches_equal_count_per_rank_and_disjoint():
+    ds = {"input_ids": torch.arange(23).view(-1, 1)}
+
+    class Indexable:
+        def __len__(self):
+            return 23
+
+        def __getitem__(self, idx):
+            return {"input_ids": ds["input_ids"][idx]}
+    shards = [data.eval_batches(Indexable(), 4, r, 2) for r in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 3
+    ids = [set(int(x) for b in s for x in b["input_ids"].flatten()) for s in shards]
+    assert not ids[0] & ids[1] and len(ids[0] | ids[1]) == 22
+
+
+def test_prepare_caches_tokenization_and_validates(tok, tmp_path):
+    (tmp_path / "d").mkdir()
+    rows = [{"body": f"Mira had {i} keys. Tom ran to the hill."} for i in range(200)]
+    (tmp_path / "d" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(tmp_path / "d" / "train.jsonl"), text_field="body", val_fraction=0.1,
+                     cache_dir=str(tmp_path / "cache"))
+    first = data.prepare(cfg, tok, 32, 0, True, lambda: None)
+    second = data.prepare(cfg, tok, 32, 0, True, lambda: None)
+    assert not first.cache_hit and second.cache_hit and first.cache_path == second.cache_path
+    assert len(first.train) > 0 and len(first.val) > 0
+    assert torch.equal(first.train[:]["input_ids"], second.train[:]["input_ids"])
+    other = data.prepare(DataConfig(**{**cfg.__dict__, "val_fraction": 0.2}), tok, 32, 0, True, lambda: None)
+    assert other.cache_path != first.cache_path       # a different split is a different cache entry
+    with pytest.raises(UserError, match=r"has no field 'text' \(columns: body\); set data.text_field"):
+        data.prepare(DataConfig(path=cfg.path, cache_dir=cfg.cache_dir), tok, 32, 0, True, lambda: None)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(UserError, match="is empty; point data.path at a file with rows"):
+        data.prepare(DataConfig(path=str(tmp_path / "empty.jsonl")), tok, 32, 0, True, lambda: None)

@@ -1,0 +1,153 @@
+"""DeepSpeed JSON loading, "auto" filling, batch arithmetic and key validation; every shipped config and
+every real recipe is resolved and then accepted by DeepSpeed's own config parser."""
+import json
+
+import pytest
+
+from dstrain import ds_config as dsc
+from dstrain.config import RECIPES_DIR, load_recipe, parse_overrides
+from dstrain.errors import UserError
+
+CPU = dsc.DeviceCaps("cpu", bf16=True, fp16=False)
+GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
+SHIPPED = sorted(p.name for p in dsc.DS_CONFIGS_DIR.glob("*.json"))
+
+
+class DataParallelOnly:
+    """The mpu interface DeepSpeedConfig asks for the data-parallel world size."""
+    def __init__(self, n):
+        self.n = n
+
+    def get_data_parallel_world_size(self):
+        return self.n
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+
+def deepspeed_accepts(cfg, dp):
+    """DeepSpeed's own parser and batch assertion, as a rank of a dp-wide data-parallel group."""
+    from unittest import mock
+
+    import deepspeed.runtime.config as ds_runtime_config
+    with mock.patch.object(ds_runtime_config.dist, "get_rank", return_value=0):
+        return ds_runtime_config.DeepSpeedConfig(json.loads(json.dumps(cfg)), mpu=DataParallelOnly(dp))
+
+
+def recipe(*overrides):
+    return load_recipe("tiny/pretrain.yaml", parse_overrides(list(overrides)))
+
+
+def test_shipped_set_is_complete():
+    for name in ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme"):
+        assert f"{name}.json" in SHIPPED and f"{name}_fp16.json" in SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
+    raw = dsc.load(name)
+    assert dsc._find_auto(raw), "shipped configs leave recipe-owned values to the recipe"
+    r = recipe("--train.grad_accum_steps=3")
+    cfg = dsc.resolve(raw, r, world_size=4, caps=GPU)
+    assert dsc._find_auto(cfg) is None
+    parsed = deepspeed_accepts(cfg, 4)
+    assert parsed.train_batch_size == 8 * 3 * 4
+    assert parsed.gradient_accumulation_steps == 3
+    assert parsed.gradient_clipping == r.train.max_grad_norm
+    assert cfg["optimizer"]["params"]["lr"] == r.train.lr
+    assert cfg["optimizer"]["params"]["betas"] == r.train.betas
+    assert parsed.bfloat16_config.enabled == ("fp16" not in name)
+    assert parsed.float16_config.enabled == ("fp16" in name)
+    assert "scheduler" not in cfg  # "auto": dstrain.schedule from the recipe
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if "fp16" in n])
+def test_fp16_on_cpu_is_a_clear_error(name):
+    with pytest.raises(UserError, match=r"fp16 is not supported on this device \(cpu\); use a bf16 config"):
+        dsc.resolve(dsc.load(name), recipe(), 2, CPU)
+
+
+def test_precision_auto_on_cpu_is_fp32_and_explicit_wins():
+    cfg = dsc.resolve(dsc.load("zero2.json"), recipe(), 2, CPU)
+    assert cfg["bf16"]["enabled"] is False and cfg["fp16"]["enabled"] is False
+    cfg = dsc.resolve(dsc.load("zero2.json"), recipe("--train.precision=bf16"), 2, CPU)
+    assert cfg["bf16"]["enabled"] is True
+    cfg = dsc.resolve(dsc.load("zero2.json"), recipe(), 2, GPU)
+    assert cfg["bf16"]["enabled"] is True  # on a GPU "auto" follows the JSON
+
+
+def test_explicit_batch_mismatch_names_the_fix():
+    raw = dsc.load("zero2.json") | {"train_batch_size": 64}
+    with pytest.raises(UserError) as err:
+        dsc.resolve(raw, recipe(), 2, CPU)
+    assert str(err.value) == ('train_batch_size=64 but micro_batch_size 8 x grad_accum_steps 1 x data-parallel '
+                              'world 2 = 16; set train_batch_size to "auto" or choose train.grad_accum_steps so '
+                              'the product is 64')
+    raw["train_batch_size"] = 16  # a consistent explicit value is fine
+    assert dsc.resolve(raw, recipe(), 2, CPU)["train_batch_size"] == 16
+
+
+def test_explicit_value_disagreeing_with_recipe():
+    raw = dsc.load("zero2.json")
+    raw["optimizer"]["params"]["lr"] = 0.1
+    with pytest.raises(UserError, match=r"optimizer.params.lr=0.1 disagrees with recipe train.lr=0.003"):
+        dsc.resolve(raw, recipe(), 2, CPU)
+
+
+@pytest.mark.parametrize("patch,message", [
+    ({"zero_optimisation": {"stage": 2}}, "unknown DeepSpeed config key 'zero_optimisation' (did you mean "
+                                          "'zero_optimization'?)"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
+     "unknown DeepSpeed config key 'zero_optimization.overlap_com' (did you mean 'overlap_comm'?)"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
+     "'zero_optimization.offload_param.pin_memroy' (did you mean 'pin_memory'?)"),
+    ({"bf16": {"enable": True}}, "'bf16.enable' (did you mean 'enabled'?)"),
+])
+def test_unknown_keys_name_the_closest(patch, message):
+    with pytest.raises(UserError) as err:
+        dsc.validate_keys(dsc.load("zero2.json") | patch)
+    assert message in str(err.value)
+
+
+def test_lookup_by_name_and_errors(tmp_path):
+    assert dsc.resolve_path("zero3") == dsc.DS_CONFIGS_DIR / "zero3.json"
+    with pytest.raises(UserError, match=r"'zero4.json' not found.*did you mean"):
+        dsc.resolve_path("zero4.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"a\": ")
+    with pytest.raises(UserError, match="not valid JSON"):
+        dsc.load(bad)
+
+
+def test_ds_overrides_merge_before_validation():
+    cfg = dsc.load("zero2.json", {"zero_optimization": {"stage": 1}})
+    assert cfg["zero_optimization"]["stage"] == 1 and cfg["zero_optimization"]["overlap_comm"] is True
+    with pytest.raises(UserError, match="did you mean 'overlap_comm'"):
+        dsc.load("zero2.json", {"zero_optimization": {"overlap_com": False}})
+
+
+def test_leftover_auto_is_reported():
+    raw = dsc.load("zero2.json")
+    raw["zero_optimization"]["reduce_bucket_size"] = "auto"
+    with pytest.raises(UserError, match="'zero_optimization.reduce_bucket_size' is \"auto\" but no recipe"):
+        dsc.resolve(raw, recipe(), 2, CPU)
+
+
+def test_world_not_divisible_by_model_parallel():
+    raw = dsc.load("zero1.json") | {"tensor_parallel": {"autotp_size": 2}}
+    with pytest.raises(UserError, match="world size 3 is not divisible"):
+        dsc.resolve(raw, recipe(), 3, CPU)
+
+
+REAL = [p for p in sorted(RECIPES_DIR.rglob("*.yaml")) if not p.is_relative_to(RECIPES_DIR / "tiny")]
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: str(p.relative_to(RECIPES_DIR)))
+def test_real_recipes_batch_arithmetic_at_their_world_size(path):
+    r = load_recipe(path)
+    assert r.world_size, "real recipes name the world size they were written for"
+    cfg = dsc.resolve(dsc.load(r.ds_config), r, r.world_size, GPU)
+    expected = r.train.micro_batch_size * r.train.grad_accum_steps * r.world_size
+    assert cfg["train_batch_size"] == expected
+    assert deepspeed_accepts(cfg, r.world_size).train_batch_size == expected
+    assert cfg["bf16"]["enabled"] is True
