@@ -117,6 +117,8 @@ class Checkpointer:
                            if p.is_file())
             manifest = {"step": step, "files": files, "world_size": self.ctx.world_size, **client_state}
             _write_atomic(self.root / tmp_tag / COMPLETE, json.dumps(manifest, indent=1))
+            if final.exists():  # an incomplete directory of that name (never complete, so never resumed)
+                shutil.rmtree(final)
             os.rename(self.root / tmp_tag, final)
             _write_atomic(self.root / "latest", final.name + "\n")
             for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
@@ -152,8 +154,10 @@ def export_dtype(ds_cfg: dict) -> torch.dtype:
     return torch.float32
 
 
-def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx: DistContext) -> None:
-    """The resolved recipe and DeepSpeed JSON, and the model's config and tokenizer (for export)."""
+def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx: DistContext, info: dict) -> None:
+    """The resolved recipe and DeepSpeed JSON, run facts, and the model's config and tokenizer (for export)."""
+    import deepspeed
+    import transformers
     from transformers import GenerationConfig
 
     from .config import dump_recipe
@@ -163,6 +167,9 @@ def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx:
         return
     dump_recipe(recipe, run_dir / "recipe.yaml")
     write(ds_cfg, run_dir / "ds_config.json")
+    versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                "transformers": transformers.__version__}
+    _write_atomic(run_dir / "run_info.json", json.dumps(dict(info, versions=versions), indent=1, default=str))
     out = run_dir / "model_config"
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)

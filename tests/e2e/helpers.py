@@ -1,0 +1,115 @@
+"""Launch train.py for real, and an independent single-process PyTorch reference to compare against."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(cache: Path, **extra) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DSTRAIN_CACHE=str(cache),
+             WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    e.pop("WANDB_API_KEY", None)
+    e.update(extra)
+    return e
+
+
+def launch(args: list[str], cache: Path, launcher: str = "deepspeed", nproc: int = 2, check: bool = True,
+           timeout: int = 600, **extra_env) -> subprocess.CompletedProcess:
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, "train.py"]
+    elif launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]
+    elif launcher == "python":
+        cmd = [sys.executable, "train.py"]
+    elif launcher == "accelerate":
+        cmd = [str(BIN / "accelerate"), "launch", "--num_processes", str(nproc), "--num_machines", "1",
+               "--main_process_port", port, "--use_deepspeed", "--deepspeed_config_file",
+               str(ROOT / "ds_configs" / "zero1.json"), "--mixed_precision", "no", "train.py"]
+    else:
+        raise ValueError(launcher)
+    proc = subprocess.run(cmd + args, cwd=ROOT, env=env(cache, **extra_env), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+
+
+def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
+                     weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
+                     lr_scale: float = 1.0):
+    """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
+
+    Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
+    sampling contract: global batch s holds stream samples [s*G, (s+1)*G), sample k being element k % n of
+    numpy's permutation seeded by (seed, k // n)."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    info = json.loads((run_dir / "run_info.json").read_text())
+    recipe_ds = json.loads((run_dir / "ds_config.json").read_text())
+    global_batch = recipe_ds["train_batch_size"]
+    train = datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
+    n = len(train)
+
+    def batch(step):
+        idx = []
+        for k in range(step * global_batch, (step + 1) * global_batch):
+            idx.append(int(np.random.default_rng([seed, k // n]).permutation(n)[k % n]))
+        rows = train[idx]
+        labels = rows["labels"] if "labels" in rows else rows["input_ids"]
+        return rows["input_ids"].long(), labels.long(), rows.get("attention_mask")
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr * lr_scale, betas=betas, eps=eps)
+
+    def factor(s):  # s = 1-based step
+        if s <= warmup:
+            return s / warmup
+        p = (s - warmup) / (steps - warmup)
+        return min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * p)) / 2
+
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * lr_scale * factor(step + 1)
+        input_ids, labels, mask = batch(step)
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+        target = labels[:, 1:]
+        loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        loss = loss_sum / (target != -100).sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model

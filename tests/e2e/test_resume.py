@@ -1,0 +1,60 @@
+"""A run stopped at step k and resumed gives the per-step losses of an uninterrupted run, and resume
+never picks an interrupted or torn checkpoint."""
+import json
+import shutil
+
+import pytest
+
+from helpers import launch, metrics
+
+ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
+        "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=4",
+        "--eval.max_batches=2", "--log.wandb=false", "--log.progress_bar=false", "--ds_config", "zero3.json"]
+
+
+def test_stop_and_resume_matches_uninterrupted(tmp_path, cache, tiny_llama):
+    model = [f"--model.name_or_path={tiny_llama}"]
+    whole = tmp_path / "whole"
+    launch(ARGS + model + ["--output_dir", str(whole), "--checkpoint.every=0"], cache)
+
+    split = tmp_path / "split"
+    launch(ARGS + model + ["--output_dir", str(split), "--checkpoint.every=5", "--train.exit_at_step=7"], cache)
+    ckpts = split / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000005", "step_00000007"]
+    assert not (split / "hf").exists(), "a run stopped early must not export"
+    # Debris a crash could leave: a save interrupted before publication, and a directory lacking its
+    # completion record. Neither may be chosen; step 7 must be.
+    shutil.copytree(ckpts / "step_00000007", ckpts / ".tmp-step_00000010")
+    shutil.copytree(ckpts / "step_00000007", ckpts / "step_00000011")
+    (ckpts / "step_00000011" / "complete.json").unlink()
+    # the first attempt logged past its last checkpoint; those rows must be replaced, not duplicated
+    with open(split / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 8, "loss": 99.0}) + "\n")
+
+    proc = launch(ARGS + model + ["--output_dir", str(split), "--checkpoint.every=5", "--checkpoint.keep_last=2"],
+                  cache)
+    assert f"resumed from {ckpts / 'step_00000007'} at step 7" in proc.stderr
+    assert "reused tokenized data" in proc.stderr
+
+    want, want_evals = metrics(whole)
+    got, got_evals = metrics(split)
+    assert len(got) == 12
+    assert got == pytest.approx(want, rel=1e-6, abs=0)  # measured: identical to the last digit
+    assert [e["eval_loss"] for e in got_evals] == pytest.approx([e["eval_loss"] for e in want_evals], rel=1e-6)
+    # keep_last=2 complete checkpoints remain: 10 and 12; the foreign debris was left alone or replaced
+    complete = sorted(p.name for p in ckpts.glob("step_*") if (p / "complete.json").exists())
+    assert complete == ["step_00000010", "step_00000012"]
+    assert (ckpts / "latest").read_text().strip() == "step_00000012"
+    assert (split / "hf" / "model.safetensors").exists()
+
+
+def test_finished_run_does_not_train_again(tmp_path, cache, tiny_llama):
+    run = tmp_path / "run"
+    args = ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--train.max_steps=3"]
+    launch(args, cache, launcher="python")
+    before = (run / "metrics.jsonl").read_text()
+    hf_mtime = (run / "hf" / "model.safetensors").stat().st_mtime_ns
+    proc = launch(args, cache, launcher="python")
+    assert "resumed from" in proc.stderr and "at step 3" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+    assert (run / "hf" / "model.safetensors").stat().st_mtime_ns == hf_mtime
