@@ -116,3 +116,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitioned params keep their shape here
         (decay if len(shape) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters in the model, elements this rank holds): under zero.Init a rank holds only its partition."""
+    total = local = 0
+    for param in model.parameters():
+        if hasattr(param, "ds_tensor"):
+            total += param.ds_numel
+            local += param.ds_tensor.numel()
+        else:
+            total += param.numel()
+            local += param.numel()
+    return total, local

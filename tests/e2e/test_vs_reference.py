@@ -38,7 +38,14 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed",
 @pytest.mark.parametrize("ds_config", ["zero0.json", "zero1.json", "zero2.json", "zero3.json",
                                        "zero2_offload.json"])
 def test_zero_stage_matches_reference(tmp_path, cache, tiny_llama, ds_config):
-    run_and_compare(tmp_path, cache, tiny_llama, ds_config)
+    import json
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["parameters"] == sum(p.numel() for p in ref_model.parameters())
+    if ds_config.startswith("zero3"):  # built inside zero.Init: rank 0 never held more than its half
+        assert info["parameters_on_rank0_at_build"] <= info["parameters"] / 2 + 1000
+    else:
+        assert info["parameters_on_rank0_at_build"] == info["parameters"]
 
 
 def test_gpt2_family_under_zero3(tmp_path, cache, tiny_gpt2):

@@ -1,0 +1,84 @@
+"""Every user mistake: exit code 2, exactly one line on stderr naming the problem and the fix, no traceback,
+and an existing run's checkpoints and export untouched."""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, launch
+
+QUICK = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.micro_batch_size=2", "--train.seq_len=32",
+         "--eval.max_batches=1", "--log.wandb=false", "--log.progress_bar=false"]
+
+
+def fails(args, cache, tmp_path, expected: str, **env):
+    proc = launch(QUICK + ["--output_dir", str(tmp_path / "run")] + args, cache, launcher="python", check=False,
+                  HF_HUB_OFFLINE="1", **env)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    from transformers import T5Config
+    out = tmp_path_factory.mktemp("t5")
+    T5Config(vocab_size=576, d_model=32, num_layers=1, num_heads=2, d_ff=64).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    (d / "body.jsonl").write_text("".join(json.dumps({"body": "Mira had two keys. " * 5}) + "\n" for _ in range(50)))
+    (d / "empty.jsonl").write_text("")
+    (d / "bad_batch.json").write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 1}}))
+    (d / "a_file").write_text("")
+    return d
+
+
+CASES = {
+    "missing recipe": (["--recipe", "recipes/nope.yaml"], "recipe 'recipes/nope.yaml' not found"),
+    "unknown key": (["--train.max_step=3"], "unknown recipe key 'train.max_step' (did you mean 'max_steps'?)"),
+    "misspelled ds key": (["--ds.zero_optimization.overlap_com=true"], "did you mean 'overlap_comm'?"),
+    "missing ds config": (["--ds_config", "zero9.json"], "DeepSpeed config 'zero9.json' not found"),
+    "fp16 on cpu": (["--ds_config", "zero2_fp16.json"], "fp16 is not supported on this device (cpu)"),
+    "seq_len too long": (["--train.seq_len=4096"], "train.seq_len=4096 exceeds the model's maximum positions (512)"),
+    "hub unreachable": (["--model.name_or_path=some-org/not-cached-model"], "cannot load 'some-org/not-cached-model'"),
+    "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_simple_mistakes(name, cache, tmp_path):
+    args, expected = CASES[name]
+    fails(args, cache, tmp_path, expected)
+
+
+def test_data_and_model_mistakes(cache, tmp_path, data_files, t5_dir):
+    fails([f"--data.path={data_files / 'body.jsonl'}"], cache, tmp_path,
+          "has no field 'text' (columns: body); set data.text_field to one of them")
+    fails([f"--data.path={data_files / 'empty.jsonl'}"], cache, tmp_path, "is empty")
+    fails([f"--model.name_or_path={t5_dir}"], cache, tmp_path, "is a t5 model, which has no causal-LM head")
+    fails(["--ds_config", str(data_files / "bad_batch.json")], cache, tmp_path,
+          "train_batch_size=64 but micro_batch_size 2 x grad_accum_steps 1 x data-parallel world 1 = 2")
+    fails(["--output_dir", str(data_files / "a_file" / "run")], cache, tmp_path, "cannot write to output_dir")
+
+
+def _digest(run: Path) -> dict:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for sub in ("checkpoints", "hf") for p in sorted((run / sub).rglob("*")) if p.is_file()}
+
+
+def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_path):
+    run = tmp_path / "run"
+    launch(QUICK + ["--output_dir", str(run)], cache, launcher="python")
+    before = _digest(run)
+    assert any(k.startswith("hf/") for k in before) and any(k.startswith("checkpoints/") for k in before)
+    fails(["--resume", "never"], cache, tmp_path, "already holds checkpoints and --resume never would overwrite")
+    fails(["--train.seq_len=4096"], cache, tmp_path, "exceeds the model's maximum positions")
+    fails(["--train.micro_batch_size=4"], cache, tmp_path, "trained with a global batch of 2 samples, this run has 4")
+    assert _digest(run) == before
