@@ -137,14 +137,18 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}{closest(str(value), choices)}")
 
 
-def resolve_recipe_path(name: str | Path) -> Path:
-    """A path as given, or a name looked up under recipes/ (with or without .yaml)."""
-    for candidate in (Path(name), RECIPES_DIR / name, RECIPES_DIR / f"{name}.yaml"):
+def find_file(name: str | Path, directory: Path, suffix: str, what: str) -> Path:
+    """A path as given, or a name looked up under directory (with or without the suffix)."""
+    for candidate in (Path(name), directory / name, directory / f"{name}{suffix}"):
         if candidate.is_file():
             return candidate
-    known = sorted(str(p.relative_to(RECIPES_DIR)) for p in RECIPES_DIR.rglob("*.yaml"))
-    raise UserError(f"recipe '{name}' not found; pass a path or one of: {', '.join(known)}"
+    known = sorted(str(p.relative_to(directory)) for p in directory.rglob(f"*{suffix}"))
+    raise UserError(f"{what} '{name}' not found; pass a path or one of: {', '.join(known)}"
                     f"{closest(str(name), known)}")
+
+
+def resolve_recipe_path(name: str | Path) -> Path:
+    return find_file(name, RECIPES_DIR, ".yaml", "recipe")
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -176,13 +180,11 @@ def parse_overrides(items: list[str]) -> dict:
     return nested
 
 
-def _merge(base: dict, update: dict) -> dict:
+def merge(base: dict, update: dict) -> dict:
+    """Nested update: mappings merge key by key, anything else replaces."""
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "config_overrides":
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -240,7 +242,7 @@ def load_recipe(path: str | Path | None, overrides: dict | None = None) -> Recip
             raise UserError(f"recipe {recipe_path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(raw, dict):
             raise UserError(f"recipe {recipe_path} should be a mapping with model/data/train sections")
-    return _build(Recipe, _merge(raw, overrides or {}), "")
+    return _build(Recipe, merge(raw, overrides or {}), "")
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import REPO_ROOT, Recipe
+from .config import REPO_ROOT, Recipe, find_file, merge
 from .errors import UserError, closest
 
 DS_CONFIGS_DIR = REPO_ROOT / "ds_configs"
@@ -84,19 +84,7 @@ def validate_keys(cfg: dict) -> None:
 
 def resolve_path(name: str | Path) -> Path:
     """A path as given, or a file name looked up in ds_configs/ (with or without .json)."""
-    for candidate in (Path(name), DS_CONFIGS_DIR / name, DS_CONFIGS_DIR / f"{name}.json"):
-        if candidate.is_file():
-            return candidate
-    known = sorted(p.name for p in DS_CONFIGS_DIR.glob("*.json"))
-    raise UserError(f"DeepSpeed config '{name}' not found; pass a path or one of: {', '.join(known)}"
-                    f"{closest(str(name), known)}")
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    return find_file(name, DS_CONFIGS_DIR, ".json", "DeepSpeed config")
 
 
 def load(name: str | Path, overrides: dict | None = None) -> dict:
@@ -108,7 +96,7 @@ def load(name: str | Path, overrides: dict | None = None) -> dict:
         raise UserError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise UserError(f"DeepSpeed config {path} should be a JSON object")
-    cfg = _merge(cfg, overrides or {})
+    cfg = merge(cfg, overrides or {})
     validate_keys(cfg)
     return cfg
 
