@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
         "parameters": params_total, "parameters_on_rank0_at_build": params_local,
+        "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or [])})
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None

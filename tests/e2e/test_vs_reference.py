@@ -70,6 +70,13 @@ def test_sft_loss_weighs_every_response_token_equally(tmp_path, cache, tiny_llam
                     extra=["--data.path=data/tiny_sft", "--data.format=prompt_response"])
 
 
+def test_activation_checkpointing_changes_memory_not_math(tmp_path, cache, tiny_llama):
+    import json
+    run_dir, _ = run_and_compare(tmp_path, cache, tiny_llama, "zero3.json",
+                                 extra=["--train.activation_checkpointing=true"])
+    assert json.loads((run_dir / "run_info.json").read_text())["activation_checkpointing"] is True
+
+
 def test_bf16_trains_close_to_fp32_reference(tmp_path, cache, tiny_llama):
     # bf16 keeps 8 mantissa bits (relative rounding 4e-3) in forward/backward; fp32 master weights.
     run_and_compare(tmp_path, cache, tiny_llama, "zero2.json", extra=["--train.precision=bf16"], rtol=2e-2)

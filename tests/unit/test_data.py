@@ -137,3 +137,48 @@ def test_prepare_caches_tokenization_and_validates(tok, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(UserError, match="is empty; point data.path at a file with rows"):
         data.prepare(DataConfig(path=str(tmp_path / "empty.jsonl")), tok, 32, 0, True, lambda: None)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "txt", "saved", "dir"])
+def test_every_local_format_loads(tmp_path, fmt):
+    import datasets
+    rows = [{"text": f"Mira had {i} keys."} for i in range(30)]
+    ds = datasets.Dataset.from_list(rows)
+    if fmt in ("jsonl", "json"):
+        path = tmp_path / f"d.{fmt}"
+        ds.to_json(path)
+    elif fmt == "csv":
+        path = tmp_path / "d.csv"
+        ds.to_csv(path, index=False)
+    elif fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        ds.to_parquet(path)
+    elif fmt == "txt":
+        path = tmp_path / "d.txt"
+        path.write_text("".join(r["text"] + "\n" for r in rows))
+    elif fmt == "saved":
+        path = tmp_path / "saved"
+        datasets.DatasetDict({"train": ds, "validation": ds.select(range(5))}).save_to_disk(path)
+    else:
+        path = tmp_path / "dir"
+        path.mkdir()
+        ds.to_json(path / "train.jsonl")
+        ds.select(range(5)).to_json(path / "validation.jsonl")
+    raw = data.load_raw(DataConfig(path=str(path)))
+    assert raw["train"]["text"] == [r["text"] for r in rows]
+    train, val = data.split_train_val(raw, DataConfig(path=str(path), val_fraction=0.1), seed=0)
+    if fmt in ("saved", "dir"):
+        assert len(train) == 30 and len(val) == 5          # the given validation split
+    else:
+        assert len(train) == 27 and len(val) == 3          # carved out with the seed
+        again = data.split_train_val(raw, DataConfig(path=str(path), val_fraction=0.1), seed=0)[1]
+        assert val["text"] == again["text"]
+
+
+def test_unsupported_extension_and_missing_split(tmp_path):
+    (tmp_path / "d.xml").write_text("<a/>")
+    with pytest.raises(UserError, match="unsupported extension"):
+        data.load_raw(DataConfig(path=str(tmp_path / "d.xml")))
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(UserError, match="has no split 'training'"):
+        data.load_raw(DataConfig(path=str(tmp_path / "d.jsonl"), train_split="training"))
