@@ -13,9 +13,20 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-fast lint assets clean
+.PHONY: setup system-deps train test test-fast lint assets clean
 
-setup: $(VENV)/.installed
+setup: system-deps $(VENV)/.installed
+
+# Debian packages DeepSpeed's JIT-built ops need: libaio for NVMe offload (the async_io op).
+# Installed when missing and we are root with apt-get; otherwise a hint, since only NVMe offload needs it.
+SYSTEM_PACKAGES ?= libaio-dev
+system-deps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $$missing"; \
+	    (apt-get install -y -qq $$missing >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq $$missing)) >/dev/null; \
+	  else echo "note: install $$missing (e.g. sudo apt-get install $$missing) for NVMe offload"; fi; fi
 
 # A system python that already has torch (a CUDA image) lends it to the venv instead of a reinstall.
 $(VENV)/.installed: requirements.txt requirements-dev.txt

@@ -36,10 +36,19 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed",
 
 
 @pytest.mark.parametrize("ds_config", ["zero0.json", "zero1.json", "zero2.json", "zero3.json",
-                                       "zero2_offload.json"])
+                                       "zero2_offload.json", "zero3_offload.json", "zero3_nvme.json"])
 def test_zero_stage_matches_reference(tmp_path, cache, tiny_llama, ds_config):
     import json
-    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config)
+    extra = []
+    if "nvme" in ds_config:  # ZeRO-Infinity: parameters and optimizer states swapped through files here
+        nvme = tmp_path / "nvme"
+        extra = [f"--ds.zero_optimization.offload_param.nvme_path={nvme}",
+                 f"--ds.zero_optimization.offload_optimizer.nvme_path={nvme}"]
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config, extra=extra)
+    if "nvme" in ds_config:  # DeepSpeed deletes its swap files at exit but leaves the per-rank folders
+        swap = tmp_path / "nvme" / "zero_stage_3"
+        for kind in ("float32params", "optimizer"):
+            assert {p.name for p in (swap / kind).iterdir()} == {"rank0", "rank1"}, kind
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["parameters"] == sum(p.numel() for p in ref_model.parameters())
     if ds_config.startswith("zero3"):  # built inside zero.Init: rank 0 never held more than its half
