@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
 
     import deepspeed
-    from dstrain import checkpoint, data, dist, ds_config, model as models, schedule
+    from dstrain import checkpoint, data, dist, ds_config, model as models, pipeline, schedule
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or [])})
+    if layout.pipeline_stages > 1:  # the same HF modules, regrouped into stages
+        piped = pipeline.convert(model, layout.pipeline_stages, ds_cfg["pipeline"].get("partition_method", "parameters"),
+                                 train.activation_checkpointing)
+        checkpoint.write_pipeline_names(run_dir, piped.hf_names, ctx)
+        model = piped.module
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg)
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}")
     tokens_per_step = stream.global_batch * train.seq_len
     if start == 0 and val:
-        metrics.evaluation(0, evaluate(engine, val))
+        metrics.evaluation(0, evaluate(engine, val, layout.data_parallel))
 
     last = train.exit_at_step or train.max_steps
     for step in range(start + 1, last + 1):
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens_per_step,
                      time.perf_counter() - began)
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
-            metrics.evaluation(step, evaluate(engine, val))
+            metrics.evaluation(step, evaluate(engine, val, layout.data_parallel))
         if ckpt.due(step, last):
             ckpt.save(engine, step, {"global_batch": stream.global_batch})
 

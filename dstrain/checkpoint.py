@@ -180,10 +180,37 @@ def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx:
         pass
 
 
+PIPELINE_NAMES = "pipeline_layers.json"
+
+
+def write_pipeline_names(run_dir: Path, names: dict[int, str], ctx: DistContext) -> None:
+    """Which HF parameter prefix each pipeline layer holds, so export can rebuild the HF state dict."""
+    if ctx.is_main:
+        _write_atomic(run_dir / "model_config" / PIPELINE_NAMES, json.dumps({str(k): v for k, v in names.items()}))
+
+
+def _pipeline_state_dict(ckpt: Path, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    from .pipeline import strip_wrapper
+
+    state = {}
+    for index, prefix in names.items():
+        files = sorted(ckpt.glob(f"layer_{int(index):02d}-*model_states.pt"))
+        if not files:
+            raise UserError(f"{ckpt} lacks pipeline layer {index}; the checkpoint is incomplete")
+        layer = torch.load(files[0], map_location="cpu", weights_only=False)
+        for key, value in layer.items():
+            state[prefix + strip_wrapper(key)] = value
+    return state
+
+
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights of a checkpoint, gathered from ZeRO shards (any stage) without a process group."""
+    """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
+    stage), or for pipeline checkpoints the per-layer module states (the engine's own weights)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    names_file = ckpt.parent.parent / "model_config" / PIPELINE_NAMES
+    if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
+        return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
     if list(ckpt.glob("*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights

@@ -70,6 +70,10 @@ def validate_keys(cfg: dict) -> None:
     for key in cfg:
         if key not in TOP_LEVEL_KEYS:
             raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS)}")
+    from .pipeline import PIPELINE_KEYS
+    for key in cfg.get("pipeline") or {}:
+        if key not in PIPELINE_KEYS:
+            raise UserError(f"unknown DeepSpeed config key 'pipeline.{key}'{closest(key, PIPELINE_KEYS)}")
     for dotted, model in _section_models().items():
         node: Any = cfg
         for part in dotted.split("."):
@@ -202,6 +206,8 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps) -> dic
     validate_keys(cfg)
     train = recipe.train
     layout = layout_of(cfg, world_size)
+    from .pipeline import check_combination
+    check_combination(cfg)
     _precision(cfg, recipe, caps)
 
     _fill(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size, "", "train.micro_batch_size")

@@ -27,8 +27,33 @@ def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _is_pipeline(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return isinstance(engine, PipelineEngine)
+
+
+def _pipe_items(batches: list[dict[str, torch.Tensor]]):
+    return iter([(b["input_ids"], b["labels"]) for b in batches])
+
+
+def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], dp_size: int, train: bool) -> tuple[float, int]:
+    """The pipeline engine runs the whole schedule itself; the loss function carries the token scaling.
+    Stages of one replica see the same batches, so counts are summed over the world and divided by stages."""
+    world = torch.distributed.get_world_size()
+    (counted,) = all_reduce_sum([sum(label_count(b) for b in batches)], engine.device)
+    global_tokens = max(counted / (world // dp_size), 1.0)
+    engine.module.loss_fn.scale = len(batches) * dp_size / global_tokens
+    if train:
+        loss = engine.train_batch(data_iter=_pipe_items(batches))
+    else:
+        loss = engine.eval_batch(data_iter=_pipe_items(batches), num_micro_batches=len(batches))
+    return float(loss), int(global_tokens)
+
+
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], dp_size: int) -> tuple[float, int]:
     """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, label tokens)."""
+    if _is_pipeline(engine):
+        return _pipe_step(engine, micro_batches, dp_size, train=True)
     device = engine.device
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     replicas = world // dp_size  # tensor-parallel peers see the same samples; count them once
@@ -47,8 +72,12 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], dp_size: in
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[dict[str, torch.Tensor]]) -> float:
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], dp_size: int) -> float:
     """Mean next-token loss over all ranks' validation batches."""
+    if _is_pipeline(engine):
+        size = batches[0]["input_ids"].shape[0] if batches else 0
+        full = [b for b in batches if b["input_ids"].shape[0] == size]  # the pipe schedule needs fixed shapes
+        return _pipe_step(engine, full, dp_size, train=False)[0]
     was_training = engine.module.training
     engine.eval()
     local_sum, local_count = 0.0, 0

@@ -44,6 +44,11 @@ STRATEGIES = {
                                             "offload_param": CPU_PARAM}},
     "zero3_nvme": {"zero_optimization": {"stage": 3, **ZERO3, "offload_optimizer": NVME_OPT,
                                          "offload_param": NVME_PARAM}, "aio": AIO},
+    # model parallelism: 2 pipeline stages (with ZeRO-1 across replicas), 2-way AutoTP (with ZeRO-1)
+    "pipe2_zero1": {"pipeline": {"stages": 2, "partition_method": "parameters"},
+                    "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000}},
+    "tp2_zero1": {"tensor_parallel": {"autotp_size": 2},
+                  "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000}},
 }
 
 

@@ -39,7 +39,8 @@ def recipe(*overrides):
 
 
 def test_shipped_set_is_complete():
-    for name in ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme"):
+    for name in ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme", "pipe2_zero1",
+                 "tp2_zero1"):
         assert f"{name}.json" in SHIPPED and f"{name}_fp16.json" in SHIPPED
 
 
@@ -50,8 +51,10 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     r = recipe("--train.grad_accum_steps=3")
     cfg = dsc.resolve(raw, r, world_size=4, caps=GPU)
     assert dsc._find_auto(cfg) is None
-    parsed = deepspeed_accepts(cfg, 4)
-    assert parsed.train_batch_size == 8 * 3 * 4
+    dp = dsc.layout_of(cfg, 4).data_parallel
+    assert dp == (2 if ("pipe2" in name or "tp2" in name) else 4)
+    parsed = deepspeed_accepts(cfg, dp)
+    assert parsed.train_batch_size == 8 * 3 * dp
     assert parsed.gradient_accumulation_steps == 3
     assert parsed.gradient_clipping == r.train.max_grad_norm
     assert cfg["optimizer"]["params"]["lr"] == r.train.lr

@@ -1,0 +1,43 @@
+"""Pipeline conversion errors that need no process group."""
+import pytest
+import torch
+
+from dstrain import pipeline
+from dstrain.errors import UserError
+
+
+def test_unknown_architecture_is_refused_by_name():
+    from transformers import OPTConfig, OPTForCausalLM
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                     num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16))
+    with pytest.raises(UserError, match="pipeline stages are not supported for model type 'opt' yet"):
+        pipeline.convert(model, 2, "parameters", False)
+
+
+def test_more_stages_than_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(UserError, match="pipeline stages=3 exceed the model's 2 decoder layers"):
+        pipeline.convert(model, 3, "parameters", False)
+
+
+def test_layer_names_cover_every_parameter_once():
+    """The export map must account for every HF parameter (tied head excluded), in order."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    for tied in (True, False):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                             num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied))
+        specs, names = pipeline._specs(model)
+        covered = set()
+        for index, prefix in names.items():
+            module = specs[index].build()
+            covered |= {prefix + pipeline.strip_wrapper(k) for k in module.state_dict()}
+        expected = set(model.state_dict()) - ({"lm_head.weight"} if tied else set())
+        assert covered == expected
+
+
+def test_zero2_with_pipeline_rejected():
+    with pytest.raises(UserError, match="work with ZeRO stage 0 or 1, not 3"):
+        pipeline.check_combination({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}})
+    pipeline.check_combination({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
