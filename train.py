@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> None:
         model = piped.module
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
-                                      lr_scheduler=scheduler, config=ds_cfg)
-    dp_rank = engine.mpu.get_data_parallel_rank() if engine.mpu else ctx.rank
+                                      lr_scheduler=scheduler, config=ds_cfg, mpu=dist.tensor_parallel_groups(layout))
+    dp_rank = dist.data_parallel_rank(engine)
     stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, dp_rank,
                               layout.data_parallel, train.seed)
     val = data.eval_batches(prepared.val, train.micro_batch_size, dp_rank, layout.data_parallel,
                             recipe.eval.max_batches) if prepared.val is not None else []
-    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx)
+    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel)
     start = ckpt.load(engine, resume_from, stream.global_batch)["step"] if resume_from else 0
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg})
     metrics.message(f"{'resumed from ' + str(resume_from) if resume_from else 'starting'} at step {start}; "

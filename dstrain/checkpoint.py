@@ -91,10 +91,16 @@ def resolve_resume(mode: str, root: Path) -> Optional[Path]:
     return path
 
 
+CONSOLIDATED = "consolidated_model.pt"
+
+
 class Checkpointer:
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, ctx: DistContext):
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, ctx: DistContext, tensor_parallel: int = 1):
         self.root = run_dir / "checkpoints"
         self.cfg, self.ctx = cfg, ctx
+        # DeepSpeed's offline consolidation (zero_to_fp32) cannot merge tensor-parallel shards, so TP runs
+        # also store the gathered weights; every rank takes part in the gather.
+        self.consolidate = tensor_parallel > 1
 
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or (self.cfg.every > 0 and step % self.cfg.every == 0)
@@ -111,6 +117,10 @@ class Checkpointer:
         engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=dict(client_state, step=step),
                                save_latest=False)
         torch.save(_rng_state(), self.root / tmp_tag / f"rng_rank{self.ctx.rank}.pt")
+        if self.consolidate:
+            full = engine._consolidated_16bit_state_dict()  # all ranks gather; rank 0 receives
+            if self.ctx.is_main:
+                torch.save(full, self.root / tmp_tag / CONSOLIDATED)
         barrier()
         if self.ctx.is_main:
             files = sorted(str(p.relative_to(self.root / tmp_tag)) for p in (self.root / tmp_tag).rglob("*")
@@ -208,6 +218,8 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     stage), or for pipeline checkpoints the per-layer module states (the engine's own weights)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    if (ckpt / CONSOLIDATED).exists():
+        return torch.load(ckpt / CONSOLIDATED, map_location="cpu", weights_only=False)
     names_file = ckpt.parent.parent / "model_config" / PIPELINE_NAMES
     if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))

@@ -69,3 +69,22 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def data_parallel_rank(engine) -> int:
+    """This rank's index among data-parallel replicas (tensor/pipeline peers share one)."""
+    if engine.mpu is not None:
+        return engine.mpu.get_data_parallel_rank()
+    from deepspeed.utils import groups
+    return groups._get_data_parallel_rank()
+
+
+def tensor_parallel_groups(layout):
+    """DeepSpeed's process-group registry with tensor-parallel groups made, for AutoTP runs (else None).
+
+    Passed to deepspeed.initialize as `mpu` so its batch arithmetic counts data-parallel replicas, not ranks."""
+    if layout.tensor_parallel <= 1:
+        return None
+    from deepspeed.utils import groups
+    groups._init_tp_mesh_device(tensor_model_parallel_size=layout.tensor_parallel)
+    return groups

@@ -47,7 +47,7 @@ STRATEGIES = {
     # model parallelism: 2 pipeline stages (with ZeRO-1 across replicas), 2-way AutoTP (with ZeRO-1)
     "pipe2_zero1": {"pipeline": {"stages": 2, "partition_method": "parameters"},
                     "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000}},
-    "tp2_zero1": {"tensor_parallel": {"autotp_size": 2},
+    "tp2_zero1": {"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": False},
                   "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000}},
 }
 

@@ -41,3 +41,12 @@ def test_zero2_with_pipeline_rejected():
     with pytest.raises(UserError, match="work with ZeRO stage 0 or 1, not 3"):
         pipeline.check_combination({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}})
     pipeline.check_combination({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
+
+
+def test_tensor_parallel_size_must_divide_heads():
+    from transformers import LlamaConfig
+    from dstrain.model import check_tensor_parallel
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(UserError, match="autotp_size=4 does not divide the model's num_key_value_heads=2"):
+        check_tensor_parallel(config, 4)
