@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     parser.add_argument("--ds_config", default=None, help="JSON in ds_configs/ or a path (default: the recipe's)")
     parser.add_argument("--output_dir", default=None, help="run directory (default: runs/<recipe name>)")
     parser.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), never, or a path")
+    parser.add_argument("--preflight", action="store_true",
+                        help="estimate per-rank memory for this recipe, config and --world_size, then exit")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="with --preflight: ranks of the real run (default: WORLD_SIZE, the recipe's, or 1)")
+    parser.add_argument("--ranks_per_node", type=int, default=None,
+                        help="with --preflight: ranks sharing one node's GPUs or RAM (default: all on one node)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args, rest = parser.parse_known_args(argv)
     return args, parse_overrides(rest)
@@ -55,10 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     ds_overrides = overrides.pop("ds", {})  # --ds.zero_optimization.stage=3 edits the DeepSpeed JSON
     recipe: Recipe = load_recipe(args.recipe, overrides)
     recipe.ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or recipe.ds_config
+    if args.preflight:
+        return run_preflight(args, recipe, ds_overrides)
     run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
 
     import deepspeed
-    from dstrain import checkpoint, data, dist, ds_config, model as models, pipeline, schedule
+    from dstrain import checkpoint, data, dist, ds_config, memory, model as models, pipeline, schedule
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -71,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = models.load_tokenizer(recipe.model)
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
+    baseline_memory = memory.current_bytes()  # everything after this is the model and its training
     model, _hf_ds_config = models.build(recipe.model, train, ds_cfg, tokenizer)
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
@@ -93,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                             recipe.eval.max_batches) if prepared.val is not None else []
     ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel)
     start = ckpt.load(engine, resume_from, stream.global_batch)["step"] if resume_from else 0
+    setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg})
     metrics.message(f"{'resumed from ' + str(resume_from) if resume_from else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}")
@@ -117,7 +127,23 @@ def main(argv: list[str] | None = None) -> None:
     elif recipe.checkpoint.export_hf and ctx.is_main and not (start == last and (run_dir / "hf").exists()):
         checkpoint.export_hf(final, run_dir / "hf", checkpoint.export_dtype(ds_cfg))
         metrics.message(f"exported {run_dir / 'hf'}")
+    if ctx.is_main:
+        estimate = memory.estimate(models.load_config(recipe.model, train.seq_len)[1], params_total, recipe, ds_cfg, layout)
+        memory.write_measurement(run_dir / "memory.json", baseline_memory,
+                                 {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
+                                  "setup_peak_above_baseline_bytes": setup_peak - baseline_memory})
     metrics.close()
+
+
+def run_preflight(args: argparse.Namespace, recipe: Recipe, ds_overrides: dict) -> None:
+    from dstrain import ds_config, memory
+
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or recipe.world_size or 1
+    fits, text = memory.preflight(recipe, ds_config.load(recipe.ds_config, ds_overrides), str(recipe.ds_config),
+                                  world, args.ranks_per_node or world, ds_config.DeviceCaps.detect())
+    print(text)
+    if not fits:
+        sys.exit(1)
 
 
 def _as_float(value) -> float | None:

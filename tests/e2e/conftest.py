@@ -39,3 +39,15 @@ def tiny_gpt2(tmp_path_factory) -> Path:
 def cache(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, as a user's ~/.cache/dstrain would be."""
     return tmp_path_factory.mktemp("dstrain-cache")
+
+
+@pytest.fixture(scope="session")
+def medium_llama(tmp_path_factory) -> Path:
+    """23.5M parameters: large enough that model states dwarf allocator noise in peak-memory checks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.update({"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64})
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "medium-llama")

@@ -1,0 +1,208 @@
+"""Memory: a per-rank estimate before launch (`train.py --preflight`), and the measured peak of a run.
+
+Model states per rank (psi parameters on the rank after pipeline/tensor splitting, N data-parallel
+replicas, w bytes per training-precision element): the ZeRO paper's terms plus the copies DeepSpeed
+really makes. With any ZeRO stage (and in 16-bit without one) the optimizer works on an fp32 copy of this
+rank's 1/N partition, which has its own fp32 gradient:
+  parameters  w*psi, or w*psi/N under ZeRO-3 plus the gathered live parameters (capped)
+  gradients   w*psi (ZeRO-0/1), w*psi/N (ZeRO-2/3), + 4*psi/N for the fp32 partition's gradient
+  optimizer   Adam moments 8*psi/N + fp32 partition 4*psi/N (fp32 ZeRO-0: moments 8*psi, no copy)
+  step        torch AdamW's foreach step allocates one fp32 temporary per updated element
+  buffers     reduce / allgather buckets and the ZeRO-3 prefetch bucket, each at most psi elements
+              (on CPU only the pages written count, and a bucket never fills beyond the model)
+Offloaded parameters / optimizer states move from the device to host memory.
+Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, vocabulary V:
+  each decoder layer keeps about s*b*(8h + 4f) elements for backward (inputs of the norms, q/k/v,
+  attention output, MLP projections; fused/flash attention keeps no s x s matrix); with activation
+  checkpointing a layer keeps only its input s*b*h, plus one layer recomputed at a time;
+  the LM head keeps logits s*b*V in w bytes plus 12 bytes of fp32 softmax/loss state per logit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .errors import UserError
+
+GiB = 1024 ** 3
+# Configs tried, most memory-hungry first, when a recipe does not fit.
+LADDER = ["zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json", "zero3_nvme.json"]
+
+
+@dataclass
+class Estimate:
+    parameters: int
+    params_per_rank: int
+    device: dict = field(default_factory=dict)      # bytes on the accelerator (host RAM on CPU), by kind
+    host: dict = field(default_factory=dict)        # bytes offloaded to host RAM
+    activations_checkpointed: int = 0
+    activations_full: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def _dims(config) -> tuple[int, int, int, int]:
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    return hidden, layers, ffn, config.vocab_size
+
+
+def count_parameters(config) -> int:
+    """Parameters of the model a config describes, built on the meta device (no memory, any size)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
+    train = recipe.train
+    zero = ds_cfg.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    n = layout.data_parallel
+    sixteen_bit = bool((ds_cfg.get("bf16") or {}).get("enabled") or (ds_cfg.get("fp16") or {}).get("enabled"))
+    w = 2 if sixteen_bit else 4
+    psi = parameters // (layout.pipeline_stages * layout.tensor_parallel)
+    offload_param = (zero.get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
+    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+
+    # What DeepSpeed allocates (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py):
+    partitioned = stage >= 1 or sixteen_bit            # ZeRO-0 in 16 bit runs the (partitioning) BF16 optimizer
+    opt_elems = psi // n if partitioned else psi       # elements the optimizer updates on this rank
+    params = w * psi // (n if stage == 3 else 1)
+    if stage == 3:                                     # gathered for compute, up to the live-parameter cap
+        params += w * min(psi, int(zero.get("stage3_max_live_parameters", 1e9)))
+    grads = w * psi // (n if stage >= 2 else 1)
+    master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition ...
+    master_grads = 4 * opt_elems if partitioned else 0  # ... and its fp32 gradient
+    moments = 8 * opt_elems                            # Adam exp_avg, exp_avg_sq
+    step_temp = 4 * opt_elems if (ds_cfg.get("optimizer") or {}).get("params", {}).get("torch_adam") else 0
+    if stage == 3:
+        buffers = w * min(psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))
+        buffers += w * min(psi, int(zero.get("reduce_bucket_size", 5e8)))
+    elif stage in (1, 2):
+        buffers = w * min(psi, int(zero.get("reduce_bucket_size", 5e8)))
+        buffers += w * min(psi, int(zero.get("allgather_bucket_size", 5e8)))
+    else:
+        buffers = 0
+    device = {"parameters": params, "gradients": grads + master_grads, "optimizer_states": moments + master,
+              "optimizer_step": step_temp, "buffers": buffers}
+    host: dict = {}
+    if offload_opt:  # DeepSpeedCPUAdam: states, master, its gradient and the step live in host memory
+        host["optimizer_states"] = device.pop("optimizer_states") + master_grads + device.pop("optimizer_step")
+        device["gradients"] = grads
+    if offload_param and stage == 3:
+        host["parameters"] = device.pop("parameters")
+
+    hidden, layers, ffn, vocab = _dims(config)
+    tokens = train.micro_batch_size * train.seq_len
+    layers_here = -(-layers // layout.pipeline_stages)
+    per_layer = tokens * (8 * hidden + 4 * ffn) * w // layout.tensor_parallel
+    head = tokens * vocab * (w + 12)
+    full = layers_here * per_layer + head + tokens * hidden * w
+    checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w
+    est = Estimate(parameters, psi, device, host, checkpointed, full)
+    est.device["activations"] = checkpointed if train.activation_checkpointing else full
+    return est
+
+
+def device_memory(caps_name: str, ranks_per_node: int) -> tuple[int, str]:
+    """Memory one rank may use: its GPU's, or an equal share of host RAM on CPU."""
+    if caps_name == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    import psutil
+    total = psutil.virtual_memory().total
+    return total // max(1, ranks_per_node), f"host RAM / {ranks_per_node} ranks"
+
+
+def _fmt(b: int) -> str:
+    return f"{b / GiB:8.2f} GiB"
+
+
+def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_name: str) -> str:
+    lines = [f"preflight: {est.parameters / 1e6:,.1f}M parameters, {ds_name}, world {layout.world_size} = "
+             f"{layout.data_parallel} data-parallel x {layout.pipeline_stages} pipeline x "
+             f"{layout.tensor_parallel} tensor-parallel; {est.params_per_rank / 1e6:,.1f}M parameters per rank",
+             "per rank, on the device:"]
+    for kind, value in est.device.items():
+        lines.append(f"  {kind:<18}{_fmt(value)}")
+    lines.append(f"  {'total':<18}{_fmt(est.device_total)}   of {_fmt(capacity).strip()} ({capacity_name})")
+    for kind, value in est.host.items():
+        lines.append(f"  offloaded to host: {kind:<18}{_fmt(value)}")
+    t = recipe.train
+    lines.append(f"activations (micro batch {t.micro_batch_size} x {t.seq_len} tokens): "
+                 f"{_fmt(est.activations_full).strip()} without, {_fmt(est.activations_checkpointed).strip()} with "
+                 f"activation checkpointing ({'on' if t.activation_checkpointing else 'off'})")
+    return "\n".join(lines)
+
+
+def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_node: int, caps) -> tuple[bool, str]:
+    """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits."""
+    from . import ds_config
+    from .model import load_config
+
+    _, config = load_config(recipe.model, recipe.train.seq_len)
+    parameters = count_parameters(config)
+    resolved = ds_config.resolve(raw_ds, recipe, world_size, caps)
+    layout = ds_config.layout_of(resolved, world_size)
+    capacity, capacity_name = device_memory(caps.name, ranks_per_node)
+    est = estimate(config, parameters, recipe, resolved, layout)
+    text = report(est, recipe, ds_name, layout, capacity, capacity_name)
+    if est.device_total <= capacity:
+        return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
+    for candidate in LADDER:
+        for checkpointing in (recipe.train.activation_checkpointing, True):
+            trial = _with(recipe, checkpointing)
+            cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps)
+            if estimate(config, parameters, trial, cfg, ds_config.layout_of(cfg, world_size)).device_total <= capacity:
+                fix = candidate + (" with --train.activation_checkpointing=true" if checkpointing and
+                                   not recipe.train.activation_checkpointing else "")
+                return False, text + f"\ndoes not fit; {fix} would (or lower train.micro_batch_size)"
+    return False, text + "\ndoes not fit with any shipped config at this world size; add ranks or lower " \
+                         "train.micro_batch_size / train.seq_len"
+
+
+def _with(recipe, checkpointing: bool):
+    import copy
+    trial = copy.deepcopy(recipe)
+    trial.train.activation_checkpointing = checkpointing
+    return trial
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def current_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated()
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def peak_bytes() -> int:
+    """High-water mark since process start: the allocator's on CUDA, the kernel's max RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_measurement(path: Path, baseline: int, extra: Optional[dict] = None) -> None:
+    peak = peak_bytes()
+    record = {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline,
+              "device": "cuda" if torch.cuda.is_available() else "cpu", **(extra or {})}
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)

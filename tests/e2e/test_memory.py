@@ -1,0 +1,35 @@
+"""The preflight's per-rank estimate against the measured peak of real 2-rank runs, and its refusal."""
+import json
+
+import pytest
+
+from helpers import launch
+
+# ZeRO-0/1/2 measured 1.08 / 0.92 / 0.99 of the estimate (23.5M params, fp32, micro 4 x 128 tokens).
+# ZeRO-3 measured 1.28: DeepSpeed's stage-3 step holds ~190 MiB more than the modelled terms here
+# (not yet attributed; see the issue note), so it is held to a looser bound until that is explained.
+BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35}
+
+
+@pytest.mark.parametrize("ds_config", list(BOUND))
+def test_estimate_matches_measured_peak(tmp_path, cache, medium_llama, ds_config):
+    run = tmp_path / "run"
+    launch(["--ds_config", ds_config, "--output_dir", str(run), f"--model.name_or_path={medium_llama}",
+            "--train.max_steps=3", "--train.micro_batch_size=4", "--log.wandb=false", "--log.progress_bar=false",
+            "--eval.max_batches=1", "--checkpoint.export_hf=false"], cache)
+    m = json.loads((run / "memory.json").read_text())
+    ratio = m["peak_above_baseline_bytes"] / m["estimated_device_bytes"]
+    print(f"{ds_config}: measured {m['peak_above_baseline_bytes'] / 2**20:.0f} MiB, estimated "
+          f"{m['estimated_device_bytes'] / 2**20:.0f} MiB, ratio {ratio:.2f}")
+    assert m["estimated_device_bytes"] > 300 * 2**20      # model states dominate, not interpreter noise
+    assert abs(ratio - 1) <= BOUND[ds_config]
+
+
+def test_preflight_cli(cache, tmp_path, medium_llama):
+    common = ["--preflight", "--world_size", "2", f"--model.name_or_path={medium_llama}", "--ds_config", "zero2.json"]
+    ok = launch(common, cache, launcher="python", check=False)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "23.5M parameters, zero2.json, world 2 = 2 data-parallel" in ok.stdout and "fits:" in ok.stdout
+    # a node so crowded that each rank gets a sliver of RAM: refused, with the reason, exit 1
+    tight = launch(common + ["--ranks_per_node", "100000"], cache, launcher="python", check=False)
+    assert tight.returncode == 1 and "does not fit" in tight.stdout, tight.stdout[-2000:]

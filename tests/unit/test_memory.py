@@ -1,0 +1,62 @@
+"""Preflight arithmetic on an 8B-shaped Llama (built on the meta device, nothing downloaded)."""
+import pytest
+
+from dstrain import ds_config as dsc, memory
+from dstrain.config import load_recipe, parse_overrides
+
+GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
+GiB = 1024 ** 3
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    from transformers import LlamaConfig
+    out = tmp_path_factory.mktemp("llama8b")
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192).save_pretrained(out)
+    return out
+
+
+def recipe(path, *extra):
+    return load_recipe("llama-3.1-8b/pretrain_multinode.yaml",
+                       parse_overrides([f"--model.name_or_path={path}", "--model.tokenizer=recipes/tiny/model", *extra]))
+
+
+def test_zero_paper_model_states(llama8b):
+    r = recipe(llama8b)
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(llama8b)
+    psi = memory.count_parameters(config)
+    assert 8.0e9 < psi < 8.1e9                               # Llama-3.1-8B has 8.03B parameters
+    per = {}
+    for stage in (1, 2, 3):
+        cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU)
+        est = memory.estimate(config, psi, r, cfg, dsc.layout_of(cfg, 32))
+        per[stage] = (est.device["parameters"] + est.device["gradients"] + est.device["optimizer_states"]) / psi
+    # ZeRO paper, bf16 + Adam, N=32: 4 + 12/N, 2 + 14/N, 16/N, plus DeepSpeed's fp32 partition gradient 4/N
+    # and (ZeRO-3) the live-parameter cap of 1e8 gathered elements
+    assert per[1] == pytest.approx(4 + 16 / 32, rel=1e-3)
+    assert per[2] == pytest.approx(2 + 18 / 32, rel=1e-3)
+    assert per[3] == pytest.approx(20 / 32 + 2 * 1e8 / psi, rel=1e-3)
+
+
+def test_preflight_refuses_and_suggests(llama8b, monkeypatch):
+    monkeypatch.setattr(memory, "device_memory", lambda name, ranks: (80 * GiB, "H100 80GB"))
+    r = recipe(llama8b, "--train.activation_checkpointing=false")
+    fits, text = memory.preflight(r, dsc.load("zero1.json"), "zero1.json", 8, 8, GPU)
+    assert not fits and "does not fit;" in text and "would" in text
+    fits, text = memory.preflight(recipe(llama8b), dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)
+    assert fits, text
+    assert "parameters" in text and "activations" in text and "of 80.00 GiB (H100 80GB)" in text
+
+
+def test_activation_checkpointing_shrinks_activations(llama8b):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(llama8b)
+    r = recipe(llama8b)
+    cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU)
+    est = memory.estimate(config, 8_030_261_248, r, cfg, dsc.layout_of(cfg, 32))
+    # 2 x 4096 tokens, 32 layers of 8h+4f = 90112 bf16 elements per token, logits 128256 x 14 bytes
+    tokens = 2 * 4096
+    assert est.activations_full == 32 * tokens * 90112 * 2 + tokens * 128256 * 14 + tokens * 4096 * 2
+    assert est.activations_checkpointed < est.activations_full / 3
