@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     resume_from = checkpoint.resolve_resume(args.resume, run_dir / "checkpoints")
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
     ctx = dist.init()
-    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect())
+    hidden_size = models.hidden_size(models.load_config(recipe.model, recipe.train.seq_len)[1])
+    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(), hidden_size)
     layout = ds_config.layout_of(ds_cfg, ctx.world_size)
     train = recipe.train
 

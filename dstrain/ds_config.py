@@ -200,8 +200,22 @@ def zero_stage(cfg: dict) -> int:
     return int((cfg.get("zero_optimization") or {}).get("stage", 0))
 
 
-def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps) -> dict:
-    """A complete DeepSpeed config with no "auto" left, consistent with the recipe and the world size."""
+def zero3_sizes(hidden_size: int) -> dict:
+    """ZeRO-3 sizes scaled to the model (its "auto" values). Buckets and persistence follow transformers'
+    rule (h^2, 0.9 h^2, 10 h); live parameters, reuse distance and optimizer sub-groups are capped at about
+    one decoder layer (a Llama layer holds ~12-13 h^2 parameters). Peak memory at 100M parameters, as a
+    multiple of the ZeRO paper's 16/N bytes per parameter: 2.0x with fixed 1e8-element sizes, 1.33x with
+    24 h^2 caps, see docs/benchmarks.md for 12 h^2. Larger caps prefetch more: raise them in the JSON
+    when GPU memory is plentiful and throughput matters more."""
+    h2 = hidden_size * hidden_size
+    return {"reduce_bucket_size": h2, "stage3_prefetch_bucket_size": int(0.9 * h2),
+            "stage3_param_persistence_threshold": 10 * hidden_size, "stage3_max_live_parameters": 12 * h2,
+            "stage3_max_reuse_distance": 12 * h2, "sub_group_size": 12 * h2}
+
+
+def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden_size: int | None = None) -> dict:
+    """A complete DeepSpeed config with no "auto" left, consistent with the recipe and the world size;
+    hidden_size fills the model-scaled ZeRO-3 sizes."""
     cfg = copy.deepcopy(raw)
     validate_keys(cfg)
     train = recipe.train
@@ -239,6 +253,11 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps) -> dic
     if _is_auto((cfg.get("scheduler") or {"type": "auto"}).get("type", "auto")):
         cfg.pop("scheduler", None)  # dstrain.schedule builds it from the recipe (see there for why)
 
+    zero = cfg.get("zero_optimization") or {}
+    if hidden_size:
+        for key, value in zero3_sizes(hidden_size).items():
+            if _is_auto(zero.get(key)):
+                zero[key] = value
     _fill(cfg, "gradient_clipping", float(train.max_grad_norm), "", "train.max_grad_norm")
     cfg.setdefault("steps_per_print", 10 ** 9)  # dstrain's own progress bar reports steps
     cfg.setdefault("wall_clock_breakdown", False)

@@ -155,9 +155,12 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     from . import ds_config
     from .model import load_config
 
+    from .model import hidden_size
+
     _, config = load_config(recipe.model, recipe.train.seq_len)
     parameters = count_parameters(config)
-    resolved = ds_config.resolve(raw_ds, recipe, world_size, caps)
+    h = hidden_size(config)
+    resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h)
     layout = ds_config.layout_of(resolved, world_size)
     capacity, capacity_name = device_memory(caps.name, ranks_per_node)
     est = estimate(config, parameters, recipe, resolved, layout)
@@ -167,7 +170,7 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     for candidate in LADDER:
         for checkpointing in (recipe.train.activation_checkpointing, True):
             trial = _with(recipe, checkpointing)
-            cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps)
+            cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps, h)
             if estimate(config, parameters, trial, cfg, ds_config.layout_of(cfg, world_size)).device_total <= capacity:
                 fix = candidate + (" with --train.activation_checkpointing=true" if checkpointing and
                                    not recipe.train.activation_checkpointing else "")

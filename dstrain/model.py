@@ -52,6 +52,10 @@ def load_config(cfg: ModelConfig, seq_len: int):
     return location, config
 
 
+def hidden_size(config) -> int | None:
+    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+
+
 def has_weights(location: str) -> bool:
     path = Path(location)
     return path.is_dir() and any((path / f).exists() for f in WEIGHT_FILES)

@@ -23,10 +23,10 @@ FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_sc
         "min_loss_scale": 1}
 ZERO12 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50_000_000,
           "allgather_bucket_size": 50_000_000}
-ZERO3 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50_000_000,
-         "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
-         "stage3_max_live_parameters": 100_000_000, "stage3_max_reuse_distance": 100_000_000,
-         "sub_group_size": 100_000_000}
+# "auto": scaled to the model's hidden size by dstrain.ds_config.zero3_sizes (measured: docs/benchmarks.md)
+ZERO3 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
+         "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+         "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto", "sub_group_size": "auto"}
 CPU_OPT = {"device": "cpu", "pin_memory": True}
 CPU_PARAM = {"device": "cpu", "pin_memory": True}
 NVME_OPT = {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4}

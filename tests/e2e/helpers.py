@@ -25,7 +25,7 @@ def free_port() -> int:
 
 def env(cache: Path, **extra) -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DSTRAIN_CACHE=str(cache),
-             WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+             WANDB_MODE="offline", PYTHONUNBUFFERED="1", MALLOC_MMAP_THRESHOLD_="131072")
     e.pop("WANDB_API_KEY", None)
     e.update(extra)
     return e

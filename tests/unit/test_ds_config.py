@@ -49,7 +49,7 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     raw = dsc.load(name)
     assert dsc._find_auto(raw), "shipped configs leave recipe-owned values to the recipe"
     r = recipe("--train.grad_accum_steps=3")
-    cfg = dsc.resolve(raw, r, world_size=4, caps=GPU)
+    cfg = dsc.resolve(raw, r, world_size=4, caps=GPU, hidden_size=128)
     assert dsc._find_auto(cfg) is None
     dp = dsc.layout_of(cfg, 4).data_parallel
     assert dp == (2 if ("pipe2" in name or "tp2" in name) else 4)
@@ -149,8 +149,21 @@ REAL = [p for p in sorted(RECIPES_DIR.rglob("*.yaml")) if not p.is_relative_to(R
 def test_real_recipes_batch_arithmetic_at_their_world_size(path):
     r = load_recipe(path)
     assert r.world_size, "real recipes name the world size they were written for"
-    cfg = dsc.resolve(dsc.load(r.ds_config), r, r.world_size, GPU)
+    cfg = dsc.resolve(dsc.load(r.ds_config), r, r.world_size, GPU, hidden_size=4096)
     expected = r.train.micro_batch_size * r.train.grad_accum_steps * r.world_size
     assert cfg["train_batch_size"] == expected
     assert deepspeed_accepts(cfg, r.world_size).train_batch_size == expected
     assert cfg["bf16"]["enabled"] is True
+
+
+def test_zero3_sizes_scale_with_the_model():
+    raw = dsc.load("zero3.json")
+    with pytest.raises(UserError, match="is \"auto\" but no recipe value fills it"):
+        dsc.resolve(raw, recipe(), 2, CPU)               # needs the model's hidden size
+    small = dsc.resolve(raw, recipe(), 2, CPU, hidden_size=768)["zero_optimization"]
+    big = dsc.resolve(raw, recipe(), 2, CPU, hidden_size=4096)["zero_optimization"]
+    assert small["reduce_bucket_size"] == 768 ** 2 and big["reduce_bucket_size"] == 4096 ** 2
+    assert big["stage3_max_live_parameters"] == 12 * 4096 ** 2 and big["stage3_param_persistence_threshold"] == 40960
+    explicit = dsc.resolve(dsc.load("zero3.json", {"zero_optimization": {"reduce_bucket_size": 123}}), recipe(), 2,
+                           CPU, hidden_size=768)
+    assert explicit["zero_optimization"]["reduce_bucket_size"] == 123   # a value in the JSON is kept

@@ -30,14 +30,14 @@ def test_zero_paper_model_states(llama8b):
     assert 8.0e9 < psi < 8.1e9                               # Llama-3.1-8B has 8.03B parameters
     per = {}
     for stage in (1, 2, 3):
-        cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU)
+        cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU, hidden_size=4096)
         est = memory.estimate(config, psi, r, cfg, dsc.layout_of(cfg, 32))
         per[stage] = (est.device["parameters"] + est.device["gradients"] + est.device["optimizer_states"]) / psi
     # ZeRO paper, bf16 + Adam, N=32: 4 + 12/N, 2 + 14/N, 16/N, plus DeepSpeed's fp32 partition gradient 4/N
-    # and (ZeRO-3) the live-parameter cap of 1e8 gathered elements
+    # and (ZeRO-3) the live-parameter cap of 12 h^2 gathered elements
     assert per[1] == pytest.approx(4 + 16 / 32, rel=1e-3)
     assert per[2] == pytest.approx(2 + 18 / 32, rel=1e-3)
-    assert per[3] == pytest.approx(20 / 32 + 2 * 1e8 / psi, rel=1e-3)
+    assert per[3] == pytest.approx(20 / 32 + 2 * 12 * 4096 ** 2 / psi, rel=1e-3)
 
 
 def test_preflight_refuses_and_suggests(llama8b, monkeypatch):
@@ -54,7 +54,7 @@ def test_activation_checkpointing_shrinks_activations(llama8b):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(llama8b)
     r = recipe(llama8b)
-    cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU)
+    cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
     est = memory.estimate(config, 8_030_261_248, r, cfg, dsc.layout_of(cfg, 32))
     # 2 x 4096 tokens, 32 layers of 8h+4f = 90112 bf16 elements per token, logits 128256 x 14 bytes
     tokens = 2 * 4096
