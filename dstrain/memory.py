@@ -4,12 +4,14 @@ Model states per rank (psi parameters on the rank after pipeline/tensor splittin
 replicas, w bytes per training-precision element): the ZeRO paper's terms plus the copies DeepSpeed
 really makes. With any ZeRO stage (and in 16-bit without one) the optimizer works on an fp32 copy of this
 rank's 1/N partition, which has its own fp32 gradient:
-  parameters  w*psi, or w*psi/N under ZeRO-3 plus the gathered live parameters (capped)
-  gradients   w*psi (ZeRO-0/1), w*psi/N (ZeRO-2/3), + 4*psi/N for the fp32 partition's gradient
+  parameters  w*psi, or w*psi/N under ZeRO-3
+  gradients   w*psi (ZeRO-0/1), w*psi/N (ZeRO-2/3)
   optimizer   Adam moments 8*psi/N + fp32 partition 4*psi/N (fp32 ZeRO-0: moments 8*psi, no copy)
-  step        torch AdamW's foreach step allocates one fp32 temporary per updated element
-  buffers     reduce / allgather buckets and the ZeRO-3 prefetch bucket, each at most psi elements
-              (on CPU only the pages written count, and a bucket never fills beyond the model)
+Transient, in two phases that do not overlap (the peak is the persistent part plus the larger phase):
+  backward    activations, the gradient reduce bucket, ZeRO-3's gathered live parameters and prefetch
+  step        the fp32 partition's gradient 4*psi/N, torch AdamW's foreach temporary (one fp32 element
+              per updated element), ZeRO-1/2's all-gather bucket
+Buckets count at most psi elements: on CPU only written pages are resident.
 Offloaded parameters / optimizer states move from the device to host memory.
 Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, vocabulary V:
   each decoder layer keeps about s*b*(8h + 4f) elements for backward (inputs of the norms, q/k/v,
@@ -31,6 +33,8 @@ import torch
 from .errors import UserError
 
 GiB = 1024 ** 3
+BACKWARD = ("activations", "buffers")        # alive during forward/backward only
+STEP = ("optimizer_step",)                   # alive during the optimizer step only
 # Configs tried, most memory-hungry first, when a recipe does not fit.
 LADDER = ["zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json", "zero3_nvme.json"]
 
@@ -46,7 +50,11 @@ class Estimate:
 
     @property
     def device_total(self) -> int:
-        return sum(self.device.values())
+        """The peak: persistent states plus the larger of the backward phase and the optimizer-step phase."""
+        persistent = sum(v for k, v in self.device.items() if k not in BACKWARD + STEP)
+        backward = sum(self.device.get(k, 0) for k in BACKWARD)
+        step = sum(self.device.get(k, 0) for k in STEP)
+        return persistent + max(backward, step)
 
     @property
     def host_total(self) -> int:
@@ -84,27 +92,25 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
     partitioned = stage >= 1 or sixteen_bit            # ZeRO-0 in 16 bit runs the (partitioning) BF16 optimizer
     opt_elems = psi // n if partitioned else psi       # elements the optimizer updates on this rank
     params = w * psi // (n if stage == 3 else 1)
-    if stage == 3:                                     # gathered for compute, up to the live-parameter cap
-        params += w * min(psi, int(zero.get("stage3_max_live_parameters", 1e9)))
     grads = w * psi // (n if stage >= 2 else 1)
-    master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition ...
-    master_grads = 4 * opt_elems if partitioned else 0  # ... and its fp32 gradient
+    master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition
     moments = 8 * opt_elems                            # Adam exp_avg, exp_avg_sq
-    step_temp = 4 * opt_elems if (ds_cfg.get("optimizer") or {}).get("params", {}).get("torch_adam") else 0
+    # optimizer step only: the fp32 partition's gradient, torch AdamW's foreach temporary, and (ZeRO-1/2)
+    # the all-gather bucket that redistributes updated parameters
+    step = (4 * opt_elems if partitioned else 0)
+    step += 4 * opt_elems if (ds_cfg.get("optimizer") or {}).get("params", {}).get("torch_adam") else 0
+    if stage in (1, 2):
+        step += w * min(psi, int(zero.get("allgather_bucket_size", 5e8)))
+    # forward/backward only: gradient reduce bucket, and under ZeRO-3 the gathered live parameters + prefetch
+    buffers = w * min(psi, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 1 else 0
     if stage == 3:
-        buffers = w * min(psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))
-        buffers += w * min(psi, int(zero.get("reduce_bucket_size", 5e8)))
-    elif stage in (1, 2):
-        buffers = w * min(psi, int(zero.get("reduce_bucket_size", 5e8)))
-        buffers += w * min(psi, int(zero.get("allgather_bucket_size", 5e8)))
-    else:
-        buffers = 0
-    device = {"parameters": params, "gradients": grads + master_grads, "optimizer_states": moments + master,
-              "optimizer_step": step_temp, "buffers": buffers}
+        buffers += w * min(psi, int(zero.get("stage3_max_live_parameters", 1e9))
+                           + int(zero.get("stage3_prefetch_bucket_size", 5e7)))
+    device = {"parameters": params, "gradients": grads, "optimizer_states": moments + master,
+              "optimizer_step": step, "buffers": buffers}
     host: dict = {}
     if offload_opt:  # DeepSpeedCPUAdam: states, master, its gradient and the step live in host memory
-        host["optimizer_states"] = device.pop("optimizer_states") + master_grads + device.pop("optimizer_step")
-        device["gradients"] = grads
+        host["optimizer_states"] = device.pop("optimizer_states") + device.pop("optimizer_step")
     if offload_param and stage == 3:
         host["parameters"] = device.pop("parameters")
 
@@ -140,7 +146,8 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
              "per rank, on the device:"]
     for kind, value in est.device.items():
         lines.append(f"  {kind:<18}{_fmt(value)}")
-    lines.append(f"  {'total':<18}{_fmt(est.device_total)}   of {_fmt(capacity).strip()} ({capacity_name})")
+    lines.append(f"  {'peak':<18}{_fmt(est.device_total)}   of {_fmt(capacity).strip()} ({capacity_name}); "
+                 f"buffers+activations (backward) and optimizer_step do not coexist")
     for kind, value in est.host.items():
         lines.append(f"  offloaded to host: {kind:<18}{_fmt(value)}")
     t = recipe.train

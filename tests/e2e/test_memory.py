@@ -5,9 +5,9 @@ import pytest
 
 from helpers import launch
 
-# ZeRO-0/1/2 measured 1.08 / 0.92 / 0.99 of the estimate (23.5M params, fp32, micro 4 x 128 tokens).
-# ZeRO-3 measured 1.28: DeepSpeed's stage-3 step holds ~190 MiB more than the modelled terms here
-# (not yet attributed; see the issue note), so it is held to a looser bound until that is explained.
+# Measured / estimated (23.5M params, fp32, micro 4 x 128 tokens, glibc mmap threshold fixed as the
+# Makefile sets it): ZeRO-0 0.92, ZeRO-1 0.87, ZeRO-2 0.94, ZeRO-3 1.24. ZeRO-3 holds ~90 MiB more than the
+# modelled terms (not yet attributed), too close to 25% for a stable test, so it has a looser bound.
 BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35}
 
 
