@@ -48,7 +48,27 @@ def init() -> DistContext:
     if torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)
     deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    _unlink_shm_buffer(ctx)
     return ctx
+
+
+def shm_buffer_path(rank: int) -> str:
+    """Where DeepSpeed's CPU shared-memory allreduce keeps this rank's 64 MiB workspace."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def _unlink_shm_buffer(ctx: DistContext) -> None:
+    """DeepSpeed's CPU backend creates one /dev/shm file per rank and never removes it: each run
+    leaked 64 MiB of RAM per rank until /dev/shm filled and the OOM killer came. Once every rank has
+    mapped its peers' files (init returns only after that, the barrier makes it true for all), the
+    names can go: the mappings stay valid and the memory is freed when the processes exit, even
+    when they are killed."""
+    barrier()
+    try:
+        os.unlink(shm_buffer_path(ctx.rank))
+    except FileNotFoundError:  # not every launcher turns the shm path on (torchrun does not)
+        pass
 
 
 def barrier() -> None:

@@ -1,6 +1,7 @@
 """Launch train.py for real, and an independent single-process PyTorch reference to compare against."""
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -48,6 +49,12 @@ def launch(args: list[str], cache: Path, launcher: str = "deepspeed", nproc: int
         raise ValueError(launcher)
     proc = subprocess.run(cmd + args, cwd=ROOT, env=env(cache, **extra_env), capture_output=True, text=True,
                           timeout=timeout)
+    # DeepSpeed's CPU shm allreduce leaves a 64 MiB /dev/shm file per rank unless train.py removes it;
+    # left there, a suite's worth of runs filled RAM and got CI OOM-killed.
+    leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    for path in leaked:
+        os.unlink(path)
+    assert not leaked, f"run left shared memory behind: {leaked}"
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
@@ -113,3 +120,18 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         opt.step()
         losses.append(loss.item())
     return losses, model
+
+
+def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config: str) -> None:
+    """Stop at step 4 (train.exit_at_step), resume, and get the losses of an uninterrupted 10-step run."""
+    import pytest
+
+    args = ["--train.max_steps=10", "--train.warmup_steps=2", "--train.micro_batch_size=4",
+            "--train.grad_accum_steps=2", "--train.seq_len=64", "--eval.max_batches=2", "--log.wandb=false",
+            "--log.progress_bar=false", "--ds_config", ds_config, f"--model.name_or_path={model_dir}"]
+    launch(args + ["--output_dir", str(tmp_path / "whole"), "--checkpoint.every=0"], cache)
+    launch(args + ["--output_dir", str(tmp_path / "split"), "--train.exit_at_step=4"], cache)
+    launch(args + ["--output_dir", str(tmp_path / "split")], cache)
+    want, _ = metrics(tmp_path / "whole")
+    got, _ = metrics(tmp_path / "split")
+    assert len(got) == 10 and got == pytest.approx(want, rel=1e-6, abs=0)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import launch, metrics
+from helpers import assert_resume_exact, launch, metrics
 from test_vs_reference import STEPS, run_and_compare
 
 
@@ -39,15 +39,7 @@ def test_two_stages_match_reference_and_export(tmp_path, cache, family, request)
 
 
 def test_pipeline_resume_is_exact(tmp_path, cache, tiny_llama):
-    args = ["--train.max_steps=10", "--train.warmup_steps=2", "--train.micro_batch_size=4",
-            "--train.grad_accum_steps=2", "--train.seq_len=64", "--eval.max_batches=2", "--log.wandb=false",
-            "--log.progress_bar=false", "--ds_config", "pipe2_zero1.json", f"--model.name_or_path={tiny_llama}"]
-    launch(args + ["--output_dir", str(tmp_path / "whole"), "--checkpoint.every=0"], cache)
-    launch(args + ["--output_dir", str(tmp_path / "split"), "--train.exit_at_step=4"], cache)
-    launch(args + ["--output_dir", str(tmp_path / "split")], cache)
-    want, _ = metrics(tmp_path / "whole")
-    got, _ = metrics(tmp_path / "split")
-    assert len(got) == 10 and got == pytest.approx(want, rel=1e-6, abs=0)
+    assert_resume_exact(tmp_path, cache, tiny_llama, "pipe2_zero1.json")
 
 
 def test_impossible_combinations_fail_clearly(tmp_path, cache, tiny_llama):

@@ -3,7 +3,7 @@ with ZeRO 0/1/2 beside it, exports a model that reproduces its eval loss, and re
 import pytest
 import torch
 
-from helpers import launch, metrics
+from helpers import assert_resume_exact, metrics
 from test_pipeline import exported_eval_loss
 from test_vs_reference import STEPS, run_and_compare
 
@@ -30,12 +30,4 @@ def test_tp2_matches_reference(tmp_path, cache, tiny_llama, zero_stage):
 
 
 def test_tp_resume_is_exact(tmp_path, cache, tiny_llama):
-    args = ["--train.max_steps=10", "--train.warmup_steps=2", "--train.micro_batch_size=4",
-            "--train.grad_accum_steps=2", "--train.seq_len=64", "--eval.max_batches=2", "--log.wandb=false",
-            "--log.progress_bar=false", "--ds_config", "tp2_zero1.json", f"--model.name_or_path={tiny_llama}"]
-    launch(args + ["--output_dir", str(tmp_path / "whole"), "--checkpoint.every=0"], cache)
-    launch(args + ["--output_dir", str(tmp_path / "split"), "--train.exit_at_step=4"], cache)
-    launch(args + ["--output_dir", str(tmp_path / "split")], cache)
-    want, _ = metrics(tmp_path / "whole")
-    got, _ = metrics(tmp_path / "split")
-    assert len(got) == 10 and got == pytest.approx(want, rel=1e-6, abs=0)
+    assert_resume_exact(tmp_path, cache, tiny_llama, "tp2_zero1.json")
