@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
 
     import deepspeed
-    from dstrain import checkpoint, data, dist, ds_config, memory, model as models, pipeline, schedule
+    from dstrain import checkpoint, data, dist, ds_config, memory, model as models, pipeline, preempt, schedule
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     val = data.eval_batches(prepared.val, train.micro_batch_size, dp_rank, layout.data_parallel,
                             recipe.eval.max_batches) if prepared.val is not None else []
     ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel)
+    stop = preempt.StopRequest(run_dir, ctx)  # SIGUSR1 / SIGTERM / a STOP file: checkpoint, exit 75
     start = ckpt.load(engine, resume_from, stream.global_batch)["step"] if resume_from else 0
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg})
@@ -121,9 +122,15 @@ def main(argv: list[str] | None = None) -> None:
             metrics.evaluation(step, evaluate(engine, val, layout.data_parallel))
         if ckpt.due(step, last):
             ckpt.save(engine, step, {"global_batch": stream.global_batch})
+        if stop.agreed(step, engine.device):
+            last = step
+            break
 
     final = ckpt.save(engine, max(start, last), {"global_batch": stream.global_batch})
-    if last < train.max_steps:
+    if stop.stopped_at:
+        metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
+                        f"run again with --resume auto to continue")
+    elif last < train.max_steps:
         metrics.message(f"stopped at step {last} (train.exit_at_step); run again with --resume auto to continue")
     elif recipe.checkpoint.export_hf and ctx.is_main and not (start == last and (run_dir / "hf").exists()):
         checkpoint.export_hf(final, run_dir / "hf", checkpoint.export_dtype(ds_cfg))
@@ -134,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                                  {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
                                   "setup_peak_above_baseline_bytes": setup_peak - baseline_memory})
     metrics.close()
+    if stop.stopped_at:
+        sys.exit(preempt.EXIT_CODE)
 
 
 def run_preflight(args: argparse.Namespace, recipe: Recipe, ds_overrides: dict) -> None:

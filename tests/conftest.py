@@ -1,8 +1,59 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # helpers.py, for tests/cluster too
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _save(model, tokenizer_src: Path, out: Path) -> Path:
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_src / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """The default recipe's Llama architecture with fixed random weights, saved as a real HF checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=576, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return _save(GPT2LMHeadModel(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-gpt2")
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    """One tokenized-data cache for the whole session, as a user's ~/.cache/dstrain would be."""
+    return tmp_path_factory.mktemp("dstrain-cache")
+
+
+@pytest.fixture(scope="session")
+def medium_llama(tmp_path_factory) -> Path:
+    """23.5M parameters: large enough that model states dwarf allocator noise in peak-memory checks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.update({"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64})
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "medium-llama")
