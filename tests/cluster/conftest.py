@@ -88,3 +88,75 @@ def sshd(tmp_path_factory):
         yield Sshd(port, bin_dir)
     finally:
         stop([proc])
+
+
+@dataclass
+class Slurm:
+    conf: Path
+    log_dir: Path
+
+    def env(self, base: dict) -> dict:
+        return dict(base, SLURM_CONF=str(self.conf))
+
+    def job(self, job_id: str) -> dict:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
+                             env=self.env(dict(os.environ)))
+        return dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """munged (as user munge), slurmctld and slurmd n1, n2 (one CPU each), all on 127.0.0.1."""
+    need("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "runuser")
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="dstrain-slurm-"))  # not under pytest's 0700 tmp: munge must reach it
+    d.chmod(0o755)
+    munge_dir = d / "munge"
+    munge_dir.mkdir()
+    munge_dir.chmod(0o711)  # munged wants its socket directory searchable by all, its key private
+    (munge_dir / "munge.key").write_bytes(os.urandom(1024))
+    (munge_dir / "munge.key").chmod(0o400)
+    subprocess.run(["chown", "-R", "munge:munge", munge_dir], check=True)
+    socket_path = munge_dir / "munge.sock"
+    ctld_port, *node_ports = free_port(), free_port(), free_port()
+    for sub in ("state", "spool/n1", "spool/n2"):
+        (d / sub).mkdir(parents=True)
+    conf = d / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=dstraintest", f"SlurmctldHost={socket.gethostname()}(127.0.0.1)", f"SlurmctldPort={ctld_port}",
+        "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
+        f"AuthInfo=socket={socket_path}", f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
+        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd-%n.pid",
+        f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd-%n.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/builtin",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2", "MpiDefault=none",
+        "JobRequeue=1", "MinJobAge=600", "KillWait=30", "SlurmdTimeout=60", "SlurmctldTimeout=60",
+        *(f"NodeName=n{i} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=1 State=UNKNOWN"
+          for i, port in enumerate(node_ports, 1)),
+        "PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP", ""]))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    procs = [subprocess.Popen(["runuser", "-u", "munge", "--", shutil.which("munged") or "/usr/sbin/munged",
+                               "--foreground", f"--key-file={munge_dir / 'munge.key'}", f"--socket={socket_path}",
+                               f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
+                               f"--seed-file={munge_dir / 'munged.seed'}"])]
+    slurm = Slurm(conf, d)
+    try:
+        wait_for(socket_path.exists, "munged", log=munge_dir / "munged.log")
+        procs.append(subprocess.Popen(["slurmctld", "-D", "-f", conf], env=env))
+        wait_for(lambda: answers("127.0.0.1", ctld_port), "slurmctld", log=d / "slurmctld.log")
+        procs += [subprocess.Popen(["slurmd", "-D", "-N", name, "-f", conf], env=env) for name in ("n1", "n2")]
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, env=env).stdout
+            return out.count("idle") == 2
+        wait_for(idle, "two idle slurmd nodes", timeout=60, log=d / "slurmd-n2.log")
+        yield slurm
+    finally:
+        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True)
+        stop(procs[:0:-1])  # slurmd, slurmctld, then munged
+        stop(procs[:1])
+        shutil.rmtree(d, ignore_errors=True)

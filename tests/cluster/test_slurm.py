@@ -1,0 +1,97 @@
+"""launch/slurm.sbatch on a real two-node SLURM cluster (see conftest.py): it trains and exports like the
+single-node run, and a job signalled mid-run (as SLURM does before a time limit) checkpoints, requeues
+itself, resumes, and ends with the per-step losses of an uninterrupted run."""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, env, launch, metrics
+
+ARGS = ["--train.warmup_steps=2", "--train.micro_batch_size=4", "--train.grad_accum_steps=2",
+        "--train.seq_len=64", "--eval.max_batches=2", "--eval.every=0", "--log.wandb=false",
+        "--log.progress_bar=false", "--ds_config", "zero2.json"]
+
+
+def submit(slurm, cache: Path, tmp_path: Path, run_dir: Path, args: list[str]) -> str:
+    job_env = slurm.env(env(cache, OUTPUT_DIR=str(run_dir), NPROC_PER_NODE="1", GLOO_SOCKET_IFNAME="lo"))
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/slurm-%j.out",
+                          str(ROOT / "launch/slurm.sbatch")] + args, cwd=ROOT, env=job_env, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def wait_done(slurm, job_id: str, tmp_path: Path, timeout: float = 900) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = slurm.job(job_id)
+        if job.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return job
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], env=slurm.env({}))
+    raise AssertionError(f"job {job_id} still {slurm.job(job_id).get('JobState')} after {timeout}s\n"
+                         f"{job_log(tmp_path, job_id)}\n{slurm.logs()}")
+
+
+def job_log(tmp_path: Path, job_id: str) -> str:
+    path = tmp_path / f"slurm-{job_id}.out"
+    return path.read_text() if path.exists() else "(no job output)"
+
+
+def reference(cache: Path, model: Path, run_dir: Path, steps: int) -> list[float]:
+    launch(ARGS + [f"--train.max_steps={steps}", f"--model.name_or_path={model}", "--output_dir", str(run_dir)],
+           cache)
+    return metrics(run_dir)[0]
+
+
+def test_sbatch_trains_on_two_nodes_and_exports(tmp_path, cache, tiny_llama, slurm):
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm, cache, tmp_path, run_dir, ARGS + ["--train.max_steps=8",
+                                                             f"--model.name_or_path={tiny_llama}"])
+    job = wait_done(slurm, job_id, tmp_path)
+    log = job_log(tmp_path, job_id)
+    assert job["JobState"] == "COMPLETED", f"{job}\n{log}\n{slurm.logs()}"
+    assert "2 nodes x 1 ranks" in log and "cluster check: world 2" in log, log
+    assert job["NodeList"] in ("n[1-2]", "n1,n2"), job  # the launcher ran on both nodes
+    want = reference(cache, tiny_llama, tmp_path / "single", 8)
+    got, _ = metrics(run_dir)
+    assert got == pytest.approx(want, rel=1e-6, abs=0)
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict()
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "hf").state_dict()
+    assert exported.keys() == single.keys()
+    for name, tensor in single.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, cache, tiny_llama, slurm):
+    steps = 200
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm, cache, tmp_path, run_dir, ARGS + [f"--train.max_steps={steps}", "--checkpoint.every=0",
+                                                             f"--model.name_or_path={tiny_llama}"])
+    deadline = time.time() + 600
+    while not (run_dir / "metrics.jsonl").exists() or sum(
+            '"loss"' in line for line in (run_dir / "metrics.jsonl").read_text().splitlines()) < 2:
+        assert time.time() < deadline and slurm.job(job_id).get("JobState") in ("PENDING", "RUNNING"), \
+            f"{slurm.job(job_id)}\n{job_log(tmp_path, job_id)}"
+        time.sleep(0.2)
+    # what --signal=B:USR1@300 does five minutes before the time limit
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env({}), check=True)
+    job = wait_done(slurm, job_id, tmp_path)
+    log = job_log(tmp_path, job_id)
+    assert job["JobState"] == "COMPLETED", f"{job}\n{log}\n{slurm.logs()}"
+    assert int(job["Restarts"]) == 1, f"{job}\n{log}"
+    stopped = re.search(r"stopped at step (\d+) \(STOP file\); checkpoint (step_\d+) saved", log)
+    assert stopped and int(stopped.group(1)) < steps, log
+    assert "requeueing to resume" in log and f"resumed from {run_dir / 'checkpoints' / stopped.group(2)}" in log, log
+    assert "restart 1:" in log
+    want = reference(cache, tiny_llama, tmp_path / "uninterrupted", steps)
+    got, _ = metrics(run_dir)
+    assert len(got) == steps and got == pytest.approx(want, rel=1e-6, abs=0)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+    assert (run_dir / "hf" / "config.json").exists()
