@@ -16,20 +16,29 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps train test test-fast bench lint assets clean
+.PHONY: setup system-deps test-deps train test test-fast bench lint assets clean
 
 setup: system-deps $(VENV)/.installed
 
 # Debian packages DeepSpeed's JIT-built ops need: libaio for NVMe offload (the async_io op).
 # Installed when missing and we are root with apt-get; otherwise a hint, since only NVMe offload needs it.
 SYSTEM_PACKAGES ?= libaio-dev
-system-deps:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+# The tests also start real cluster programs (tests/cluster): sshd + pdsh, a SLURM cluster, podman.
+# Without them (no root, no apt) those tests skip and say why.
+TEST_PACKAGES ?= openssh-server openssh-client pdsh slurmctld slurmd slurm-client munge podman debootstrap shellcheck
+define apt_install
+	@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing $$missing"; \
+	    echo "installing" $$missing; \
 	    (apt-get install -y -qq $$missing >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq $$missing)) >/dev/null; \
-	  else echo "note: install $$missing (e.g. sudo apt-get install $$missing) for NVMe offload"; fi; fi
+	  else echo "note: install" $$missing "(e.g. sudo apt-get install" $$missing")"; fi; fi
+endef
+system-deps:
+	$(call apt_install,$(SYSTEM_PACKAGES))
+
+test-deps:
+	$(call apt_install,$(TEST_PACKAGES))
 
 # A system python that already has torch (a CUDA image) lends it to the venv instead of a reinstall.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -44,10 +53,10 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 train: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --recipe $(RECIPE) $(if $(DS_CONFIG),--ds_config $(DS_CONFIG)) $(ARGS)
 
-test: setup
+test: setup test-deps
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup test-deps
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
 # side-by-side measurements; BENCH_ARGS=--write updates docs/benchmarks.md
@@ -55,8 +64,9 @@ BENCH_ARGS ?=
 bench: setup
 	$(PY) bench/memory.py $(BENCH_ARGS)
 
-lint: setup
+lint: setup test-deps
 	$(PY) -m compileall -q train.py dstrain tests bench scripts
+	shellcheck -x launch/*.sh launch/slurm.sbatch
 
 # regenerate the shipped tiny corpus, tokenizer and DeepSpeed configs (deterministic)
 assets: setup

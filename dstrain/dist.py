@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,9 +50,25 @@ def init() -> DistContext:
     ctx = env_context()
     if torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)
+    if ctx.is_local_main:
+        clear_stale_build_locks()
     deepspeed.init_distributed(dist_init_required=True, verbose=False)
     _unlink_shm_buffer(ctx)
     return ctx
+
+
+def clear_stale_build_locks(max_age_s: float = 1800) -> None:
+    """torch's JIT builder (DeepSpeed's ops) waits forever on a `lock` file that a killed build left
+    behind: every later run hangs at start. No build of ours takes half an hour, so older locks go."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    now = time.time()
+    for lock in list(root.glob("*/lock")) + list(root.glob("*/*/lock")):
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                print(f"removed {lock}: a stale lock from an interrupted DeepSpeed op build", file=sys.stderr)
+        except OSError:
+            pass
 
 
 def shm_buffer_path(rank: int) -> str:

@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,8 +48,16 @@ def launch(args: list[str], cache: Path, launcher: str = "deepspeed", nproc: int
                str(ROOT / "ds_configs" / "zero1.json"), "--mixed_precision", "no", "train.py"]
     else:
         raise ValueError(launcher)
-    proc = subprocess.run(cmd + args, cwd=ROOT, env=env(cache, **extra_env), capture_output=True, text=True,
-                          timeout=timeout)
+    # own session, so a timeout kills the launcher's ranks too, not only the launcher
+    with subprocess.Popen(cmd + args, cwd=ROOT, env=env(cache, **extra_env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            out, err = popen.communicate()
+            raise AssertionError(f"{' '.join(cmd + args)} ran past {timeout}s\n--- stderr\n{err[-6000:]}") from None
+    proc = subprocess.CompletedProcess(cmd + args, popen.returncode, out, err)
     # DeepSpeed's CPU shm allreduce leaves a 64 MiB /dev/shm file per rank unless train.py removes it;
     # left there, a suite's worth of runs filled RAM and got CI OOM-killed.
     leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")

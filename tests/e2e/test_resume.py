@@ -58,3 +58,43 @@ def test_finished_run_does_not_train_again(tmp_path, cache, tiny_llama):
     assert "resumed from" in proc.stderr and "at step 3" in proc.stderr
     assert (run / "metrics.jsonl").read_text() == before
     assert (run / "hf" / "model.safetensors").stat().st_mtime_ns == hf_mtime
+
+
+def test_sigterm_to_one_rank_checkpoints_exits_75_and_resumes_exactly(tmp_path, cache, tiny_llama):
+    """A spot VM's or scheduler's SIGTERM reaching one rank: both ranks agree on the step, save it, and the
+    launcher exits 75 (try again); the resumed run ends with the uninterrupted run's losses."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from helpers import BIN, ROOT, env, free_port
+
+    steps = 100  # long enough that the signal lands mid-run (a step takes tens of ms)
+    args = ARGS + [f"--model.name_or_path={tiny_llama}", f"--train.max_steps={steps}", "--eval.every=0",
+                   "--checkpoint.every=0"]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([BIN / "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
+                             *args, "--output_dir", str(run)], cwd=ROOT, env=env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or len(metrics(run)[0]) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+    rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "train.py" in p.cmdline() and "--local_rank=1" in p.cmdline()]
+    assert len(rank1) == 1
+    rank1[0].send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-4000:]
+    stopped_at = len(metrics(run)[0])
+    assert 2 <= stopped_at < steps
+    assert f"stopped at step {stopped_at} (another rank was signalled)" in err
+    assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "complete.json").exists()
+
+    resumed = launch(args + ["--output_dir", str(run)], cache)
+    assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at:08d}'}" in resumed.stderr
+    launch(args + ["--output_dir", str(tmp_path / "whole")], cache)
+    got, want = metrics(run)[0], metrics(tmp_path / "whole")[0]
+    assert len(got) == steps and got == pytest.approx(want, rel=1e-6, abs=0)

@@ -1,0 +1,24 @@
+"""Compile DeepSpeed's JIT ops once, into TORCH_EXTENSIONS_DIR, so runs do not wait for gcc/nvcc.
+
+    python scripts/prebuild_ops.py CPUAdamBuilder AsyncIOBuilder FusedAdamBuilder
+
+Used by the Dockerfile. An op the accelerator does not offer (FusedAdam on CPU) is skipped with a line.
+"""
+import sys
+
+from deepspeed.accelerator import get_accelerator
+
+
+def main(names: list[str]) -> None:
+    accelerator = get_accelerator()
+    for name in names:
+        builder = accelerator.create_op_builder(name)
+        if builder is None or not builder.is_compatible(verbose=False):
+            print(f"skipping {name}: not available for {accelerator.device_name()}")
+            continue
+        builder.load(verbose=False)
+        print(f"built {name} for {accelerator.device_name()}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,72 @@
+"""The Dockerfile, built for real with podman on a local Debian base (no registry is reachable here):
+its `test` stage installs the project, prebuilds DeepSpeed's ops and trains the default recipe to its
+end inside the build (scripts/image_smoke_test.py checks steps, falling loss and the export)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import need
+from helpers import ROOT
+
+BASE = "localhost/dstrain-test-base:bookworm"
+IMAGE = "localhost/dstrain-test:latest"
+
+
+def pip_settings() -> tuple[list[str], list[str]]:
+    """This machine's pip mirror settings as build args, and the host folders they name as read-only mounts."""
+    out = subprocess.run(["pip", "config", "list"], capture_output=True, text=True).stdout
+    values = {}
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        values[key.split(".")[-1]] = value.strip().strip("'")
+    args, mounts = [], []
+    for key, arg in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
+                     ("find-links", "PIP_FIND_LINKS")):
+        if values.get(key):
+            args += ["--build-arg", f"{arg}={values[key]}"]
+            for location in values[key].split():
+                path = Path(location.removeprefix("file://"))
+                if path.is_absolute() and path.exists():
+                    top = Path("/", *path.parts[1:3])  # /opt/pypi for /opt/pypi/simple
+                    mounts.append(f"{top}:{top}:ro")
+    if values.get("cert") and Path(values["cert"]).exists():  # a proxy's CA, which the base image lacks
+        args += ["--build-arg", "PIP_CERT=/etc/ssl/certs/host-pip-ca.crt"]
+        mounts.append(f"{values['cert']}:/etc/ssl/certs/host-pip-ca.crt:ro")
+    return args, [item for mount in dict.fromkeys(mounts) for item in ("-v", mount)]
+
+
+def local_base(tmp_path: Path) -> None:
+    """A minimal Debian bookworm image made with debootstrap (about 30 s), imported once per machine."""
+    if subprocess.run(["podman", "image", "exists", BASE]).returncode == 0:
+        return
+    root = tmp_path / "rootfs"
+    subprocess.run(["debootstrap", "--variant=minbase", "bookworm", root, "http://deb.debian.org/debian"],
+                   check=True, capture_output=True, timeout=600)
+    for conf in Path("/etc/apt/apt.conf.d").glob("99*"):  # this machine's apt mirror quirks, if any
+        shutil.copy(conf, root / "etc/apt/apt.conf.d" / conf.name)
+    tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["podman", "import", "-", BASE], stdin=tar.stdout, check=True, capture_output=True)
+    tar.wait()
+
+
+def test_image_builds_and_trains_the_default_recipe(tmp_path):
+    need("podman", "debootstrap")
+    local_base(tmp_path)
+    args, mounts = pip_settings()
+    cmd = ["podman", "build", "--isolation", "chroot", "--target", "test", "--build-arg", f"BASE_IMAGE={BASE}",
+           *args, *mounts, "-t", IMAGE, str(ROOT)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    finally:
+        subprocess.run(["podman", "rmi", "-f", IMAGE], capture_output=True)
+        subprocess.run(["podman", "image", "prune", "-f"], capture_output=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    assert "built CPUAdamBuilder for cpu" in out, out[-8000:]  # offload's op is in the image, not JIT at start
+    max_steps = yaml.safe_load((ROOT / "recipes/tiny/pretrain.yaml").read_text())["train"]["max_steps"]
+    assert f"image smoke test: {max_steps} steps" in out, out[-8000:]
