@@ -56,11 +56,17 @@ def prepare_run_dir(path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def load_inputs(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe, dict]:
+    """(arguments, recipe with its DeepSpeed config chosen, --ds.* overrides); also used by dstrain.cluster."""
     args, overrides = parse_args(argv)
     ds_overrides = overrides.pop("ds", {})  # --ds.zero_optimization.stage=3 edits the DeepSpeed JSON
     recipe: Recipe = load_recipe(args.recipe, overrides)
     recipe.ds_config = args.ds_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or recipe.ds_config
+    return args, recipe, ds_overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, recipe, ds_overrides = load_inputs(argv)
     if args.preflight:
         return run_preflight(args, recipe, ds_overrides)
     run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
@@ -73,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     resume_from = checkpoint.resolve_resume(args.resume, run_dir / "checkpoints")
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
     ctx = dist.init()
-    hidden_size = models.hidden_size(models.load_config(recipe.model, recipe.train.seq_len)[1])
-    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(), hidden_size)
+    model_config = models.load_config(recipe.model, recipe.train.seq_len)[1]
+    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
+                               models.hidden_size(model_config))
     layout = ds_config.layout_of(ds_cfg, ctx.world_size)
     train = recipe.train
 
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint.export_hf(final, run_dir / "hf", checkpoint.export_dtype(ds_cfg))
         metrics.message(f"exported {run_dir / 'hf'}")
     if ctx.is_main:
-        estimate = memory.estimate(models.load_config(recipe.model, train.seq_len)[1], params_total, recipe, ds_cfg, layout)
+        estimate = memory.estimate(model_config, params_total, recipe, ds_cfg, layout)
         memory.write_measurement(run_dir / "memory.json", baseline_memory,
                                  {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
                                   "setup_peak_above_baseline_bytes": setup_peak - baseline_memory})

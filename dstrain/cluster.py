@@ -83,13 +83,9 @@ def world_report(world: int, train_argv: list[str]) -> str:
     import train as entry  # the same argument parsing as the run itself
 
     from . import ds_config
-    from .config import load_recipe
     from .model import hidden_size, load_config
 
-    args, overrides = entry.parse_args(train_argv)
-    ds_overrides = overrides.pop("ds", {})
-    recipe = load_recipe(args.recipe, overrides)
-    recipe.ds_config = args.ds_config or recipe.ds_config
+    args, recipe, ds_overrides = entry.load_inputs(train_argv)
     raw = ds_config.load(recipe.ds_config, ds_overrides)
     try:  # only the ZeRO-3 "auto" bucket sizes need the model; they do not change what fits the world
         hidden = hidden_size(load_config(recipe.model, recipe.train.seq_len)[1])

@@ -160,9 +160,7 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
 def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_node: int, caps) -> tuple[bool, str]:
     """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits."""
     from . import ds_config
-    from .model import load_config
-
-    from .model import hidden_size
+    from .model import hidden_size, load_config
 
     _, config = load_config(recipe.model, recipe.train.seq_len)
     parameters = count_parameters(config)

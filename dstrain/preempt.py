@@ -12,11 +12,11 @@ run resumes from the checkpoint (--resume auto).
 """
 from __future__ import annotations
 
-import os
 import signal
-import time
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from .dist import DistContext, all_reduce_sum
 
@@ -30,7 +30,8 @@ class StopRequest:
         self.ctx = ctx
         self.reason: Optional[str] = None
         self.stopped_at: Optional[int] = None
-        if ctx.is_main and self.path.exists() and self.path.stat().st_mtime < _process_start():
+        started = psutil.Process().create_time()
+        if ctx.is_main and self.path.exists() and self.path.stat().st_mtime < started:
             self.path.unlink()  # left from an earlier run that finished before it saw the file
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -52,12 +53,3 @@ class StopRequest:
                 self.path.unlink()  # consumed: the resumed run must not stop on it again
         return bool(votes)
 
-
-def _process_start() -> float:
-    """Wall-clock start of this process (Linux /proc), or now where that cannot be read."""
-    try:
-        ticks = int(Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
