@@ -71,19 +71,46 @@ def main(argv: list[str] | None = None) -> None:
         return run_preflight(args, recipe, ds_overrides)
     run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
 
+    from dstrain import checkpoint, dist, ds_config
+    from dstrain.watchdog import Watchdog
+
+    checkpoint.resolve_resume(args.resume, run_dir / "checkpoints")  # a bad --resume fails before anything starts
+    raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
+    ctx = dist.init()
+    watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang
+    try:
+        code = train(args, recipe, raw_ds, run_dir, ctx, watchdog)
+    except (UserError, SystemExit):  # the same bad input on every rank: each says so and leaves
+        watchdog.close()
+        raise
+    except checkpoint.SaveError as error:  # this rank could not write; the others may wait in a collective
+        watchdog.abort(str(error), error.code)
+    except BaseException as error:  # a crash here, or a collective that failed because a peer died
+        watchdog.fail(error)
+    watchdog.close()
+    if code:
+        sys.exit(code)
+
+
+def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
     import deepspeed
-    from dstrain import checkpoint, data, dist, ds_config, memory, model as models, pipeline, preempt, schedule
+    from dstrain import checkpoint, data, dist, ds_config, faults, memory, model as models, pipeline, preempt, schedule
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
-    resume_from = checkpoint.resolve_resume(args.resume, run_dir / "checkpoints")
-    raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
-    ctx = dist.init()
-    model_config = models.load_config(recipe.model, recipe.train.seq_len)[1]
+    train = recipe.train
+    log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
+    resume = checkpoint.choose(args.resume, run_dir / "checkpoints", ctx, recipe.checkpoint.verify, log)
+    layout = ds_config.layout_of(raw_ds, ctx.world_size)
+    if resume:  # same global batch on a new world size (grad_accum_steps re-derived), universal conversion
+        checkpoint.adapt_to_world(resume, train, layout.data_parallel,
+                                  layout.pipeline_stages > 1 or layout.tensor_parallel > 1, log)
+        if resume.universal:
+            checkpoint.to_universal(resume, ctx, log)
+            raw_ds.setdefault("checkpoint", {})["load_universal"] = True
+    model_config = models.load_config(recipe.model, train.seq_len)[1]
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
                                models.hidden_size(model_config))
-    layout = ds_config.layout_of(ds_cfg, ctx.world_size)
-    train = recipe.train
 
     tokenizer = models.load_tokenizer(recipe.model)
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
@@ -110,30 +137,42 @@ def main(argv: list[str] | None = None) -> None:
                             recipe.eval.max_batches) if prepared.val is not None else []
     ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel)
     stop = preempt.StopRequest(run_dir, ctx)  # SIGUSR1 / SIGTERM / a STOP file: checkpoint, exit 75
-    start = ckpt.load(engine, resume_from, stream.global_batch)["step"] if resume_from else 0
+    start = ckpt.load(engine, resume)["step"] if resume else 0
+    if resume:
+        stream.resume(start, resume.manifest.get("samples", start * stream.global_batch))
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg})
-    metrics.message(f"{'resumed from ' + str(resume_from) if resume_from else 'starting'} at step {start}; "
+    metrics.message(f"{'resumed from ' + str(resume.path) if resume else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}")
     tokens_per_step = stream.global_batch * train.seq_len
+
+    def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
+        return {"global_batch": stream.global_batch, "samples": step * stream.global_batch + stream.offset,
+                "data_parallel": layout.data_parallel}
+
     if start == 0 and val:
         metrics.evaluation(0, evaluate(engine, val, layout.data_parallel))
-
+    watchdog.arm()
     last = train.exit_at_step or train.max_steps
     for step in range(start + 1, last + 1):
+        faults.point("step", ctx.rank, step)
         began, lr = time.perf_counter(), engine.get_lr()[0]
         loss, _ = train_step(engine, stream.micro_batches(step - 1), layout.data_parallel)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens_per_step,
                      time.perf_counter() - began)
+        watchdog.progress()
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, evaluate(engine, val, layout.data_parallel))
+            watchdog.progress()
         if ckpt.due(step, last):
-            ckpt.save(engine, step, {"global_batch": stream.global_batch})
+            ckpt.save(engine, step, saved(step))
+            watchdog.progress()
         if stop.agreed(step, engine.device):
             last = step
             break
 
-    final = ckpt.save(engine, max(start, last), {"global_batch": stream.global_batch})
+    final = ckpt.save(engine, max(start, last), saved(max(start, last)))
+    watchdog.close()  # past the last collective: ranks may now leave at different times
     if stop.stopped_at:
         metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
                         f"run again with --resume auto to continue")
@@ -148,8 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                                  {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
                                   "setup_peak_above_baseline_bytes": setup_peak - baseline_memory})
     metrics.close()
-    if stop.stopped_at:
-        sys.exit(preempt.EXIT_CODE)
+    return preempt.EXIT_CODE if stop.stopped_at else 0
 
 
 def run_preflight(args: argparse.Namespace, recipe: Recipe, ds_overrides: dict) -> None:

@@ -7,28 +7,48 @@ Layout of a run directory:
   hf/                          the exported Hugging Face model
 
 A checkpoint is written under a hidden temporary name and renamed into place only after every rank
-has finished writing and complete.json lists its files; a save interrupted at any point leaves only a
-`.tmp-*` directory that resume never considers. Older checkpoints are pruned after a newer one is
-complete, so there is always at least one complete checkpoint on disk.
+has finished writing and complete.json lists its files with their sizes and SHA-256 (each rank hashes a
+share); a save interrupted at any point leaves only a `.tmp-*` directory that resume never considers.
+Resume verifies the newest checkpoint's files first (again a share per rank); a damaged one is renamed
+`step_N.corrupt`, named in a warning, and the one before it is used. A save that fails (disk full,
+permission) raises SaveError on the rank that saw it, which ends the job; nothing complete is touched.
+Older checkpoints are pruned after a newer one is complete, so one complete checkpoint always remains.
+
+A checkpoint from another data-parallel size is converted once by DeepSpeed's universal-checkpoint tool
+into step_N/universal/ and loaded from there; the global batch is kept (grad_accum_steps is re-derived)
+and the data position is the sample count in the manifest, so no sample is skipped or seen twice.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from .config import CheckpointConfig
-from .dist import DistContext, barrier
+from . import faults
+from .config import CheckpointConfig, TrainConfig
+from .dist import DistContext, all_gather_objects, barrier, broadcast_object
 from .errors import UserError
 
 COMPLETE = "complete.json"
+UNIVERSAL = "universal"
+SAVE_FAILED_EXIT = 74  # EX_IOERR: not retried by launch/ scripts, since a full disk stays full
+
+
+class SaveError(Exception):
+    """A checkpoint could not be written; earlier checkpoints are untouched. Carries the exit code."""
+    code = SAVE_FAILED_EXIT
 TAG_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -110,47 +130,214 @@ class Checkpointer:
         if (final / COMPLETE).exists():
             return final
         tmp_tag = f".tmp-{tag_for(step)}"
-        if self.ctx.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(self.root / tmp_tag, ignore_errors=True)  # debris of an interrupted save
-        barrier()
-        engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=dict(client_state, step=step),
-                               save_latest=False)
-        torch.save(_rng_state(), self.root / tmp_tag / f"rng_rank{self.ctx.rank}.pt")
-        if self.consolidate:
-            full = engine._consolidated_16bit_state_dict()  # all ranks gather; rank 0 receives
+        tmp = self.root / tmp_tag
+        rank = self.ctx.rank
+        try:
             if self.ctx.is_main:
-                torch.save(full, self.root / tmp_tag / CONSOLIDATED)
-        barrier()
-        if self.ctx.is_main:
-            files = sorted(str(p.relative_to(self.root / tmp_tag)) for p in (self.root / tmp_tag).rglob("*")
-                           if p.is_file())
-            manifest = {"step": step, "files": files, "world_size": self.ctx.world_size, **client_state}
-            _write_atomic(self.root / tmp_tag / COMPLETE, json.dumps(manifest, indent=1))
-            if final.exists():  # an incomplete directory of that name (never complete, so never resumed)
-                shutil.rmtree(final)
-            os.rename(self.root / tmp_tag, final)
-            _write_atomic(self.root / "latest", final.name + "\n")
-            for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
+            barrier()
+            state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
+            engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=state, save_latest=False)
+            torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+            if self.consolidate:
+                full = engine._consolidated_16bit_state_dict()  # all ranks gather; rank 0 receives
+                if self.ctx.is_main:
+                    torch.save(full, tmp / CONSOLIDATED)
+            faults.point("save:shards", rank, step)
+            barrier()
+            names = broadcast_object(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+                                     if self.ctx.is_main else None)
+            mine = {n: _file_record(tmp / n) for i, n in enumerate(names) if i % self.ctx.world_size == rank}
+            records = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+            if self.ctx.is_main:
+                manifest = {"step": step, "world_size": self.ctx.world_size, **client_state,
+                            "files": dict(sorted(records.items()))}
+                _write_atomic(tmp / COMPLETE, json.dumps(manifest, indent=1))
+                _fsync_dir(tmp)
+                faults.point("save:manifest", rank, step)
+                if final.exists():  # an incomplete directory of that name (never complete, so never resumed)
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+                faults.point("save:publish", rank, step)
+                _write_atomic(self.root / "latest", final.name + "\n")
+                faults.point("save:prune", rank, step)
+                for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except (OSError, RuntimeError) as error:
+            if isinstance(error, RuntimeError) and not _looks_like_io(error):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; nothing complete lives there
+            raise SaveError(self._save_failure(step, error)) from error
         barrier()
         return final
 
-    def load(self, engine, path: Path, global_batch: int) -> dict:
+    def _save_failure(self, step: int, error: BaseException) -> str:
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**20:,.0f} MiB free there"
+        except OSError:
+            free = "free space unknown"
+        newest = complete_checkpoints(self.root)
+        kept = f"the newest complete checkpoint, {newest[-1].name}, is intact" if newest else \
+            "no earlier checkpoint exists"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (f"could not save checkpoint {tag_for(step)} in {self.root} on rank {self.ctx.rank}: {first} "
+                f"({free}); the partial save was removed and {kept}. Free space or fix permissions, then run "
+                f"again with --resume auto")
+
+    def load(self, engine, resume: "Resume") -> dict:
         """Restore engine (weights, optimizer, LR schedule) and this rank's RNG; returns the manifest."""
-        manifest = json.loads((path / COMPLETE).read_text())
-        if manifest.get("global_batch") != global_batch:
-            raise UserError(f"checkpoint {path} was trained with a global batch of {manifest.get('global_batch')} "
-                            f"samples, this run has {global_batch}; keep micro_batch_size x grad_accum_steps x "
-                            f"data-parallel size unchanged to resume exactly, or start a new --output_dir")
-        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+        load_dir, tag = (resume.path, UNIVERSAL) if resume.universal else (resume.path.parent, resume.path.name)
+        groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
+        decays = [group.get("weight_decay") for group in groups]
+        load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if load_path is None:
-            raise UserError(f"DeepSpeed could not load checkpoint {path}; it may be from another run layout")
-        rng_file = path / f"rng_rank{self.ctx.rank}.pt"
+            raise UserError(f"DeepSpeed could not load checkpoint {resume.path}; it may be from another run layout")
+        if resume.universal:  # two slips of DeepSpeed's ZeRO-3 universal loader, mended here:
+            for group, decay in zip(groups, decays):  # every group got group 0's hyperparameters
+                group["weight_decay"] = decay
+            inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            for state in inner.state.values():  # one `step` tensor shared by all sub-groups, each adding 1
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        rng_file = resume.path / f"rng_rank{self.ctx.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
-        return manifest
+        return resume.manifest
+
+
+# ----------------------------------------------------------------------------- integrity and resume
+
+def _file_record(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _looks_like_io(error: RuntimeError) -> bool:
+    """torch.save reports a failed write as a RuntimeError from its zip writer."""
+    text = str(error).lower()
+    return any(s in text for s in ("write", "space", "permission", "file", "errno"))
+
+
+def _problems(path: Path, names: list[str], records: dict) -> list[str]:
+    out = []
+    for name in names:
+        file, want = path / name, records[name]
+        if not file.is_file():
+            out.append(f"{name} is missing")
+        elif want is None:  # manifests from before checksums list names only
+            continue
+        elif file.stat().st_size != want["size"]:
+            out.append(f"{name} has {file.stat().st_size} bytes, the manifest says {want['size']}")
+        elif _file_record(file)["sha256"] != want["sha256"]:
+            out.append(f"{name} fails its SHA-256 check")
+    return out
+
+
+def verify(path: Path, ctx: DistContext) -> list[str]:
+    """Every problem with a checkpoint's files, each rank checking a share; the same list on every rank."""
+    try:
+        files = json.loads((path / COMPLETE).read_text())["files"]
+        records = files if isinstance(files, dict) else {name: None for name in files}
+        names = sorted(records)
+        mine = _problems(path, [n for i, n in enumerate(names) if i % ctx.world_size == ctx.rank], records)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        mine = [f"{COMPLETE} is unreadable ({type(error).__name__}: {error})"]
+    return sorted(set(sum(all_gather_objects(mine), [])))
+
+
+@dataclass
+class Resume:
+    path: Path  # checkpoints/step_N
+    manifest: dict
+    universal: bool = False  # load from path/universal/ (converted for another data-parallel size)
+
+
+def choose(mode: str, root: Path, ctx: DistContext, check: bool, log=print) -> Optional[Resume]:
+    """The verified checkpoint to resume from. Damaged ones are set aside as step_N.corrupt (auto) or
+    refused (an explicit path)."""
+    first = resolve_resume(mode, root)
+    if first is None:
+        return None
+    candidates = list(reversed(complete_checkpoints(root))) if mode == "auto" else [first]
+    for path in candidates:
+        problems = verify(path, ctx) if check else []
+        if not problems:
+            return Resume(path, json.loads((path / COMPLETE).read_text()))
+        detail = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        if mode != "auto":
+            raise UserError(f"checkpoint {path} is damaged: {detail}; resume from another one, or pass "
+                            f"--checkpoint.verify=false to load it anyway")
+        if ctx.is_main:
+            aside = path.with_name(path.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            log(f"warning: checkpoint {path} is damaged ({detail}); moved it to {aside.name} and trying the "
+                f"one before it")
+        barrier()
+    raise UserError(f"every checkpoint in {root} is damaged (moved to *.corrupt); start a new --output_dir")
+
+
+def adapt_to_world(resume: Resume, train: TrainConfig, data_parallel: int, pipeline_or_tp: bool,
+                   log=print) -> None:
+    """Keep the checkpoint's global batch on a different data-parallel size by re-deriving grad_accum_steps."""
+    manifest = resume.manifest
+    global_batch = manifest.get("global_batch")
+    saved_dp = manifest.get("data_parallel", manifest.get("world_size"))
+    ours = train.micro_batch_size * train.grad_accum_steps * data_parallel
+    if saved_dp == data_parallel:
+        if global_batch != ours:
+            raise UserError(f"checkpoint {resume.path} was trained with a global batch of {global_batch} samples, "
+                            f"this run has {ours}; keep micro_batch_size x grad_accum_steps x data-parallel size "
+                            f"unchanged to resume exactly, or start a new --output_dir")
+        return
+    if pipeline_or_tp:
+        raise UserError(f"checkpoint {resume.path} was saved with {saved_dp} data-parallel replicas and this run "
+                        f"has {data_parallel}; pipeline and tensor-parallel checkpoints resume only on the same "
+                        f"layout, so launch {manifest.get('world_size')} ranks")
+    per_step = train.micro_batch_size * data_parallel
+    if global_batch % per_step:
+        raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
+                        f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
+                        f"choose a micro_batch_size that divides {global_batch // data_parallel if global_batch % data_parallel == 0 else global_batch}")
+    if global_batch // per_step != train.grad_accum_steps:
+        log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
+            f"{train.grad_accum_steps} -> {global_batch // per_step} keeps the global batch at {global_batch}")
+        train.grad_accum_steps = global_batch // per_step
+    resume.universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
+
+
+def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
+    """Convert a partitioned checkpoint once (on rank 0) into path/universal/; the others wait for it."""
+    out = resume.path / UNIVERSAL
+    if ctx.is_main and not out.is_dir():
+        tmp = resume.path / f".tmp-{UNIVERSAL}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"converting {resume.path} to a universal checkpoint for the new world size")
+        began = time.time()
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(resume.path), "--output_folder", str(tmp), "--inject_missing_state",
+                               "--num_extract_workers", str(min(4, os.cpu_count() or 1))],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"DeepSpeed's universal-checkpoint conversion of {resume.path} failed: "
+                            f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}; resume on "
+                            f"{resume.manifest.get('world_size')} ranks instead")
+        os.rename(tmp, out)
+        log(f"converted in {time.time() - began:.1f} s")
+    while not out.is_dir():  # no barrier: a big conversion may outlast the collective timeout
+        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------- export

@@ -101,10 +101,25 @@ class CheckpointConfig:
     every: int = 100  # optimizer steps between checkpoints; one is always saved at the end
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a newer one is complete
     export_hf: bool = True  # write <output_dir>/hf at the end
+    verify: bool = True  # check the checksums of a checkpoint before resuming from it
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise UserError(f"checkpoint.keep_last={self.keep_last} must be at least 1")
+
+
+@dataclass
+class FaultConfig:
+    peer_timeout: float = 60.0  # s without a heartbeat from another rank before it is declared dead
+    stall_timeout: float = 1800.0  # s without a finished step, eval or save before the run is declared stuck
+    heartbeat_interval: float = 2.0  # s between heartbeats (and checks of the ranks' abort flag)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval <= self.peer_timeout / 3:
+            raise UserError(f"fault.heartbeat_interval={self.heartbeat_interval} must be positive and at most a "
+                            f"third of fault.peer_timeout={self.peer_timeout}")
+        if self.stall_timeout <= 0:
+            raise UserError(f"fault.stall_timeout={self.stall_timeout} must be positive (seconds)")
 
 
 @dataclass
@@ -124,6 +139,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     # Real recipes name the cluster they were written for; used to check their batch arithmetic.
     world_size: Optional[int] = None

@@ -267,7 +267,12 @@ class TrainStream:
         self.dataset, self.seed = dataset, seed
         self.micro, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum_steps, dp_rank, dp_size
         self.global_batch = micro_batch_size * grad_accum_steps * dp_size
+        self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
         self._perm: tuple[int, np.ndarray] | None = None
+
+    def resume(self, step: int, samples: int) -> None:
+        """Continue after `samples` stream samples were consumed by `step` steps: none skipped or repeated."""
+        self.offset = samples - step * self.global_batch
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
@@ -279,14 +284,14 @@ class TrainStream:
         return int(self._permutation(k // n)[k % n])
 
     def global_batch_indices(self, step: int) -> list[int]:
-        start = step * self.global_batch
+        start = step * self.global_batch + self.offset
         return [self.sample_index(k) for k in range(start, start + self.global_batch)]
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's grad_accum_steps micro-batches of global batch `step`."""
         out = []
         for m in range(self.accum):
-            start = step * self.global_batch + (m * self.dp_size + self.dp_rank) * self.micro
+            start = step * self.global_batch + self.offset + (m * self.dp_size + self.dp_rank) * self.micro
             idx = [self.sample_index(k) for k in range(start, start + self.micro)]
             out.append(_stack(self.dataset[idx]))
         return out

@@ -1,0 +1,56 @@
+"""Failure injection for the fault-tolerance tests; does nothing unless DSTRAIN_FAULT is set.
+
+    DSTRAIN_FAULT="<point>:<action>[:rank=R][:step=S]"   several separated by ';'
+
+points   step (before a training step), save:shards (files written, not yet listed), save:manifest
+         (complete.json written, not yet published), save:publish (renamed, `latest` not yet written),
+         save:prune (published, old checkpoints not yet pruned)
+actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
+         "No space left on device", like a full disk)
+
+Real failures are used where a test can make them (kill -9 from outside, a full tmpfs); injection covers
+the points in between that no outside timing can hit reliably.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+_SPEC = os.environ.get("DSTRAIN_FAULT", "")
+
+
+def _parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:
+    rules = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        parts = item.split(":")
+        point_parts, where = [], {}
+        for part in parts:
+            key, sep, value = part.partition("=")
+            if sep:
+                where[key] = int(value)
+            else:
+                point_parts.append(part)
+        *point, action = point_parts
+        rules.append((":".join(point), action, where))
+    return rules
+
+
+_RULES = _parse(_SPEC)
+
+
+def point(name: str, rank: int, step: int) -> None:
+    """Fail here when DSTRAIN_FAULT asks for it at this point, rank and step."""
+    for where, action, cond in _RULES:
+        if where != name or cond.get("rank", rank) != rank or cond.get("step", step) != step:
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stall":
+            while True:
+                time.sleep(3600)
+        elif action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        else:
+            raise ValueError(f"DSTRAIN_FAULT: unknown action {action!r} (kill, stall, enospc)")

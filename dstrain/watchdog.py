@@ -1,0 +1,196 @@
+"""No silent hangs: a background thread per rank that notices a dead peer or a stuck run and ends the job.
+
+Every `fault.heartbeat_interval` seconds each rank, through the rendezvous store (the TCPStore at
+MASTER_ADDR:MASTER_PORT that every launcher already runs, reached over its own connection):
+  - bumps its heartbeat counter;
+  - watches the next rank (a ring, so the store sees O(world) requests, not O(world^2)): the peer is dead
+    when its process is gone (same machine: checked by pid at once) or its counter has not moved for
+    `fault.peer_timeout` seconds (another machine: killed, out of memory, node lost);
+  - reads one shared abort flag. The rank that finds a failure sets it with a message naming the rank and
+    host; every rank then writes its Python stacks to <run dir>/stacks/rank<R>.txt, prints the message
+    and exits, instead of waiting in a collective for the 10-30 minutes of the backend's own timeout.
+  - Once training has started, a rank whose main thread finished no step, eval or save for
+    `fault.stall_timeout` seconds (a stuck collective, a data stall) sets the flag too.
+When rank 0 dies the store dies with it; losing the store for `peer_timeout` seconds names rank 0.
+A rank that finishes or stops on bad input marks itself done, so its exit is not taken for a death.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn, Optional
+
+import psutil
+
+from .config import FaultConfig
+from .dist import DistContext
+
+EXIT_CODE = 1  # a peer died or the run stalled: worth retrying (launch/ scripts do)
+
+
+def _machine_identity() -> str:
+    """Same boot and same pid namespace: pids of the other process are meaningful here."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}:unknown"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, cfg: FaultConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.stacks_dir = run_dir / "stacks"
+        self.host = socket.gethostname()
+        self.prefix = f"dstrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun's store outlives restarts
+        self.store = None
+        self._stop = threading.Event()
+        self._exiting = threading.Lock()
+        self._armed = False
+        self._last_progress = time.monotonic()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ main-thread API
+    def start(self) -> "Watchdog":
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timedelta(seconds=max(self.cfg.heartbeat_interval, 5.0)),
+                                       wait_for_workers=False)
+            self.store.set(self._key("proc", self.ctx.rank), f"{self.host}\t{_machine_identity()}\t{os.getpid()}")
+        self._thread = threading.Thread(target=self._run, name="dstrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def arm(self) -> None:
+        """From now on, a main thread that makes no progress for stall_timeout seconds ends the run."""
+        self.progress()
+        self._armed = True
+
+    def progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def close(self) -> None:
+        """This rank is leaving on purpose (finished, stopped, bad input): not a death."""
+        self._armed = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.cfg.heartbeat_interval + 10)
+        if self.store is not None:
+            try:
+                self.store.set(self._key("done", self.ctx.rank), "1")
+            except Exception:
+                pass
+
+    def fail(self, error: BaseException, code: int = EXIT_CODE) -> NoReturn:
+        """The main thread hit an unexpected error. A failed collective usually means a peer died: give the
+        ring a moment to name it; otherwise this rank's own error ends the job."""
+        traceback.print_exception(error, file=sys.stderr)
+        if self.store is not None and _looks_distributed(error):
+            deadline = time.monotonic() + self.cfg.peer_timeout + 2 * self.cfg.heartbeat_interval
+            while time.monotonic() < deadline:  # the watchdog thread exits the process when the flag comes
+                time.sleep(0.2)
+        self.abort(f"rank {self.ctx.rank} on {self.host} failed: {_one_line(error)}", code)
+
+    def abort(self, message: str, code: int = EXIT_CODE) -> NoReturn:
+        """End the whole job: raise the shared flag, dump stacks, exit."""
+        if self.store is not None:
+            try:
+                self.store.set(self._key("abort"), f"{code}\t{message}")
+            except Exception:
+                pass
+        self._exit(message, code)
+
+    # ------------------------------------------------------------------ the thread
+    def _key(self, *parts) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def _exit(self, message: str, code: int) -> NoReturn:
+        with self._exiting:  # the main thread and the watchdog thread may both get here
+            try:
+                self.stacks_dir.mkdir(parents=True, exist_ok=True)
+                with open(self.stacks_dir / f"rank{self.ctx.rank}.txt", "w") as f:
+                    f.write(f"rank {self.ctx.rank} on {self.host}, pid {os.getpid()}: {message}\n\n")
+                    f.flush()
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+                where = f"; Python stacks of every rank in {self.stacks_dir}"
+            except OSError:
+                where = ""
+            print(f"error: rank {self.ctx.rank} stopping: {message}{where}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
+
+    def _run(self) -> None:
+        interval = self.cfg.heartbeat_interval
+        beats, store_ok = 0, time.monotonic()
+        peer = (self.ctx.rank + 1) % self.ctx.world_size
+        peer_info: Optional[list[str]] = None
+        rank0_info: Optional[list[str]] = None
+        peer_beat, peer_seen = None, time.monotonic()
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            if self._armed and now - self._last_progress > self.cfg.stall_timeout:
+                self.abort(f"no progress for {self.cfg.stall_timeout:.0f} s on rank {self.ctx.rank} ({self.host}): "
+                           f"a stuck collective or a data stall (raise fault.stall_timeout if a step, eval or save "
+                           f"really takes that long)")
+            if self.store is None:
+                continue
+            try:
+                beats += 1
+                self.store.set(self._key("beat", self.ctx.rank), str(beats))
+                if self.store.check([self._key("abort")]):
+                    code, _, message = self.store.get(self._key("abort")).decode().partition("\t")
+                    self._exit(message, int(code))
+                if rank0_info is None and self.store.check([self._key("proc", 0)]):
+                    rank0_info = self.store.get(self._key("proc", 0)).decode().split("\t")
+                if peer_info is None and self.store.check([self._key("proc", peer)]):
+                    peer_info = self.store.get(self._key("proc", peer)).decode().split("\t")
+                if peer_info is not None and not self.store.check([self._key("done", peer)]):
+                    host, identity, pid = peer_info
+                    if identity == _machine_identity() and not _alive(int(pid)):
+                        self.abort(f"rank {peer} on {host} (pid {pid}) died")
+                    beat = self.store.get(self._key("beat", peer)) if self.store.check(
+                        [self._key("beat", peer)]) else None
+                    if beat != peer_beat:
+                        peer_beat, peer_seen = beat, now
+                    elif now - peer_seen > self.cfg.peer_timeout - interval:
+                        self.abort(f"rank {peer} on {host} stopped responding: no heartbeat for "
+                                   f"{now - peer_seen:.0f} s (killed, out of memory, or its node is lost)")
+                store_ok = now
+            except Exception as error:  # the store is gone or unreachable
+                if self._stop.is_set():
+                    return
+                if rank0_info is not None and rank0_info[1] == _machine_identity() and not _alive(int(rank0_info[2])):
+                    self._exit(f"rank 0 on {rank0_info[0]} (pid {rank0_info[2]}) died", EXIT_CODE)
+                if now - store_ok > self.cfg.peer_timeout - interval:
+                    self._exit(f"lost the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                               f"{os.environ.get('MASTER_PORT')} for {now - store_ok:.0f} s: rank 0 (which hosts it) "
+                               f"or its node is gone ({_one_line(error)})", EXIT_CODE)
+
+
+def _looks_distributed(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("gloo", "Connection closed", "Connection reset", "NCCL", "timed out", "Broken pipe"))
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
