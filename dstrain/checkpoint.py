@@ -168,14 +168,17 @@ class Checkpointer:
         except (OSError, RuntimeError) as error:
             if isinstance(error, RuntimeError) and not _looks_like_io(error):
                 raise
+            message = self._save_failure(step, error)
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; nothing complete lives there
-            raise SaveError(self._save_failure(step, error)) from error
+            raise SaveError(message) from error
         barrier()
         return final
 
     def _save_failure(self, step: int, error: BaseException) -> str:
         try:
-            free = f"{shutil.disk_usage(self.root).free / 2**20:,.0f} MiB free there"
+            usage = shutil.disk_usage(self.root)
+            full = usage.free < max(16 * 2**20, usage.total // 100)
+            free = f"{usage.free / 2**20:,.0f} MiB free there{': the file system is full' if full else ''}"
         except OSError:
             free = "free space unknown"
         newest = complete_checkpoints(self.root)
@@ -310,10 +313,9 @@ def adapt_to_world(resume: Resume, train: TrainConfig, data_parallel: int, pipel
         raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
                         f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
                         f"choose a micro_batch_size that divides {global_batch // data_parallel if global_batch % data_parallel == 0 else global_batch}")
-    if global_batch // per_step != train.grad_accum_steps:
-        log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
-            f"{train.grad_accum_steps} -> {global_batch // per_step} keeps the global batch at {global_batch}")
-        train.grad_accum_steps = global_batch // per_step
+    log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
+        f"{train.grad_accum_steps} -> {global_batch // per_step} keeps the global batch at {global_batch}")
+    train.grad_accum_steps = global_batch // per_step
     resume.universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
 
 

@@ -32,3 +32,26 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$(local_devices)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-131072}
+
+# Retries: a run that fails (a dead rank, a lost node, a hang the watchdog ended) starts again, up to
+# MAX_RESTARTS times, RESTART_DELAY seconds apart; each attempt resumes from the newest complete
+# checkpoint (--resume auto). Not retried: success (0), bad input (2), a checkpoint that could not be
+# written (74: a full disk stays full), a requested stop (75: SIGTERM/SIGUSR1/STOP file).
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RESTART_DELAY=${RESTART_DELAY:-10}
+final_status() { case "$1" in 0|2|74|75) return 0;; *) return 1;; esac; }
+run_with_retries() {
+  local attempt=0 status extra=()
+  while true; do
+    "$@" "${extra[@]}" && status=0 || status=$?
+    if final_status "$status"; then return "$status"; fi
+    if (( attempt >= MAX_RESTARTS )); then
+      echo "launch: exit $status after $attempt restart(s); giving up (MAX_RESTARTS=$MAX_RESTARTS)" >&2
+      return "$status"
+    fi
+    attempt=$((attempt + 1))
+    echo "launch: exit $status; restart $attempt of $MAX_RESTARTS in ${RESTART_DELAY}s from the newest complete checkpoint" >&2
+    sleep "$RESTART_DELAY"
+    extra=(--resume auto)
+  done
+}

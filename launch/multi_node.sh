@@ -13,6 +13,8 @@
 #   SSH_PORT     sshd port on the nodes                 default: 22
 #   NO_SSH       1: start only this node (no pdsh)      default: 0
 #   NODE_RANK    this node's index with NO_SSH=1        default: SLURM_NODEID, else 0
+#   MAX_RESTARTS restarts after a failure, each resuming from the newest checkpoint   default: 3
+#                (with NO_SSH=1 every node retries by itself; launch/slurm.sbatch retries the whole step)
 #   CHECK        1: run the cluster check first (python -m dstrain.cluster)   default: 1
 #   FORWARD_ENV  regex of variables to pass to every rank through DeepSpeed's .deepspeed_env
 #                default: NCCL_*, HF_*, TRANSFORMERS_*, DSTRAIN_*, WANDB_*, TORCH_*, CUDA_*, FI_*,
@@ -52,4 +54,4 @@ else
   launcher_args+=(--launcher pdsh --ssh_port "$SSH_PORT")
 fi
 
-"$PYTHON" -m deepspeed.launcher.runner "${launcher_args[@]}" train.py "${TRAIN_ARGS[@]}" "$@"
+run_with_retries "$PYTHON" -m deepspeed.launcher.runner "${launcher_args[@]}" train.py "${TRAIN_ARGS[@]}" "$@"

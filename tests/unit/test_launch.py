@@ -1,6 +1,7 @@
 """launch/ scripts share one shape and pass shellcheck; the cluster check parses hostfiles strictly."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,7 +30,7 @@ def test_scripts_share_one_shape(script):
     assert "set -euo pipefail" in text and "launch/common.sh" in text
     assert "Knobs" in text  # each documents its environment variables at the top
     launcher_lines = [line for line in text.splitlines() if line.lstrip().startswith(
-        ("exec \"$PYTHON\" -m deepspeed", "\"$PYTHON\" -m deepspeed", "srun "))]
+        ("run_with_retries \"$PYTHON\" -m deepspeed", "srun "))]
     assert len(launcher_lines) == 1, launcher_lines  # exactly one launcher command
 
 
@@ -75,3 +76,26 @@ def test_stale_op_build_locks_are_removed_fresh_ones_kept(tmp_path, monkeypatch)
     os.utime(stale, (hour_ago, hour_ago))
     clear_stale_build_locks()
     assert not stale.exists() and fresh.exists()
+
+
+@pytest.mark.parametrize("codes,want_status,want_calls", [
+    ([1, 0], 0, 2),        # a crash, then the resumed attempt finishes
+    ([137, 1, 0], 0, 3),   # killed twice: both restarts used
+    ([1, 1, 1, 0], 1, 3),  # out of restarts: the last failure is the script's status
+    ([2], 2, 1),           # bad input is not retried
+    ([74], 74, 1),         # a checkpoint that could not be written (disk full) is not retried
+    ([75], 75, 1),         # a requested stop is not retried
+])
+def test_retry_loop_resumes_and_knows_final_exits(tmp_path, codes, want_status, want_calls):
+    """run_with_retries from launch/common.sh around a stand-in launcher that exits with the given codes."""
+    fake = tmp_path / "fake.sh"
+    fake.write_text("#!/usr/bin/env bash\nn=$(cat calls 2>/dev/null || echo 0); echo $((n + 1)) > calls\n"
+                    "echo \"$*\" >> args\ncodes=(" + " ".join(map(str, codes)) + ")\nexit ${codes[$n]}\n")
+    fake.chmod(0o755)
+    script = (f"source {ROOT / 'launch/common.sh'}; cd {tmp_path}; run_with_retries ./fake.sh --train.x=1")
+    proc = subprocess.run(["bash", "-c", script], env=dict(os.environ, MAX_RESTARTS="2", RESTART_DELAY="0",
+                                                              NPROC_PER_NODE="1"), capture_output=True, text=True)
+    assert proc.returncode == want_status, proc.stderr
+    calls = (tmp_path / "args").read_text().splitlines()
+    assert len(calls) == want_calls
+    assert calls[0] == "--train.x=1" and all(c == "--train.x=1 --resume auto" for c in calls[1:])
