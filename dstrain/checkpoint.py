@@ -38,7 +38,7 @@ import torch
 
 from . import faults
 from .config import CheckpointConfig, TrainConfig
-from .dist import DistContext, all_gather_objects, barrier, broadcast_object
+from .dist import DistContext, all_gather_objects, barrier, broadcast_object, looks_like_comm_failure
 from .errors import UserError
 
 COMPLETE = "complete.json"
@@ -165,9 +165,9 @@ class Checkpointer:
                 faults.point("save:prune", rank, step)
                 for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
                     shutil.rmtree(old, ignore_errors=True)
-        except (OSError, RuntimeError) as error:
-            if isinstance(error, RuntimeError) and not _looks_like_io(error):
-                raise
+        except Exception as error:  # torch.save reports a full disk as e.g. "unexpected pos 876224 vs 876112"
+            if looks_like_comm_failure(error):
+                raise  # a peer died mid-save: the watchdog names it
             message = self._save_failure(step, error)
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; nothing complete lives there
             raise SaveError(message) from error
@@ -224,12 +224,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _looks_like_io(error: RuntimeError) -> bool:
-    """torch.save reports a failed write as a RuntimeError from its zip writer."""
-    text = str(error).lower()
-    return any(s in text for s in ("write", "space", "permission", "file", "errno"))
 
 
 def _problems(path: Path, names: list[str], records: dict) -> list[str]:

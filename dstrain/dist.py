@@ -90,6 +90,13 @@ def _unlink_shm_buffer(ctx: DistContext) -> None:
         pass
 
 
+def looks_like_comm_failure(error: BaseException) -> bool:
+    """A collective or store operation failed (usually because a peer died), not this rank's own work."""
+    text = str(error)
+    return isinstance(error, torch.distributed.DistError) or any(
+        s in text for s in ("gloo", "Connection closed", "Connection reset", "NCCL", "timed out", "Broken pipe"))
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

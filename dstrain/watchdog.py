@@ -30,7 +30,7 @@ from typing import NoReturn, Optional
 import psutil
 
 from .config import FaultConfig
-from .dist import DistContext
+from .dist import DistContext, looks_like_comm_failure
 
 EXIT_CODE = 1  # a peer died or the run stalled: worth retrying (launch/ scripts do)
 
@@ -101,7 +101,7 @@ class Watchdog:
         """The main thread hit an unexpected error. A failed collective usually means a peer died: give the
         ring a moment to name it; otherwise this rank's own error ends the job."""
         traceback.print_exception(error, file=sys.stderr)
-        if self.store is not None and _looks_distributed(error):
+        if self.store is not None and looks_like_comm_failure(error):
             deadline = time.monotonic() + self.cfg.peer_timeout + 2 * self.cfg.heartbeat_interval
             while time.monotonic() < deadline:  # the watchdog thread exits the process when the flag comes
                 time.sleep(0.2)
@@ -181,14 +181,6 @@ class Watchdog:
                     self._exit(f"lost the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
                                f"{os.environ.get('MASTER_PORT')} for {now - store_ok:.0f} s: rank 0 (which hosts it) "
                                f"or its node is gone ({_one_line(error)})", EXIT_CODE)
-
-
-def _looks_distributed(error: BaseException) -> bool:
-    import torch.distributed as dist
-
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        s in text for s in ("gloo", "Connection closed", "Connection reset", "NCCL", "timed out", "Broken pipe"))
 
 
 def _one_line(error: BaseException) -> str:
