@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import psutil
 import torch
 
 from . import faults
@@ -315,10 +316,12 @@ def adapt_to_world(resume: Resume, train: TrainConfig, data_parallel: int, pipel
 
 def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
     """Convert a partitioned checkpoint once (on rank 0) into path/universal/; the others wait for it."""
-    out = resume.path / UNIVERSAL
+    out, failed = resume.path / UNIVERSAL, resume.path / f"{UNIVERSAL}.failed"
+    started = psutil.Process().create_time()
     if ctx.is_main and not out.is_dir():
         tmp = resume.path / f".tmp-{UNIVERSAL}"
         shutil.rmtree(tmp, ignore_errors=True)
+        failed.unlink(missing_ok=True)
         log(f"converting {resume.path} to a universal checkpoint for the new world size")
         began = time.time()
         proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
@@ -327,12 +330,15 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
                               capture_output=True, text=True)
         if proc.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"DeepSpeed's universal-checkpoint conversion of {resume.path} failed: "
-                            f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}; resume on "
-                            f"{resume.manifest.get('world_size')} ranks instead")
-        os.rename(tmp, out)
-        log(f"converted in {time.time() - began:.1f} s")
+            _write_atomic(failed, f"DeepSpeed's universal-checkpoint conversion of {resume.path} failed: "
+                                  f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}; resume on "
+                                  f"{resume.manifest.get('world_size')} ranks instead")
+        else:
+            os.rename(tmp, out)
+            log(f"converted in {time.time() - began:.1f} s")
     while not out.is_dir():  # no barrier: a big conversion may outlast the collective timeout
+        if failed.is_file() and failed.stat().st_mtime >= started:  # not one from an earlier run
+            raise UserError(failed.read_text())  # every rank reports the same failure and leaves
         time.sleep(0.5)
 
 

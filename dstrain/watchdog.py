@@ -87,6 +87,8 @@ class Watchdog:
 
     def close(self) -> None:
         """This rank is leaving on purpose (finished, stopped, bad input): not a death."""
+        if self._stop.is_set():
+            return
         self._armed = False
         self._stop.set()
         if self._thread is not None:
