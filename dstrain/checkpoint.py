@@ -145,6 +145,7 @@ class Checkpointer:
                 full = engine._consolidated_16bit_state_dict()  # all ranks gather; rank 0 receives
                 if self.ctx.is_main:
                     torch.save(full, tmp / CONSOLIDATED)
+            os.sync()  # this node's shards reach the disk before any rank lists them as complete
             faults.point("save:shards", rank, step)
             barrier()
             names = broadcast_object(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
