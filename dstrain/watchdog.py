@@ -114,6 +114,8 @@ class Watchdog:
         if self.store is not None:
             try:
                 self.store.set(self._key("abort"), f"{code}\t{message}")
+                if self.ctx.rank == 0:  # the store lives in this process: let the others read the flag (and
+                    time.sleep(2 * self.cfg.heartbeat_interval + 0.5)  # its exit code) before it goes away
             except Exception:
                 pass
         self._exit(message, code)
