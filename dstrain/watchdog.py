@@ -109,13 +109,17 @@ class Watchdog:
                 time.sleep(0.2)
         self.abort(f"rank {self.ctx.rank} on {self.host} failed: {_one_line(error)}", code)
 
-    def abort(self, message: str, code: int = EXIT_CODE) -> NoReturn:
-        """End the whole job: raise the shared flag, dump stacks, exit."""
+    def abort(self, message: str, code: int = EXIT_CODE, dead: int = 0) -> NoReturn:
+        """End the whole job: raise the shared flag, dump stacks, exit. `dead` ranks will not answer."""
         if self.store is not None:
             try:
                 self.store.set(self._key("abort"), f"{code}\t{message}")
-                if self.ctx.rank == 0:  # the store lives in this process: let the others read the flag (and
-                    time.sleep(2 * self.cfg.heartbeat_interval + 0.5)  # its exit code) before it goes away
+                if self.ctx.rank == 0:  # the store lives in this process: wait until the others have read the
+                    # flag (and its exit code), else they would only see the store vanish and report rank 0 dead
+                    deadline = time.monotonic() + self.cfg.peer_timeout
+                    while self.store.add(self._key("acks"), 0) < self.ctx.world_size - 1 - dead \
+                            and time.monotonic() < deadline:
+                        time.sleep(0.1)
             except Exception:
                 pass
         self._exit(message, code)
@@ -137,6 +141,11 @@ class Watchdog:
                 where = ""
             print(f"error: rank {self.ctx.rank} stopping: {message}{where}", file=sys.stderr, flush=True)
             sys.stdout.flush()
+            if self.store is not None and self.ctx.rank != 0:
+                try:
+                    self.store.add(self._key("acks"), 1)
+                except Exception:
+                    pass
             os._exit(code)
 
     def _run(self) -> None:
@@ -167,14 +176,14 @@ class Watchdog:
                 if peer_info is not None and not self.store.check([self._key("done", peer)]):
                     host, identity, pid = peer_info
                     if identity == _machine_identity() and not _alive(int(pid)):
-                        self.abort(f"rank {peer} on {host} (pid {pid}) died")
+                        self.abort(f"rank {peer} on {host} (pid {pid}) died", dead=1)
                     beat = self.store.get(self._key("beat", peer)) if self.store.check(
                         [self._key("beat", peer)]) else None
                     if beat != peer_beat:
                         peer_beat, peer_seen = beat, now
                     elif now - peer_seen > self.cfg.peer_timeout - interval:
                         self.abort(f"rank {peer} on {host} stopped responding: no heartbeat for "
-                                   f"{now - peer_seen:.0f} s (killed, out of memory, or its node is lost)")
+                                   f"{now - peer_seen:.0f} s (killed, out of memory, or its node is lost)", dead=1)
                 store_ok = now
             except Exception as error:  # the store is gone or unreachable
                 if self._stop.is_set():
