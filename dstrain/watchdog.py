@@ -60,6 +60,7 @@ class Watchdog:
         self.store = None
         self._stop = threading.Event()
         self._exiting = threading.Lock()
+        self._lock = threading.RLock()  # one TCPStore client, used by the main thread and the watchdog thread
         self._armed = False
         self._last_progress = time.monotonic()
         self._thread: Optional[threading.Thread] = None
@@ -95,7 +96,8 @@ class Watchdog:
             self._thread.join(timeout=self.cfg.heartbeat_interval + 10)
         if self.store is not None:
             try:
-                self.store.set(self._key("done", self.ctx.rank), "1")
+                with self._lock:
+                    self.store.set(self._key("done", self.ctx.rank), "1")
             except Exception:
                 pass
 
@@ -113,6 +115,7 @@ class Watchdog:
         """End the whole job: raise the shared flag, dump stacks, exit. `dead` ranks will not answer."""
         if self.store is not None:
             try:
+                self._lock.acquire()  # held until exit: the watchdog thread must not use the store meanwhile
                 self.store.set(self._key("abort"), f"{code}\t{message}")
                 if self.ctx.rank == 0:  # the store lives in this process: wait until the others have read the
                     # flag (and its exit code), else they would only see the store vanish and report rank 0 dead
@@ -143,6 +146,7 @@ class Watchdog:
             sys.stdout.flush()
             if self.store is not None and self.ctx.rank != 0:
                 try:
+                    self._lock.acquire(timeout=5)
                     self.store.add(self._key("acks"), 1)
                 except Exception:
                     pass
@@ -164,6 +168,7 @@ class Watchdog:
             if self.store is None:
                 continue
             try:
+                self._lock.acquire()
                 beats += 1
                 self.store.set(self._key("beat", self.ctx.rank), str(beats))
                 if self.store.check([self._key("abort")]):
@@ -185,7 +190,9 @@ class Watchdog:
                         self.abort(f"rank {peer} on {host} stopped responding: no heartbeat for "
                                    f"{now - peer_seen:.0f} s (killed, out of memory, or its node is lost)", dead=1)
                 store_ok = now
+                self._lock.release()
             except Exception as error:  # the store is gone or unreachable
+                self._lock.release()
                 if self._stop.is_set():
                     return
                 if rank0_info is not None and rank0_info[1] == _machine_identity() and not _alive(int(rank0_info[2])):
