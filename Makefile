@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps train test test-fast bench lint assets clean
+.PHONY: setup system-deps test-deps train test test-fast bench bench-compression lint assets clean
 
 setup: system-deps $(VENV)/.installed
 
@@ -63,6 +63,11 @@ test-fast: setup test-deps
 BENCH_ARGS ?=
 bench: setup
 	$(PY) bench/memory.py $(BENCH_ARGS)
+
+# gradient compression: bytes, convergence, and step time on a tc-limited veth link (needs root for that part)
+bench-compression: setup
+	$(call apt_install,iproute2)
+	$(PY) bench/compression.py --slow-link $(BENCH_ARGS)
 
 lint: setup test-deps
 	$(PY) -m compileall -q train.py dstrain tests bench scripts

@@ -10,6 +10,7 @@ parse -> resolve config -> init distributed -> build -> loop. See README.md for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
     import deepspeed
-    from dstrain import checkpoint, data, dist, ds_config, faults, memory, model as models, pipeline, preempt, schedule
+    from dstrain import (checkpoint, compression, data, dist, ds_config, faults, memory, model as models, pipeline,
+                         preempt, schedule)
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -109,8 +111,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
             checkpoint.to_universal(resume, ctx, log)
             raw_ds.setdefault("checkpoint", {})["load_universal"] = True
     model_config = models.load_config(recipe.model, train.seq_len)[1]
+    compress = compression.parse(raw_ds)  # the repository's key; resolve() takes it out of what DeepSpeed sees
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
-                               models.hidden_size(model_config))
+                               models.hidden_size(model_config), dist.ranks_per_node())
 
     tokenizer = models.load_tokenizer(recipe.model)
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
@@ -121,7 +124,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         "parameters": params_total, "parameters_on_rank0_at_build": params_local,
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
-        "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or [])})
+        "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []),
+        "gradient_compression": dataclasses.asdict(compress)})
     if layout.pipeline_stages > 1:  # the same HF modules, regrouped into stages
         piped = pipeline.convert(model, layout.pipeline_stages, ds_cfg["pipeline"].get("partition_method", "parameters"),
                                  train.activation_checkpointing)
@@ -130,12 +134,13 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg, mpu=dist.tensor_parallel_groups(layout))
+    reducer = compression.install(engine, compress)  # None unless the JSON asks for it
     dp_rank = dist.data_parallel_rank(engine)
     stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, dp_rank,
                               layout.data_parallel, train.seed)
     val = data.eval_batches(prepared.val, train.micro_batch_size, dp_rank, layout.data_parallel,
                             recipe.eval.max_batches) if prepared.val is not None else []
-    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel)
+    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel, reducer)
     stop = preempt.StopRequest(run_dir, ctx)  # SIGUSR1 / SIGTERM / a STOP file: checkpoint, exit 75
     start = ckpt.load(engine, resume)["step"] if resume else 0
     if resume:
@@ -152,14 +157,15 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
 
     if start == 0 and val:
         metrics.evaluation(0, evaluate(engine, val, layout.data_parallel))
+    counter = compression.CommCounter().start() if recipe.log.comm_bytes else None
     watchdog.arm()
     last = train.exit_at_step or train.max_steps
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
-        began, lr = time.perf_counter(), engine.get_lr()[0]
+        began, lr, sent = time.perf_counter(), engine.get_lr()[0], counter.wire_bytes if counter else 0
         loss, _ = train_step(engine, stream.micro_batches(step - 1), layout.data_parallel)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens_per_step,
-                     time.perf_counter() - began)
+                     time.perf_counter() - began, counter.wire_bytes - sent if counter else None)
         watchdog.progress()
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, evaluate(engine, val, layout.data_parallel))
@@ -171,6 +177,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
             last = step
             break
 
+    if counter:
+        counter.stop()
     final = ckpt.save(engine, max(start, last), saved(max(start, last)))
     watchdog.close()  # past the last collective: ranks may now leave at different times
     if stop.stopped_at:

@@ -17,11 +17,12 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from common import free_port, make_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = {0: lambda n: 16, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
@@ -29,24 +30,12 @@ MARK_BEGIN, MARK_END = "<!-- bench/memory.py begin -->", "<!-- bench/memory.py e
 
 
 def make_model(out: Path, layers: int) -> int:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-    config.update({"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": layers,
-                   "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(ROOT / "recipes/tiny/model" / name, out / name)
-    return sum(p.numel() for p in model.parameters())
+    return make_llama(out, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
+                      num_attention_heads=12, num_key_value_heads=12, head_dim=64)
 
 
 def run(stage: int, model: Path, work: Path, extra: list[str]) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = work / f"zero{stage}"
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "train.py",
            "--ds_config", f"zero{stage}.json", "--output_dir", str(out), f"--model.name_or_path={model}",

@@ -116,9 +116,11 @@ CONSOLIDATED = "consolidated_model.pt"
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, ctx: DistContext, tensor_parallel: int = 1):
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, ctx: DistContext, tensor_parallel: int = 1,
+                 compression=None):
         self.root = run_dir / "checkpoints"
         self.cfg, self.ctx = cfg, ctx
+        self.compression = compression  # a dstrain.compression.Reducer: error buffers and factors per rank
         # DeepSpeed's offline consolidation (zero_to_fp32) cannot merge tensor-parallel shards, so TP runs
         # also store the gathered weights; every rank takes part in the gather.
         self.consolidate = tensor_parallel > 1
@@ -141,6 +143,8 @@ class Checkpointer:
             state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
             engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=state, save_latest=False)
             torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+            if self.compression is not None:
+                torch.save(self.compression.state_dict(), tmp / f"compression_rank{rank}.pt")
             if self.consolidate:
                 full = engine._consolidated_16bit_state_dict()  # all ranks gather; rank 0 receives
                 if self.ctx.is_main:
@@ -207,10 +211,30 @@ class Checkpointer:
             for state in inner.state.values():  # one `step` tensor shared by all sub-groups, each adding 1
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
+        if self.compression is not None:
+            self._load_compression(resume)
         rng_file = resume.path / f"rng_rank{self.ctx.rank}.pt"
         if rng_file.exists():
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return resume.manifest
+
+
+    def _load_compression(self, resume: "Resume") -> None:
+        """This rank's error buffers and the shared low-rank factors; with a new data-parallel world the
+        per-rank residuals have no owner, so only the factors carry over (a warning says so)."""
+        mine = resume.path / f"compression_rank{self.ctx.rank}.pt"
+        shared = resume.path / "compression_rank0.pt"
+        same_world = resume.manifest.get("world_size") == self.ctx.world_size and mine.exists()
+        source = mine if same_world else shared
+        if not source.exists():
+            if self.ctx.is_main:
+                print(f"warning: {resume.path.name} holds no gradient-compression state; error feedback starts "
+                      f"from zero", file=sys.stderr)
+            return
+        self.compression.load_state_dict(torch.load(source, weights_only=False), errors=same_world)
+        if not same_world and self.ctx.is_main:
+            print("warning: the data-parallel world changed, so the gradient-compression residuals were dropped "
+                  "(the low-rank factors carry over)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- integrity and resume

@@ -129,6 +129,7 @@ class LogConfig:
     run_name: Optional[str] = None
     progress_bar: bool = True
     plot: bool = True  # loss curve PNG at the end
+    comm_bytes: bool = False  # log the bytes each rank sends in collectives per step (ring-algorithm count)
 
 
 @dataclass

@@ -33,6 +33,11 @@ def env_context() -> DistContext:
                        world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
 
+def ranks_per_node() -> int:
+    """Ranks on this node (torchrun: LOCAL_WORLD_SIZE, the deepspeed launcher: LOCAL_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

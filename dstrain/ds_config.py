@@ -67,9 +67,13 @@ def _model_keys(model: Any) -> set[str]:
 
 def validate_keys(cfg: dict) -> None:
     """Unknown or misspelled keys are errors that name the closest valid key."""
+    from . import compression
+    compression.parse(cfg)  # the repository's own key, taken out before DeepSpeed sees the config
     for key in cfg:
+        if key == compression.KEY:
+            continue
         if key not in TOP_LEVEL_KEYS:
-            raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS)}")
+            raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS | {compression.KEY})}")
     from .pipeline import PIPELINE_KEYS
     for key in cfg.get("pipeline") or {}:
         if key not in PIPELINE_KEYS:
@@ -175,6 +179,28 @@ def _precision(cfg: dict, recipe: Recipe, caps: DeviceCaps) -> str:
     return wanted
 
 
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+
+
+def check_zeropp(cfg: dict, caps: DeviceCaps, ranks_per_node: int | None = None) -> None:
+    """ZeRO++ (qwZ, qgZ, hpZ) runs CUDA kernels; on another device it would fail deep inside the engine."""
+    zero = cfg.get("zero_optimization") or {}
+    used = [k for k in ZEROPP_KEYS[:2] if zero.get(k) is True]
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if hpz == "auto":  # the secondary weight partition lives within a node
+        hpz = zero["zero_hpz_partition_size"] = ranks_per_node or 1
+    if hpz > 1:
+        used.append(ZEROPP_KEYS[2])
+    if not used:
+        return
+    if caps.name != "cuda":
+        raise UserError(f"ZeRO++ ({', '.join('zero_optimization.' + k for k in used)}) needs CUDA GPUs; this device "
+                        f"is {caps.name}: use zero3.json, or zero2_bf16comm.json / gradient_compression for less "
+                        f"traffic on any device")
+    if int(zero.get("stage", 0)) != 3:
+        raise UserError(f"ZeRO++ ({', '.join(used)}) works with ZeRO stage 3 only; set zero_optimization.stage=3")
+
+
 def _find_auto(node: Any, path: str = "") -> str | None:
     if _is_auto(node):
         return path or "<root>"
@@ -213,15 +239,20 @@ def zero3_sizes(hidden_size: int) -> dict:
             "stage3_max_reuse_distance": 12 * h2, "sub_group_size": 12 * h2}
 
 
-def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden_size: int | None = None) -> dict:
+def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden_size: int | None = None,
+            ranks_per_node: int | None = None) -> dict:
     """A complete DeepSpeed config with no "auto" left, consistent with the recipe and the world size;
-    hidden_size fills the model-scaled ZeRO-3 sizes."""
+    hidden_size fills the model-scaled ZeRO-3 sizes, ranks_per_node ZeRO++'s hpZ partition."""
     cfg = copy.deepcopy(raw)
     validate_keys(cfg)
     train = recipe.train
     layout = layout_of(cfg, world_size)
     from .pipeline import check_combination
     check_combination(cfg)
+    from . import compression
+    compression.check_combination(cfg, compression.parse(cfg))
+    cfg.pop(compression.KEY, None)  # DeepSpeed never sees it; train.py reads it from the raw config
+    check_zeropp(cfg, caps, ranks_per_node)
     _precision(cfg, recipe, caps)
 
     _fill(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size, "", "train.micro_batch_size")

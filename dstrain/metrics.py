@@ -56,12 +56,13 @@ class Metrics:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def step(self, step: int, loss: float, lr: float, grad_norm: Optional[float], tokens: int,
-             seconds: float) -> None:
+             seconds: float, comm_bytes: Optional[float] = None) -> None:
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                     "tokens_per_s": tokens_per_s})
+                     "tokens_per_s": tokens_per_s, "step_s": seconds,
+                     **({"comm_bytes": comm_bytes} if comm_bytes is not None else {})})
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)

@@ -51,6 +51,20 @@ STRATEGIES = {
                   "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000}},
 }
 
+ZERO1 = {"stage": 1, "reduce_bucket_size": 50_000_000}
+POWERSGD = {"method": "powersgd", "rank": 4, "warmup_steps": 20}
+# Less gradient traffic, bf16 only (no _fp16 twin): the repository's compression (dstrain/compression.py, any
+# device), DeepSpeed's communication_data_type, and ZeRO++ (CUDA only; hpZ "auto" = ranks per node)
+TRAFFIC = {
+    "zero0_powersgd": {"zero_optimization": {"stage": 0}, "gradient_compression": POWERSGD},
+    "zero1_powersgd": {"zero_optimization": ZERO1, "gradient_compression": POWERSGD},
+    "zero1_sign": {"zero_optimization": ZERO1, "gradient_compression": {"method": "sign", "warmup_steps": 20}},
+    "zero1_bf16comm": {"zero_optimization": ZERO1, "communication_data_type": "bf16"},
+    "zero1_fp16comm": {"zero_optimization": ZERO1, "communication_data_type": "fp16"},
+    "zero3_zeropp": {"zero_optimization": {"stage": 3, **ZERO3, "zero_quantized_weights": True,
+                                           "zero_quantized_gradients": True, "zero_hpz_partition_size": "auto"}},
+}
+
 
 def configs() -> dict[str, dict]:
     out = {}
@@ -61,6 +75,8 @@ def configs() -> dict[str, dict]:
         del fp16["bf16"]
         fp16["fp16"] = FP16
         out[f"{name}_fp16.json"] = fp16
+    for name, extra in TRAFFIC.items():
+        out[f"{name}.json"] = copy.deepcopy(BASE) | copy.deepcopy(extra)
     return out
 
 

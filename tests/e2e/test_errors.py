@@ -46,6 +46,10 @@ CASES = {
     "misspelled ds key": (["--ds.zero_optimization.overlap_com=true"], "did you mean 'overlap_comm'?"),
     "missing ds config": (["--ds_config", "zero9.json"], "DeepSpeed config 'zero9.json' not found"),
     "fp16 on cpu": (["--ds_config", "zero2_fp16.json"], "fp16 is not supported on this device (cpu)"),
+    "zero++ on cpu": (["--ds_config", "zero3_zeropp.json"], "ZeRO++ (zero_optimization.zero_quantized_weights, "
+                      "zero_optimization.zero_quantized_gradients) needs CUDA GPUs; this device is cpu"),
+    "compression with zero2": (["--ds_config", "zero1_powersgd.json", "--ds.zero_optimization.stage=2"],
+                               "gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
     "seq_len too long": (["--train.seq_len=4096"], "train.seq_len=4096 exceeds the model's maximum positions (512)"),
     "hub unreachable": (["--model.name_or_path=some-org/not-cached-model"], "cannot load 'some-org/not-cached-model'"),
     "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),

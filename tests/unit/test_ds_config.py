@@ -59,12 +59,12 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     assert parsed.gradient_clipping == r.train.max_grad_norm
     assert cfg["optimizer"]["params"]["lr"] == r.train.lr
     assert cfg["optimizer"]["params"]["betas"] == r.train.betas
-    assert parsed.bfloat16_config.enabled == ("fp16" not in name)
-    assert parsed.float16_config.enabled == ("fp16" in name)
+    assert parsed.bfloat16_config.enabled == (not name.endswith("_fp16.json"))
+    assert parsed.float16_config.enabled == name.endswith("_fp16.json")
     assert "scheduler" not in cfg  # "auto": dstrain.schedule from the recipe
 
 
-@pytest.mark.parametrize("name", [n for n in SHIPPED if "fp16" in n])
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n.endswith("_fp16.json")])
 def test_fp16_on_cpu_is_a_clear_error(name):
     with pytest.raises(UserError, match=r"fp16 is not supported on this device \(cpu\); use a bf16 config"):
         dsc.resolve(dsc.load(name), recipe(), 2, CPU)

@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""What gradient compression buys: bytes per step, convergence, and step time on a slow link.
+
+Part 1 trains a ~3M-parameter Llama on the shipped corpus (data/tiny) with 2 CPU ranks (gloo) under the
+`deepspeed` launcher, ZeRO-0, four ways: fp32 all-reduce, bf16 all-reduce (communication_data_type),
+PowerSGD rank 4 and signs (both with error feedback). train.py's --log.comm_bytes counts, at the
+torch.distributed collective calls, the bytes each rank sends per step (ring algorithms). Reported: the
+median over the compressed steps, its ratio to fp32, the eval loss after the same number of steps and a
+loss-curve PNG (docs/compression_loss.png).
+
+Part 2 (--slow-link, root with iproute2): two network namespaces joined by a veth pair, each end limited
+with tc (netem rate + delay when the kernel has sch_netem, else tbf rate only), one rank in each, and the
+median step time of each method. The veths' own tx counters give the bytes that really crossed the link.
+The namespaces are created and deleted here.
+
+    python bench/compression.py [--steps 300] [--slow-link] [--rate 100mbit] [--delay 1ms] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import free_port, make_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MARK_BEGIN, MARK_END = "<!-- bench/compression.py begin -->", "<!-- bench/compression.py end -->"
+METHODS = {  # name: train.py arguments on top of zero0.json
+    "fp32 all-reduce": [],
+    "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
+    "PowerSGD rank 4": ["--ds.gradient_compression.method=powersgd", "--ds.gradient_compression.rank=4"],
+    "sign + EF": ["--ds.gradient_compression.method=sign"],
+}
+
+
+def make_model(out: Path) -> int:
+    return make_llama(out, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32)
+
+
+def train_args(model: Path, out: Path, steps: int, warmup: int, extra: list[str]) -> list[str]:
+    return ["train.py", "--ds_config", "zero0.json", "--output_dir", str(out), f"--model.name_or_path={model}",
+            f"--train.max_steps={steps}", "--train.precision=fp32", f"--ds.gradient_compression.warmup_steps={warmup}",
+            f"--eval.every={max(steps // 6, 1)}", "--eval.max_batches=8", "--log.wandb=false",
+            "--log.progress_bar=false", "--log.comm_bytes=true", "--checkpoint.every=0",
+            "--checkpoint.export_hf=false", *extra]
+
+
+def environment(work: Path, **extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DSTRAIN_CACHE=str(work / "cache"),
+               MALLOC_MMAP_THRESHOLD_="131072", WANDB_MODE="offline")
+    env.update(extra)
+    return env
+
+
+def read_metrics(out: Path, warmup: int) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    late = [r for r in steps if r["step"] > warmup + 1]  # past warm-up and the first compressed step
+    return {"losses": [r["loss"] for r in steps], "evals": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
+            "bytes": statistics.median(r["comm_bytes"] for r in late),
+            "warmup_bytes": statistics.median(r["comm_bytes"] for r in steps if r["step"] <= warmup),
+            "step_s": statistics.median(r["step_s"] for r in late)}
+
+
+def part1(model: Path, work: Path, steps: int, warmup: int) -> dict:
+    results = {}
+    for name, extra in METHODS.items():
+        out = work / f"p1-{len(results)}"
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+        began = time.time()
+        proc = subprocess.run(cmd + train_args(model, out, steps, warmup, extra), cwd=ROOT, env=environment(work),
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        results[name] = read_metrics(out, warmup)
+        print(f"  {name}: {time.time() - began:.0f} s, eval loss {results[name]['evals'][-1][1]:.4f}, "
+              f"{results[name]['bytes'] / 1e6:.3f} MB/step", file=sys.stderr)
+    return results
+
+
+class SlowLink:
+    """Two network namespaces and a veth pair, each end shaped with tc; removed on exit."""
+
+    def __init__(self, rate: str, delay: str):
+        tag = os.getpid() % 10000
+        self.ns = [f"dstrain-a{tag}", f"dstrain-b{tag}"]
+        self.dev = [f"dsa{tag}", f"dsb{tag}"]
+        self.addr = ["10.231.0.1", "10.231.0.2"]
+        self.rate, self.delay, self.shaping = rate, delay, ""
+
+    def __enter__(self) -> "SlowLink":
+        def ip(*args):
+            subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+        try:
+            for ns in self.ns:
+                ip("netns", "add", ns)
+            ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                ip("link", "set", dev, "netns", ns)
+                ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+                ip("-n", ns, "link", "set", dev, "up")
+                ip("-n", ns, "link", "set", "lo", "up")
+                self.shaping = self._shape(ns, dev)
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            self.__exit__()
+            detail = getattr(e, "stderr", "") or str(e)
+            raise SystemExit(f"cannot build the slow link (needs root and iproute2): {detail.strip()}")
+        return self
+
+    def _shape(self, ns: str, dev: str) -> str:
+        netem = ["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", self.delay, "rate", self.rate,
+                 "limit", "10000"]
+        if subprocess.run(["ip", "netns", "exec", ns, *netem], capture_output=True).returncode == 0:
+            return f"netem rate {self.rate}, delay {self.delay} each way"
+        tbf = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", "64kb", "latency", "100ms"]
+        subprocess.run(["ip", "netns", "exec", ns, *tbf], check=True, capture_output=True, text=True)
+        return f"tbf rate {self.rate} each way, no added delay (this kernel has no sch_netem)"
+
+    def __exit__(self, *exc) -> None:
+        for ns in self.ns:  # deleting a namespace deletes its end of the veth, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def part2(model: Path, work: Path, steps: int, warmup: int, rate: str, delay: str) -> tuple[dict, str]:
+    results = {}
+    with SlowLink(rate, delay) as link:
+        for name, extra in METHODS.items():
+            out = work / f"p2-{len(results)}"
+            port = str(free_port())
+            procs = []
+            for rank in range(2):
+                env = environment(work, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                                  MASTER_ADDR=link.addr[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[rank])
+                procs.append(subprocess.Popen(["ip", "netns", "exec", link.ns[rank], sys.executable,
+                                               *train_args(model, out, steps, warmup, extra)],
+                                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                              text=True))
+            marks = _watch(procs, out / "metrics.jsonl", link.dev)  # link bytes when each step ends
+            errors = [p.communicate()[1] for p in procs]
+            if any(p.returncode for p in procs):
+                raise SystemExit(f"{name} on the slow link failed:\n{errors[0][-3000:]}\n{errors[1][-3000:]}")
+            end = max(marks)  # normally `steps`; the last sample may precede the last row on a busy machine
+            results[name] = dict(read_metrics(out, warmup),  # the compressed steps after the first
+                                 link_bytes_per_step=(marks[end] - marks[warmup + 1]) / (end - warmup - 1))
+            print(f"  slow link, {name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr)
+        return results, link.shaping
+
+
+def _watch(procs: list, metrics: Path, devs: list[str]) -> dict[int, float]:
+    """{steps done: mean bytes the two veth ends had sent} sampled every 5 ms while the ranks run.
+    /proc/<pid>/net/dev shows the counters of that process's network namespace."""
+    marks: dict[int, float] = {}
+    while any(p.poll() is None for p in procs):
+        try:
+            done = metrics.read_text().count('"loss"') if metrics.exists() else 0
+            sent = [_tx(p.pid, dev) for p, dev in zip(procs, devs)]
+        except (OSError, ValueError):
+            break  # a rank has exited
+        marks.setdefault(done, sum(sent) / 2)
+        time.sleep(0.005)
+    return marks
+
+
+def _tx(pid: int, dev: str) -> int:
+    for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == dev:
+            return int(fields.split()[8])
+    raise ValueError(dev)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        train_ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linewidth=0.8)
+        eval_ax.plot(*zip(*r["evals"]), marker="o", label=name)
+    train_ax.set(xlabel="step", ylabel="train loss", title="training loss", yscale="log")
+    eval_ax.set(xlabel="step", ylabel="eval loss", title="eval loss")
+    eval_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20, help="uncompressed steps first (gradient_compression)")
+    parser.add_argument("--slow-link", action="store_true", help="also time each method between two namespaces")
+    parser.add_argument("--link-steps", type=int, default=30)
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--delay", default="1ms")
+    parser.add_argument("--link-only", action="store_true", help="skip part 1 (a quick check of the slow link)")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and the PNG")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
+    try:
+        params = make_model(work / "model")
+        print(f"part 1: {params / 1e6:.2f}M parameters, {args.steps} steps per method", file=sys.stderr)
+        results = {} if args.link_only else part1(work / "model", work, args.steps, args.warmup)
+        link, shaping = part2(work / "model", work, args.link_steps, 5, args.rate, args.delay) \
+            if args.slow_link or args.link_only else ({}, "")
+        if results:
+            plot(results, ROOT / "docs" / "compression_loss.png" if args.write else work / "compression_loss.png")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(report(args, params, results, link, shaping))
+    if args.write and results:
+        write_section(report(args, params, results, link, shaping))
+
+
+def report(args, params: int, results: dict, link: dict, shaping: str) -> str:
+    text = ""
+    if results:
+        base = results["fp32 all-reduce"]
+        text += (f"{params / 1e6:.2f}M-parameter Llama (4 layers, width 256), data/tiny, ZeRO-0, 2 CPU ranks (gloo), "
+                 f"micro batch 8 x 128 tokens, {args.steps} steps, compression after {args.warmup} uncompressed steps;"
+                 f" {platform.machine()}, {os.cpu_count()} cores. Bytes: what each rank sends per step at the "
+                 f"torch.distributed calls (ring algorithms), median over the compressed steps.\n\n"
+                 "| method | bytes/step | less than fp32 | final eval loss | vs fp32 |\n|---|---|---|---|---|\n")
+        for name, r in results.items():
+            text += (f"| {name} | {r['bytes'] / 1e6:.3f} MB | {base['bytes'] / r['bytes']:.1f}x | "
+                     f"{r['evals'][-1][1]:.4f} | {r['evals'][-1][1] / base['evals'][-1][1] - 1:+.2%} |\n")
+        text += "\nLoss curves: [compression_loss.png](compression_loss.png)\n"
+    if link:
+        plain = link["fp32 all-reduce"]
+        text += (f"\nSlow link: one rank in each of two network namespaces joined by a veth pair, {shaping}; "
+                 f"{args.link_steps} steps, compression after 5; median step time over the compressed steps. "
+                 f"'on the link': the veths' own tx counters (mean of the two ends) over the compressed steps, per step.\n\n"
+                 "| method | s/step | speed-up vs fp32 | counted bytes/step | on the link/step |\n|---|---|---|---|---|\n")
+        for name, r in link.items():
+            text += (f"| {name} | {r['step_s']:.3f} | {plain['step_s'] / r['step_s']:.2f}x | "
+                     f"{r['bytes'] / 1e6:.3f} MB | {r['link_bytes_per_step'] / 1e6:.3f} MB |\n")
+    return text
+
+
+def write_section(text: str) -> None:
+    doc = ROOT / "docs" / "benchmarks.md"
+    current = doc.read_text()
+    section = f"{MARK_BEGIN}\n## Gradient compression (bench/compression.py)\n\n{text}{MARK_END}"
+    if MARK_BEGIN in current:
+        current = current[:current.index(MARK_BEGIN)] + section + current[current.index(MARK_END) + len(MARK_END):]
+    else:
+        current = current.rstrip() + "\n\n" + section + "\n"
+    doc.write_text(current)
+
+
+if __name__ == "__main__":
+    main()

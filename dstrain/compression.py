@@ -1,0 +1,392 @@
+"""Error-feedback gradient compression for data-parallel training on any backend (gloo included).
+
+DeepSpeed removed 1-bit Adam / 0-1 Adam / 1-bit LAMB and their compressed backends, and ZeRO++ runs on
+GPUs only, so this is the repository's own. It is chosen from the DeepSpeed JSON with a key that is
+taken out before DeepSpeed sees the config:
+
+    "gradient_compression": {"method": "powersgd", "rank": 4, "warmup_steps": 20}
+
+- powersgd: rank-r approximation of every matrix gradient by one step of power iteration, warm-started
+  from the previous step's factor (Vogels et al., 2019, "PowerSGD"); two all-reduces per bucket: P
+  (together with the uncompressed vectors) and Q.
+- sign: scaled signs, 1 bit per element plus one fp32 scale (the mean magnitude) per block of 128 elements,
+  exchanged by all-gather (EF-signSGD, Karimireddy et al., 2019, with block-wise scales).
+
+Both keep the local compression error and add it to the next step's gradient (error feedback), so the
+sum of applied updates follows the sum of true gradients up to the residual. The first `warmup_steps`
+optimizer steps use a plain fp32 all-reduce. The error buffers differ per rank; the low-rank factors are
+shared; both are saved with every checkpoint (compression_rank<R>.pt) and restored on resume.
+
+DeepSpeed reduces gradients itself at the accumulation boundary; `install` swaps the one call that does
+the data-parallel averaging for ours: the engine's `allreduce_and_copy` under ZeRO-0 (a list of gradient
+tensors), the ZeRO-1 optimizer's `gradient_reduction_w_predivide` (one flat bucket whose parameters the
+bucket lists). ZeRO-2/3 reduce-scatter gradients during backward and are refused.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+
+from .errors import UserError, closest
+
+KEY = "gradient_compression"
+SIGN_BLOCK = 128  # sign: elements sharing one scale (1/8 + 4/128 bytes per element: 25.6x less than fp32)
+METHODS = ("none", "powersgd", "sign")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    method: str = "none"
+    rank: int = 4  # powersgd: rank of the approximation
+    warmup_steps: int = 20  # optimizer steps with uncompressed all-reduce first
+    seed: int = 0  # powersgd: the initial random factors (the same on every rank)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def parse(raw_ds: dict) -> CompressionConfig:
+    """The validated `gradient_compression` section of a DeepSpeed JSON (method none when absent)."""
+    section = raw_ds.get(KEY)
+    if section is None:
+        return CompressionConfig()
+    if not isinstance(section, dict):
+        raise UserError(f"DeepSpeed config key '{KEY}' should be an object such as "
+                        f'{{"method": "powersgd", "rank": 4, "warmup_steps": 20}}')
+    fields = CompressionConfig.__dataclass_fields__
+    for key in section:
+        if key not in fields:
+            raise UserError(f"unknown DeepSpeed config key '{KEY}.{key}'{closest(key, fields)}")
+    method = section.get("method", "none")
+    if method not in METHODS:
+        raise UserError(f"{KEY}.method={method!r} is not one of {', '.join(METHODS)}{closest(str(method), METHODS)}")
+    for key in ("rank", "warmup_steps", "seed"):
+        value = section.get(key, getattr(CompressionConfig, key))
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "rank" else 0):
+            raise UserError(f"{KEY}.{key}={value!r} must be a{' positive' if key == 'rank' else ' non-negative'} "
+                            f"integer")
+    return CompressionConfig(**section)
+
+
+def check_combination(cfg: dict, compression: CompressionConfig) -> None:
+    """Refuse what the compressed reduction cannot serve; set the ZeRO-1 knobs it relies on."""
+    if not compression.enabled:
+        return
+    zero = cfg.setdefault("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    fix = f"use ZeRO stage 0 or 1 (ds_configs/zero1.json) or remove '{KEY}'"
+    if stage > 1:
+        raise UserError(f"{KEY} works with ZeRO stage 0 or 1, but this config uses ZeRO-{stage} (it reduce-scatters "
+                        f"gradients during backward); {fix}")
+    if int((cfg.get("pipeline") or {}).get("stages", 1) or 1) > 1 or \
+            int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) > 1:
+        raise UserError(f"{KEY} works with data parallelism only, not with pipeline stages or tensor parallelism; "
+                        f"remove '{KEY}' or the pipeline / tensor_parallel section")
+    if any(((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")):
+        raise UserError(f"{KEY} does not combine with ZeRO offload; remove the offload section or '{KEY}'")
+    if cfg.get("communication_data_type") not in (None, "fp32"):
+        raise UserError(f"{KEY} replaces the gradient all-reduce, so communication_data_type="
+                        f"{cfg['communication_data_type']!r} would not apply; remove one of the two")
+    if stage == 1:  # one full-bucket reduction (not per-owner reduces), run at the accumulation boundary
+        for key, wanted in (("reduce_scatter", False), ("overlap_comm", False), ("contiguous_gradients", True)):
+            if zero.get(key, wanted) != wanted:
+                raise UserError(f"{KEY} with ZeRO-1 needs zero_optimization.{key}={str(wanted).lower()}; "
+                                f"remove that key (it is set for you) or '{KEY}'")
+            zero[key] = wanted
+
+
+# ----------------------------------------------------------------------------- counting bytes
+
+def _wire_bytes(op: str, nbytes: int, world: int) -> float:
+    """Bytes one rank sends for a collective over `nbytes` of input, ring algorithms."""
+    if world <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (world - 1) / world * nbytes
+    if op in ("all_gather", "all_gather_into_tensor", "_all_gather_base"):
+        return (world - 1) * nbytes
+    return (world - 1) / world * nbytes  # reduce, reduce_scatter, broadcast
+
+
+class CommCounter:
+    """Counts every torch.distributed collective while active: calls, input bytes, and the bytes each rank
+    sends under ring algorithms. DeepSpeed's collectives go through the same functions."""
+    OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+           "reduce_scatter_tensor", "_all_gather_base", "_reduce_scatter_base")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.input_bytes = 0
+        self.wire_bytes = 0.0
+        self._active = None
+
+    def start(self) -> "CommCounter":
+        self._active = self.active()
+        self._active.__enter__()
+        return self
+
+    def stop(self) -> None:
+        if self._active is not None:
+            self._active.__exit__(None, None, None)
+            self._active = None
+
+    def _record(self, op: str, tensor, group) -> None:
+        if tensor is None:
+            return
+        tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+        self.calls += 1
+        self.input_bytes += nbytes
+        self.wire_bytes += _wire_bytes(op, nbytes, tdist.get_world_size(group))
+
+    @contextmanager
+    def active(self) -> Iterator["CommCounter"]:
+        originals = {op: getattr(tdist, op) for op in self.OPS if hasattr(tdist, op)}
+
+        def wrap(op: str, fn: Callable) -> Callable:
+            def counted(*args, **kwargs):
+                if op in ("all_gather", "all_gather_into_tensor", "_all_gather_base"):
+                    tensor = kwargs.get("tensor", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+                elif op in ("reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base"):
+                    tensor = kwargs.get("input", kwargs.get("input_list", args[1] if len(args) > 1 else None))
+                else:
+                    tensor = kwargs.get("tensor", args[0] if args else None)
+                self._record(op, tensor, kwargs.get("group"))
+                return fn(*args, **kwargs)
+            return counted
+
+        backend = _deepspeed_backend()
+        cached = {}
+        for op, fn in originals.items():
+            setattr(tdist, op, wrap(op, fn))
+        if backend is not None:  # DeepSpeed keeps its own references to these two
+            for attr, op in (("all_gather_function", "all_gather_into_tensor"),
+                             ("reduce_scatter_function", "reduce_scatter_tensor")):
+                if getattr(backend, attr, None) is not None:
+                    cached[attr] = getattr(backend, attr)
+                    setattr(backend, attr, wrap(op, cached[attr]))
+        try:
+            yield self
+        finally:
+            for op, fn in originals.items():
+                setattr(tdist, op, fn)
+            for attr, fn in cached.items():
+                setattr(backend, attr, fn)
+
+
+def _deepspeed_backend():
+    try:
+        from deepspeed.comm import comm
+        return comm.cdb
+    except Exception:  # deepspeed absent or not initialised
+        return None
+
+
+# ----------------------------------------------------------------------------- compressors
+
+class Reducer:
+    """Averages a list of gradient tensors in place over a process group, compressed after warm-up.
+
+    State is keyed by the tensor's position in the step's sequence of reductions (the same on every rank
+    and every step for a fixed model and config), with its shape checked."""
+
+    def __init__(self, config: CompressionConfig, group=None, step: Callable[[], int] = lambda: 0):
+        self.config, self.group, self.current_step = config, group, step
+        self.world = tdist.get_world_size(group)
+        self.errors: dict[int, torch.Tensor] = {}  # this rank's compression residual, per tensor
+        self.factors: dict[int, torch.Tensor] = {}  # powersgd Q (shared by all ranks)
+        self._ordinal, self._step_seen = 0, None
+
+    # -- the seam
+    def average_(self, grads: list[torch.Tensor]) -> None:
+        step = self.current_step()
+        if step != self._step_seen:
+            self._step_seen, self._ordinal = step, 0
+        ordinals = list(range(self._ordinal, self._ordinal + len(grads)))
+        self._ordinal += len(grads)
+        if not grads:
+            return
+        if step < self.config.warmup_steps:
+            return self._plain_(grads)
+        if self.config.method == "powersgd":
+            return self._powersgd_(grads, ordinals)
+        return self._sign_(grads, ordinals)
+
+    def _plain_(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        tdist.all_reduce(flat, group=self.group)
+        flat.div_(self.world)
+        _unflatten_into(flat, grads)
+
+    def _residual(self, ordinal: int, grad: torch.Tensor) -> torch.Tensor:
+        error = self.errors.get(ordinal)
+        if error is not None and error.shape != grad.shape:
+            raise RuntimeError(f"gradient compression state for tensor {ordinal} has shape {tuple(error.shape)}, "
+                               f"the gradient {tuple(grad.shape)}: the model or bucket layout changed")
+        return grad.float() + error if error is not None else grad.float()
+
+    def _powersgd_(self, grads: list[torch.Tensor], ordinals: list[int]) -> None:
+        rank = self.config.rank
+        matrices, vectors = [], []
+        for ordinal, grad in zip(ordinals, grads):
+            n = grad.shape[0] if grad.dim() >= 2 else 1
+            m = grad.numel() // max(n, 1)
+            r = min(rank, n, m)
+            if grad.dim() >= 2 and (n + m) * r < n * m:
+                matrices.append((ordinal, grad, self._residual(ordinal, grad).view(n, m), r))
+            else:
+                vectors.append(grad)
+        qs = []
+        for ordinal, grad, matrix, r in matrices:
+            q = self.factors.get(ordinal)
+            if q is None or q.shape != (matrix.shape[1], r):
+                generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + ordinal)
+                q = torch.randn(matrix.shape[1], r, generator=generator).to(matrix.device)
+                q = _orthonormal(q)
+            qs.append(q)
+        ps = [matrix @ q for (_, _, matrix, _), q in zip(matrices, qs)]
+        # one all-reduce for the P factors and the vectors sent as they are, one for the Q factors
+        first = torch.cat([p.reshape(-1) for p in ps] + [v.reshape(-1).float() for v in vectors])
+        tdist.all_reduce(first, group=self.group)
+        first.div_(self.world)
+        offset = 0
+        for i, p in enumerate(ps):
+            ps[i] = _orthonormal(first[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        _unflatten_into(first[offset:], vectors)
+        new_qs = [matrix.t() @ p for (_, _, matrix, _), p in zip(matrices, ps)]
+        if new_qs:
+            second = torch.cat([q.reshape(-1) for q in new_qs])
+            tdist.all_reduce(second, group=self.group)
+            second.div_(self.world)
+            offset = 0
+            for i, q in enumerate(new_qs):
+                new_qs[i] = second[offset:offset + q.numel()].view_as(q)
+                offset += q.numel()
+        for (ordinal, grad, matrix, _), p, q in zip(matrices, ps, new_qs):
+            approx = p @ q.t()
+            self.errors[ordinal] = (matrix - approx).view_as(grad)
+            self.factors[ordinal] = q.clone()
+            grad.copy_(approx.view_as(grad))
+
+    def _sign_(self, grads: list[torch.Tensor], ordinals: list[int]) -> None:
+        """One bit per element and one fp32 scale (mean magnitude) per block of SIGN_BLOCK elements of a tensor."""
+        corrected = [self._residual(o, g).reshape(-1) for o, g in zip(ordinals, grads)]
+        sizes = [c.numel() for c in corrected]
+        nblocks = [math.ceil(n / SIGN_BLOCK) for n in sizes]
+        blocks = torch.cat([F.pad(c, (0, b * SIGN_BLOCK - n)) for c, b, n in zip(corrected, nblocks, sizes)])
+        blocks = blocks.view(-1, SIGN_BLOCK)
+        counts = torch.cat([torch.full((b,), float(SIGN_BLOCK)) for b in nblocks]).to(blocks.device)
+        ends = torch.tensor(nblocks).cumsum(0) - 1
+        counts[ends] = torch.tensor([float(n - (b - 1) * SIGN_BLOCK) for n, b in zip(sizes, nblocks)])
+        scales = blocks.abs().sum(1) / counts
+        positive = blocks >= 0
+        sent = torch.where(positive, scales[:, None], -scales[:, None])
+        residual = (blocks - sent).view(-1)
+        offset = 0
+        for ordinal, grad, n, b in zip(ordinals, grads, sizes, nblocks):
+            self.errors[ordinal] = residual[offset:offset + n].view_as(grad).clone()
+            offset += b * SIGN_BLOCK
+        packed = _pack_bits(positive.view(-1))
+        gathered_bits = [torch.empty_like(packed) for _ in range(self.world)]
+        gathered_scales = [torch.empty_like(scales) for _ in range(self.world)]
+        tdist.all_gather(gathered_bits, packed, group=self.group)
+        tdist.all_gather(gathered_scales, scales, group=self.group)
+        total = torch.zeros_like(blocks)
+        for bits, rank_scales in zip(gathered_bits, gathered_scales):
+            signs = _unpack_bits(bits, blocks.numel()).view_as(blocks).float() * 2 - 1
+            total += signs * rank_scales[:, None]
+        total = total.div_(self.world).view(-1)
+        offset = 0
+        for grad, n, b in zip(grads, sizes, nblocks):
+            grad.copy_(total[offset:offset + n].view_as(grad))
+            offset += b * SIGN_BLOCK
+
+    # -- checkpointing
+    def state_dict(self) -> dict:
+        return {"method": self.config.method, "errors": dict(self.errors), "factors": dict(self.factors)}
+
+    def load_state_dict(self, state: dict, errors: bool = True) -> None:
+        """errors=False keeps only the shared factors (the data-parallel world changed)."""
+        if state.get("method") != self.config.method:
+            return  # another method's state means nothing here; start clean
+        self.factors = dict(state.get("factors", {}))
+        self.errors = dict(state.get("errors", {})) if errors else {}
+
+
+def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(matrix, mode="reduced").Q
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    padded = torch.zeros(math.ceil(bits.numel() / 8) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:bits.numel()] = bits.to(torch.uint8)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:count].bool()
+
+
+# ----------------------------------------------------------------------------- the DeepSpeed seam
+
+def install(engine, config: CompressionConfig) -> Optional[Reducer]:
+    """Route the engine's data-parallel gradient averaging through a Reducer; None when not needed."""
+    if not config.enabled:
+        return None
+    from deepspeed.utils import groups
+    group = groups._get_data_parallel_group()
+    if tdist.get_world_size(group) <= 1:
+        return None
+    reducer = Reducer(config, group, step=lambda: engine.global_steps)
+    stage = engine.zero_optimization_stage()
+    if stage == 0:
+        def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):
+            reducer.average_(list(small_bucket))
+        engine.allreduce_and_copy = allreduce_and_copy
+    elif stage == 1:
+        optimizer = engine.optimizer
+
+        def gradient_reduction_w_predivide(tensor, communication_data_type):
+            reducer.average_(_bucket_views(optimizer, tensor, communication_data_type))
+            return tensor
+        optimizer.gradient_reduction_w_predivide = gradient_reduction_w_predivide
+    else:
+        raise UserError(f"{KEY} works with ZeRO stage 0 or 1, not {stage}")
+    return reducer
+
+
+def _bucket_views(optimizer, flat: torch.Tensor, dtype) -> list[torch.Tensor]:
+    """The per-parameter views of a ZeRO-1 reduction bucket (laid out in the order the bucket lists)."""
+    params = []
+    large = getattr(optimizer, "extra_large_param_to_reduce", {}).get(dtype)
+    if large is not None and large.numel() == flat.numel():
+        params = [large]
+    else:
+        for group_idx, param_idx, _ in optimizer.ipg_buckets[dtype].params:
+            params.append(optimizer.bit16_groups[group_idx][param_idx])
+    if sum(p.numel() for p in params) != flat.numel():
+        raise RuntimeError(f"ZeRO-1 bucket of {flat.numel()} elements does not match its parameters")
+    views, offset = [], 0
+    for p in params:
+        views.append(flat.narrow(0, offset, p.numel()).view(p.shape))
+        offset += p.numel()
+    return views

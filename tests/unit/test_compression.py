@@ -1,0 +1,181 @@
+"""Gradient compressors on two real gloo processes: error feedback, exact low-rank reconstruction, warm-up,
+state that resumes exactly, bytes counted at the collectives; config validation and refusals."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+from dstrain import compression as C
+from dstrain import ds_config as dsc
+from dstrain.config import load_recipe, parse_overrides
+from dstrain.errors import UserError
+
+SHAPES = [(64, 48), (32, 3, 3), (48,), (7, 5)]  # a matrix, a conv-like tensor, a vector, a tiny matrix
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, fn, tmp_path, *args) -> list:
+    """fn(rank, *args) on `world` gloo processes; returns each rank's result."""
+    port = _free_port()
+    mp.spawn(_worker, args=(world, port, fn, str(tmp_path), args), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"out{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _worker(rank, world, port, fn, out_dir, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, *args), os.path.join(out_dir, f"out{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+def _grads(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(*shape, generator=g) for shape in SHAPES]
+
+
+def _train(rank, method, steps, warmup, state=None, first=0):
+    """Feed `steps` random gradients through a Reducer; return applied updates, true means and state."""
+    step = [first]
+    reducer = C.Reducer(C.CompressionConfig(method, rank=2, warmup_steps=warmup), step=lambda: step[0])
+    if state is not None:
+        reducer.load_state_dict(state[rank])
+    applied, true_mean = [], []
+    for t in range(first, first + steps):
+        step[0] = t
+        grads = _grads(rank, t)
+        mean = [sum(_grads(r, t)[i] for r in range(2)) / 2 for i in range(len(SHAPES))]
+        reducer.average_(grads)
+        applied.append(grads)
+        true_mean.append(mean)
+    return {"applied": applied, "mean": true_mean, "state": reducer.state_dict()}
+
+
+@pytest.mark.parametrize("method", ["powersgd", "sign"])
+def test_error_feedback_keeps_the_sum_of_updates(method, tmp_path):
+    """Sum of applied updates == sum of true mean gradients - mean residual, for every tensor."""
+    results = _run(2, _train, tmp_path, method, 12, 2)
+    for i in range(len(SHAPES)):
+        applied = sum(step[i] for step in results[0]["applied"])
+        truth = sum(step[i] for step in results[0]["mean"])
+        residual = sum(r["state"]["errors"].get(i, torch.zeros(SHAPES[i])) for r in results) / 2
+        torch.testing.assert_close(applied + residual, truth, rtol=1e-4, atol=1e-4)
+        if i == 0:  # and compression really happened: the residual is not zero, the ranks agree
+            assert residual.abs().max() > 1e-3
+            torch.testing.assert_close(results[0]["applied"][-1][0], results[1]["applied"][-1][0])
+
+
+def test_warmup_steps_are_exact_and_later_ones_compressed(tmp_path):
+    results = _run(2, _train, tmp_path, "powersgd", 4, 2)
+    applied, mean = results[0]["applied"], results[0]["mean"]
+    for t in range(2):
+        for a, m in zip(applied[t], mean[t]):
+            torch.testing.assert_close(a, m)
+    assert (applied[2][0] - mean[2][0]).abs().max() > 1e-2  # rank 2 of a random 64x48: lossy
+    torch.testing.assert_close(applied[2][2], mean[2][2])  # vectors are sent as they are
+
+
+def _low_rank(rank):
+    g = torch.Generator().manual_seed(7 + rank)
+    matrix = torch.randn(40, 2, generator=g) @ torch.randn(2, 30, generator=g)  # rank 2 on each rank
+    reducer = C.Reducer(C.CompressionConfig("powersgd", rank=4, warmup_steps=0))
+    grad = matrix.clone()
+    reducer.average_([grad])
+    return {"grad": matrix, "applied": grad}
+
+
+def test_low_rank_input_is_reconstructed_exactly(tmp_path):
+    results = _run(2, _low_rank, tmp_path)
+    mean = (results[0]["grad"] + results[1]["grad"]) / 2  # rank <= 4
+    torch.testing.assert_close(results[0]["applied"], mean, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results[1]["applied"], mean, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["powersgd", "sign"])
+def test_state_resumes_exactly(method, tmp_path):
+    whole = _run(2, _train, tmp_path, method, 8, 2)
+    first = _run(2, _train, tmp_path, method, 5, 2)
+    state = [r["state"] for r in first]
+    rest = _run(2, _train, tmp_path, method, 3, 2, state, 5)
+    for rank in range(2):
+        for a, b in zip(whole[rank]["applied"][5:], rest[rank]["applied"]):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def _count(rank, method):
+    counter = C.CommCounter()
+    grad = torch.randn(256, 256)
+    with counter.active():
+        C.Reducer(C.CompressionConfig(method, rank=4, warmup_steps=0)).average_([grad])
+        compressed = counter.wire_bytes
+        tdist.all_reduce(grad.clone())
+    return {"compressed": compressed, "total": counter.wire_bytes, "calls": counter.calls}
+
+
+@pytest.mark.parametrize("method, ratio", [("powersgd", 32.0), ("sign", 25.6)])
+def test_bytes_are_counted_at_the_collectives(method, ratio, tmp_path):
+    result = _run(2, _count, tmp_path, method)[0]
+    plain = 256 * 256 * 4  # fp32 ring all-reduce on 2 ranks: each sends its whole tensor once
+    assert result["total"] - result["compressed"] == plain
+    assert plain / result["compressed"] == pytest.approx(ratio, rel=0.01)
+    assert result["calls"] == 3
+
+
+def test_bit_packing_round_trip():
+    bits = torch.rand(1001) > 0.5
+    packed = C._pack_bits(bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == 126
+    assert torch.equal(C._unpack_bits(packed, 1001), bits)
+
+
+# ----------------------------------------------------------------------------- config
+
+def recipe():
+    return load_recipe("tiny/pretrain.yaml", parse_overrides([]))
+
+
+CPU = dsc.DeviceCaps("cpu", bf16=True, fp16=False)
+
+
+def test_key_is_validated_and_removed_before_deepspeed():
+    cfg = dsc.resolve(dsc.load("zero1_powersgd.json"), recipe(), 2, CPU)
+    assert C.KEY not in cfg
+    zero = cfg["zero_optimization"]
+    assert (zero["reduce_scatter"], zero["overlap_comm"], zero["contiguous_gradients"]) == (False, False, True)
+    assert C.parse(dsc.load("zero1_powersgd.json")) == C.CompressionConfig("powersgd", 4, 20)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"gradient_compression.metod": "sign"}, r"unknown DeepSpeed config key 'gradient_compression.metod' \(did you mean 'method'"),
+    ({"gradient_compression.method": "topk"}, r"gradient_compression.method='topk' is not one of none, powersgd, sign"),
+    ({"gradient_compression.rank": 0}, r"gradient_compression.rank=0 must be a positive integer"),
+    ({"zero_optimization.stage": 2}, r"gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
+    ({"zero_optimization.overlap_comm": True}, r"needs zero_optimization.overlap_comm=false"),
+    ({"communication_data_type": "bf16"}, r"communication_data_type='bf16' would not apply"),
+    ({"zero_optimization.offload_optimizer.device": "cpu"}, r"does not combine with ZeRO offload"),
+    ({"pipeline.stages": 2}, r"data parallelism only"),
+])
+def test_bad_compression_settings_are_one_clear_error(patch, message):
+    with pytest.raises(UserError, match=message):
+        dsc.resolve(dsc.load("zero1_powersgd.json", parse_overrides([f"--ds.{k}={v}" for k, v in patch.items()])["ds"]),
+                    recipe(), 2, CPU)
+
+
+def test_zeropp_on_cpu_is_refused_before_anything_starts():
+    with pytest.raises(UserError, match=r"ZeRO\+\+ \(zero_optimization.zero_quantized_weights, "
+                                        r"zero_optimization.zero_quantized_gradients\) needs CUDA GPUs; this device is cpu"):
+        dsc.resolve(dsc.load("zero3_zeropp.json"), recipe(), 2, CPU)
+    gpu = dsc.resolve(dsc.load("zero3_zeropp.json"), recipe(), 16, dsc.DeviceCaps("cuda", True, True), 64,
+                      ranks_per_node=8)
+    assert gpu["zero_optimization"]["zero_hpz_partition_size"] == 8
