@@ -132,6 +132,28 @@ def test_bytes_are_counted_at_the_collectives(method, ratio, tmp_path):
     assert result["calls"] == 3
 
 
+def _exempt(rank):
+    reducer = C.Reducer(C.CompressionConfig("powersgd", rank=1, warmup_steps=0), exempt_shapes=frozenset({(64, 48)}))
+    grads = _grads(rank, 0)
+    reducer.average_(grads)
+    return {"applied": grads, "errors": sorted(reducer.errors)}
+
+
+def test_embedding_shaped_tensors_go_uncompressed(tmp_path):
+    results = _run(2, _exempt, tmp_path)
+    mean = [(a + b) / 2 for a, b in zip(_grads(0, 0), _grads(1, 0))]
+    torch.testing.assert_close(results[0]["applied"][0], mean[0])  # exact: sent as it is
+    assert (results[0]["applied"][1] - mean[1]).abs().max() > 1e-2  # the conv-like tensor: rank 1, lossy
+    assert results[0]["errors"] == [1, 3]  # residuals of the compressed ones only
+
+
+def test_embedding_shapes_of_a_causal_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
+    assert C.embedding_shapes(model) == frozenset({(100, 16)})
+
+
 def test_bit_packing_round_trip():
     bits = torch.rand(1001) > 0.5
     packed = C._pack_bits(bits)
