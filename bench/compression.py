@@ -34,6 +34,7 @@ from common import free_port, make_llama
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MARK_BEGIN, MARK_END = "<!-- bench/compression.py begin -->", "<!-- bench/compression.py end -->"
+RESULTS = ROOT / "docs" / "compression_bench.json"  # every figure of the section; each part updates its own
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
@@ -149,9 +150,10 @@ def part2(model: Path, work: Path, steps: int, warmup: int, rate: str, delay: st
             errors = [p.communicate()[1] for p in procs]
             if any(p.returncode for p in procs):
                 raise SystemExit(f"{name} on the slow link failed:\n{errors[0][-3000:]}\n{errors[1][-3000:]}")
-            end = max(marks)  # normally `steps`; the last sample may precede the last row on a busy machine
-            results[name] = dict(read_metrics(out, warmup),  # the compressed steps after the first
-                                 link_bytes_per_step=(marks[end] - marks[warmup + 1]) / (end - warmup - 1))
+            end = max(marks, default=0)  # normally `steps`; a busy machine may miss the last row
+            on_link = (marks[end] - marks[warmup + 1]) / (end - warmup - 1) if end > warmup + 1 and \
+                warmup + 1 in marks else float("nan")  # the compressed steps after the first
+            results[name] = dict(read_metrics(out, warmup), link_bytes_per_step=on_link)
             print(f"  slow link, {name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr)
         return results, link.shaping
 
@@ -160,12 +162,13 @@ def _watch(procs: list, metrics: Path, devs: list[str]) -> dict[int, float]:
     """{steps done: mean bytes the two veth ends had sent} sampled every 5 ms while the ranks run.
     /proc/<pid>/net/dev shows the counters of that process's network namespace."""
     marks: dict[int, float] = {}
-    while any(p.poll() is None for p in procs):
+    while all(p.poll() is None for p in procs):
         try:
             done = metrics.read_text().count('"loss"') if metrics.exists() else 0
             sent = [_tx(p.pid, dev) for p, dev in zip(procs, devs)]
-        except (OSError, ValueError):
-            break  # a rank has exited
+        except (OSError, ValueError):  # not yet inside its namespace, or just exited
+            time.sleep(0.005)
+            continue
         marks.setdefault(done, sum(sent) / 2)
         time.sleep(0.005)
     return marks
@@ -207,25 +210,36 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and the PNG")
     args = parser.parse_args()
 
+    saved = RESULTS if args.write else Path(tempfile.gettempdir()) / "dstrain-compression-bench.json"
     work = Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
     try:
         params = make_model(work / "model")
-        print(f"part 1: {params / 1e6:.2f}M parameters, {args.steps} steps per method", file=sys.stderr)
-        results = {} if args.link_only else part1(work / "model", work, args.steps, args.warmup)
-        link, shaping = part2(work / "model", work, args.link_steps, 5, args.rate, args.delay) \
-            if args.slow_link or args.link_only else ({}, "")
-        if results:
-            plot(results, ROOT / "docs" / "compression_loss.png" if args.write else work / "compression_loss.png")
+        state = json.loads(saved.read_text()) if saved.exists() else {}
+        state["params"] = params
+        if not args.link_only:
+            print(f"part 1: {params / 1e6:.2f}M parameters, {args.steps} steps per method", file=sys.stderr)
+            state["part1"] = part1(work / "model", work, args.steps, args.warmup)
+            state["part1_args"] = {"steps": args.steps, "warmup": args.warmup}
+            saved.write_text(json.dumps(state, indent=1))  # a failure in part 2 keeps part 1
+            plot(state["part1"], ROOT / "docs" / "compression_loss.png" if args.write else work / "loss.png")
+        if args.slow_link or args.link_only:
+            state["link"], state["shaping"] = part2(work / "model", work, args.link_steps, 5, args.rate, args.delay)
+            state["link_args"] = {"steps": args.link_steps}
+            saved.write_text(json.dumps(state, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(report(args, params, results, link, shaping))
-    if args.write and results:
-        write_section(report(args, params, results, link, shaping))
+    text = report(state)
+    print(text)
+    if args.write:
+        write_section(text)
 
 
-def report(args, params: int, results: dict, link: dict, shaping: str) -> str:
-    text = ""
+def report(state: dict) -> str:
+    """The markdown section from the saved results of the parts run so far."""
+    text, params = "", state["params"]
+    results, link, shaping = state.get("part1", {}), state.get("link", {}), state.get("shaping", "")
     if results:
+        args = argparse.Namespace(**state["part1_args"])
         base = results["fp32 all-reduce"]
         text += (f"{params / 1e6:.2f}M-parameter Llama (4 layers, width 256), data/tiny, ZeRO-0, 2 CPU ranks (gloo), "
                  f"micro batch 8 x 128 tokens, {args.steps} steps, compression after {args.warmup} uncompressed steps;"
@@ -237,6 +251,7 @@ def report(args, params: int, results: dict, link: dict, shaping: str) -> str:
                      f"{r['evals'][-1][1]:.4f} | {r['evals'][-1][1] / base['evals'][-1][1] - 1:+.2%} |\n")
         text += "\nLoss curves: [compression_loss.png](compression_loss.png)\n"
     if link:
+        args = argparse.Namespace(link_steps=state["link_args"]["steps"])
         plain = link["fp32 all-reduce"]
         text += (f"\nSlow link: one rank in each of two network namespaces joined by a veth pair, {shaping}; "
                  f"{args.link_steps} steps, compression after 5; median step time over the compressed steps. "
