@@ -236,15 +236,16 @@ def main() -> None:
 
 def report(state: dict) -> str:
     """The markdown section from the saved results of the parts run so far."""
-    text, params = "", state["params"]
+    params = state["params"]
     results, link, shaping = state.get("part1", {}), state.get("link", {}), state.get("shaping", "")
+    text = (f"{params / 1e6:.2f}M-parameter Llama (4 layers, width 256, the embedding matrix sent uncompressed), "
+            f"data/tiny, ZeRO-0, fp32, 2 CPU ranks (gloo), micro batch 8 x 128 tokens; {platform.machine()}, "
+            f"{os.cpu_count()} cores. Bytes: what each rank sends per step, counted at the torch.distributed calls "
+            f"(ring algorithms), median over the compressed steps.\n\n")
     if results:
         args = argparse.Namespace(**state["part1_args"])
         base = results["fp32 all-reduce"]
-        text += (f"{params / 1e6:.2f}M-parameter Llama (4 layers, width 256), data/tiny, ZeRO-0, 2 CPU ranks (gloo), "
-                 f"micro batch 8 x 128 tokens, {args.steps} steps, compression after {args.warmup} uncompressed steps;"
-                 f" {platform.machine()}, {os.cpu_count()} cores. Bytes: what each rank sends per step at the "
-                 f"torch.distributed calls (ring algorithms), median over the compressed steps.\n\n"
+        text += (f"{args.steps} steps, compression after {args.warmup} uncompressed steps.\n\n"
                  "| method | bytes/step | less than fp32 | final eval loss | vs fp32 |\n|---|---|---|---|---|\n")
         for name, r in results.items():
             text += (f"| {name} | {r['bytes'] / 1e6:.3f} MB | {base['bytes'] / r['bytes']:.1f}x | "
