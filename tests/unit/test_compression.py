@@ -201,3 +201,27 @@ def test_zeropp_on_cpu_is_refused_before_anything_starts():
     gpu = dsc.resolve(dsc.load("zero3_zeropp.json"), recipe(), 16, dsc.DeviceCaps("cuda", True, True), 64,
                       ranks_per_node=8)
     assert gpu["zero_optimization"]["zero_hpz_partition_size"] == 8
+
+
+def test_checkpointed_state_on_the_same_and_on_another_world(tmp_path):
+    """Same data-parallel world: this rank's residuals and the factors come back. Another world: the factors
+    only (residuals belong to ranks that no longer exist), with a warning."""
+    from dstrain.checkpoint import Checkpointer, Resume
+    from dstrain.config import CheckpointConfig
+    from dstrain.dist import DistContext
+
+    saved = {"method": "powersgd", "errors": {0: torch.ones(2, 2)}, "factors": {0: torch.full((2, 1), 3.0)}}
+    torch.save(saved, tmp_path / "compression_rank0.pt")
+    torch.save(dict(saved, errors={0: torch.full((2, 2), 2.0)}), tmp_path / "compression_rank1.pt")
+
+    def restored(world: int, rank: int, manifest_world: int) -> C.Reducer:
+        reducer = C.Reducer.__new__(C.Reducer)
+        reducer.config, reducer.errors, reducer.factors = C.CompressionConfig("powersgd"), {}, {}
+        ckpt = Checkpointer(tmp_path, CheckpointConfig(), DistContext(rank, rank, world), compression=reducer)
+        ckpt._load_compression(Resume(tmp_path, {"world_size": manifest_world}))
+        return reducer
+
+    same = restored(2, 1, 2)
+    assert torch.equal(same.errors[0], torch.full((2, 2), 2.0)) and torch.equal(same.factors[0], saved["factors"][0])
+    other = restored(1, 0, 2)
+    assert other.errors == {} and torch.equal(other.factors[0], saved["factors"][0])
