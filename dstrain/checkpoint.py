@@ -218,7 +218,6 @@ class Checkpointer:
             _set_rng_state(torch.load(rng_file, weights_only=False))
         return resume.manifest
 
-
     def _load_compression(self, resume: "Resume") -> None:
         """This rank's error buffers and the shared low-rank factors; with a new data-parallel world the
         per-rank residuals have no owner, so only the factors carry over (a warning says so)."""

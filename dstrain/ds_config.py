@@ -189,13 +189,16 @@ def check_zeropp(cfg: dict, caps: DeviceCaps, ranks_per_node: int | None = None)
     hpz = zero.get("zero_hpz_partition_size", 1)
     if hpz == "auto":  # the secondary weight partition lives within a node
         hpz = zero["zero_hpz_partition_size"] = ranks_per_node or 1
+    if not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 0:
+        raise UserError(f"zero_optimization.zero_hpz_partition_size={hpz!r} should be a whole number of ranks "
+                        f"(the GPUs of one node) or \"auto\"")
     if hpz > 1:
         used.append(ZEROPP_KEYS[2])
     if not used:
         return
     if caps.name != "cuda":
         raise UserError(f"ZeRO++ ({', '.join('zero_optimization.' + k for k in used)}) needs CUDA GPUs; this device "
-                        f"is {caps.name}: use zero3.json, or zero2_bf16comm.json / gradient_compression for less "
+                        f"is {caps.name}: use zero3.json, or zero1_bf16comm.json / zero1_powersgd.json for less "
                         f"traffic on any device")
     if int(zero.get("stage", 0)) != 3:
         raise UserError(f"ZeRO++ ({', '.join(used)}) works with ZeRO stage 3 only; set zero_optimization.stage=3")
