@@ -28,3 +28,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_section(script: str, title: str, body: str) -> None:
+    """Replace (or append) the section of docs/benchmarks.md that `script` owns, between its markers."""
+    begin, end = f"<!-- {script} begin -->", f"<!-- {script} end -->"
+    doc = ROOT / "docs" / "benchmarks.md"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    section = f"{begin}\n## {title} ({script})\n\n{body}{end}"
+    if begin in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    doc.parent.mkdir(exist_ok=True)
+    doc.write_text(text)

@@ -29,11 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import free_port, make_llama
+from common import free_port, make_llama, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-MARK_BEGIN, MARK_END = "<!-- bench/compression.py begin -->", "<!-- bench/compression.py end -->"
 RESULTS = ROOT / "docs" / "compression_bench.json"  # every figure of the section; each part updates its own
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
@@ -231,7 +230,7 @@ def main() -> None:
     text = report(state)
     print(text)
     if args.write:
-        write_section(text)
+        write_section("bench/compression.py", "Gradient compression", text)
 
 
 def report(state: dict) -> str:
@@ -262,17 +261,6 @@ def report(state: dict) -> str:
             text += (f"| {name} | {r['step_s']:.3f} | {plain['step_s'] / r['step_s']:.2f}x | "
                      f"{r['bytes'] / 1e6:.3f} MB | {r['link_bytes_per_step'] / 1e6:.3f} MB |\n")
     return text
-
-
-def write_section(text: str) -> None:
-    doc = ROOT / "docs" / "benchmarks.md"
-    current = doc.read_text()
-    section = f"{MARK_BEGIN}\n## Gradient compression (bench/compression.py)\n\n{text}{MARK_END}"
-    if MARK_BEGIN in current:
-        current = current[:current.index(MARK_BEGIN)] + section + current[current.index(MARK_END) + len(MARK_END):]
-    else:
-        current = current.rstrip() + "\n\n" + section + "\n"
-    doc.write_text(current)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import free_port, make_llama
+from common import free_port, make_llama, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = {0: lambda n: 16, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
-MARK_BEGIN, MARK_END = "<!-- bench/memory.py begin -->", "<!-- bench/memory.py end -->"
 
 
 def make_model(out: Path, layers: int) -> int:
@@ -81,15 +80,7 @@ def main() -> None:
                              for s, mib, b, p, r, e in rows)
     print(table)
     if args.write:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-        section = f"{MARK_BEGIN}\n## Memory per rank, ZeRO stages (bench/memory.py)\n\n{table}{MARK_END}"
-        if MARK_BEGIN in text:
-            text = text[:text.index(MARK_BEGIN)] + section + text[text.index(MARK_END) + len(MARK_END):]
-        else:
-            text = text.rstrip() + "\n\n" + section + "\n"
-        doc.parent.mkdir(exist_ok=True)
-        doc.write_text(text)
+        write_section("bench/memory.py", "Memory per rank, ZeRO stages", table)
 
 
 if __name__ == "__main__":
