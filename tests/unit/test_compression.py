@@ -35,6 +35,7 @@ def _worker(rank, world, port, fn, out_dir, args):
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, *args), os.path.join(out_dir, f"out{rank}.pt"))
+        tdist.barrier()  # gloo aborts (SIGABRT) when a peer tears down while the other still reads its socket
     finally:
         tdist.destroy_process_group()
 
