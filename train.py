@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
     import deepspeed
-    from dstrain import (checkpoint, compression, data, dist, ds_config, faults, memory, model as models, pipeline,
-                         preempt, schedule)
+    from dstrain import (checkpoint, compression, data, dist, ds_config, faults, flops, memory, model as models,
+                         pipeline, preempt, schedule)
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -120,12 +120,15 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     baseline_memory = memory.current_bytes()  # everything after this is the model and its training
     model, _hf_ds_config = models.build(recipe.model, train, ds_cfg, tokenizer)
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
+    if recipe.log.flops_profile_step:  # DeepSpeed's profiler, for one step, on rank 0
+        ds_cfg["flops_profiler"] = flops.profiler_config(recipe.log.flops_profile_step, str(run_dir / "flops_profile.txt"))
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
         "parameters": params_total, "parameters_on_rank0_at_build": params_local,
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []),
-        "gradient_compression": dataclasses.asdict(compress)})
+        "gradient_compression": dataclasses.asdict(compress),
+        "flops_per_token": flops.flops_per_token(model_config, params_total, train.seq_len)})
     if layout.pipeline_stages > 1:  # the same HF modules, regrouped into stages
         piped = pipeline.convert(model, layout.pipeline_stages, ds_cfg["pipeline"].get("partition_method", "parameters"),
                                  train.activation_checkpointing)
@@ -135,6 +138,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg, mpu=dist.tensor_parallel_groups(layout))
     reducer = compression.install(engine, compress)  # None unless the JSON asks for it
+    peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores
+    if recipe.log.flops_profile_step:
+        flops.profile_one_step(engine, bool(ds_cfg.get("wall_clock_breakdown", False)))
     dp_rank = dist.data_parallel_rank(engine)
     stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, dp_rank,
                               layout.data_parallel, train.seed)
@@ -146,9 +152,12 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     if resume:
         stream.resume(start, resume.manifest.get("samples", start * stream.global_batch))
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
-    metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg})
+    metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
+                      flops.flops_per_token(model_config, params_total, train.seq_len), peak.flops * ctx.world_size)
     metrics.message(f"{'resumed from ' + str(resume.path) if resume else 'starting'} at step {start}; "
-                    f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}")
+                    f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}; "
+                    f"MFU = tokens/s x {metrics.flops_per_token / 1e6:,.1f} MFLOP/token / ({ctx.world_size} x "
+                    f"{peak.flops / 1e12:,.3g} TFLOP/s, {peak.source})")
     tokens_per_step = stream.global_batch * train.seq_len
 
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state

@@ -370,11 +370,8 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
 
 def export_dtype(ds_cfg: dict) -> torch.dtype:
     """Export in the precision the engine computed in, so the exported logits are the engine's."""
-    if (ds_cfg.get("bf16") or {}).get("enabled"):
-        return torch.bfloat16
-    if (ds_cfg.get("fp16") or {}).get("enabled"):
-        return torch.float16
-    return torch.float32
+    from .ds_config import precision
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision(ds_cfg), torch.float32)
 
 
 def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx: DistContext, info: dict) -> None:

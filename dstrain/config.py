@@ -130,6 +130,12 @@ class LogConfig:
     progress_bar: bool = True
     plot: bool = True  # loss curve PNG at the end
     comm_bytes: bool = False  # log the bytes each rank sends in collectives per step (ring-algorithm count)
+    flops_profile_step: Optional[int] = None  # run DeepSpeed's flops profiler on this step -> flops_profile.txt
+
+    def __post_init__(self) -> None:
+        if self.flops_profile_step is not None and self.flops_profile_step < 1:
+            raise UserError(f"log.flops_profile_step={self.flops_profile_step} must be a step number >= 1 "
+                            f"(or null to leave the profiler off)")
 
 
 @dataclass

@@ -225,6 +225,13 @@ def uses_recipe_schedule(cfg: dict) -> bool:
     return "scheduler" not in cfg
 
 
+def precision(cfg: dict) -> str:
+    """bf16, fp16 or fp32: what the resolved config computes in."""
+    if (cfg.get("bf16") or {}).get("enabled"):
+        return "bf16"
+    return "fp16" if (cfg.get("fp16") or {}).get("enabled") else "fp32"
+
+
 def zero_stage(cfg: dict) -> int:
     return int((cfg.get("zero_optimization") or {}).get("stage", 0))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -21,9 +23,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 class Metrics:
     def __init__(self, run_dir: Path, cfg: LogConfig, ctx: DistContext, start_step: int, total_steps: int,
-                 resolved_config: dict):
+                 resolved_config: dict, flops_per_token: float = 0.0, peak_flops: float = 0.0):
         self.enabled = ctx.is_main
         self.run_dir, self.cfg = run_dir, cfg
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all ranks together
+        self.rates: list[float] = []
         self.path = run_dir / "metrics.jsonl"
         self.bar = self.wandb = None
         if not self.enabled:
@@ -60,11 +64,14 @@ class Metrics:
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
+        mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        self.rates.append(tokens_per_s)
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                     "tokens_per_s": tokens_per_s, "step_s": seconds,
+                     "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu, "time": time.time(),
                      **({"comm_bytes": comm_bytes} if comm_bytes is not None else {})})
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
+            self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}"
+                                     + (f" mfu={mfu:.1%}" if mfu is not None else ""), refresh=False)
             self.bar.update(1)
 
     def evaluation(self, step: int, eval_loss: float) -> None:
@@ -87,6 +94,10 @@ class Metrics:
             return
         if self.bar is not None:
             self.bar.close()
+        if len(self.rates) > 1:  # the first step of a run carries warm-up costs
+            median = statistics.median(self.rates[1:])
+            self.message(f"median {median:,.0f} tokens/s" + (f", MFU {median * self.flops_per_token / self.peak_flops:.1%}"
+                                                             if self.peak_flops else ""))
         self.file.close()
         if self.cfg.plot:
             plot_losses(self.path, self.run_dir / "loss.png")

@@ -54,6 +54,7 @@ def test_override_values_are_typed():
     (["--train.betas=[0.9]"], "train.betas=[0.9] must be two numbers"),
     (["--train.exit_at_step=999"], "train.exit_at_step=999 must be between 1 and train.max_steps"),
     (["--train.lr"], "override --train.lr has no value"),
+    (["--log.flops_profile_step=0"], "log.flops_profile_step=0 must be a step number >= 1"),
 ])
 def test_validation_messages(args, message):
     with pytest.raises(UserError) as err:

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""dstrain's train.py against the Hugging Face Trainer on the same job, side by side.
+
+Same model (random init from one saved checkpoint), data (data/tiny packed into seq_len blocks, documents
+joined by EOS), sequence length, global batch, optimizer and schedule (AdamW, cosine to 10% of the peak LR
+after a linear warm-up) and DeepSpeed JSON (default ds_configs/zero2.json, with its scheduler left to each
+side and bf16 set to the run's precision). Both run under the `deepspeed` launcher; the runs alternate
+(A B, B A, ...) and every run starts with empty tokenization caches.
+
+Measured the same way for both, outside their own logging:
+  tokens/s          global tokens per step x steps / wall time between the end of step `--skip` and the last
+                    step (train.py's metrics.jsonl rows and a Trainer callback both stamp step ends)
+  first step        launch of the `deepspeed` command -> end of the first optimizer step
+  peak memory       each rank's VmHWM (peak RSS) polled from /proc; on GPUs also nvidia-smi's per-process use
+  final loss        mean training loss of the last 5 steps
+The Trainer's run must have built a DeepSpeedEngine (checked from trainer.model_wrapped), or the bench stops.
+
+    python bench/speed.py [--preset cpu|large|gpu-1b] [--repeats 3] [--ds_config zero2.json] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import free_port, make_llama, write_section
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RESULTS = ROOT / "docs" / "speed_bench.json"
+CHART = ROOT / "docs" / "speed_vs_trainer.png"
+PRESETS = {
+    # a few minutes on 2 CPU cores: ~3M parameters, 2 ranks x 8 x 256 tokens per step
+    "cpu": dict(sizes=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=32),
+                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=30, precision="fp32"),
+    # ~100M parameters: minutes per run on CPU, seconds on a GPU
+    "large": dict(sizes=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                             num_key_value_heads=12, head_dim=64),
+                  seq_len=512, micro_batch_size=4, grad_accum_steps=2, steps=30, precision="bf16"),
+    # Llama-3.2-1B's shape (1.24B parameters with its 128k vocabulary), seq 2048: the GPU MFU target
+    "gpu-1b": dict(sizes=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=2048,
+                              tie_word_embeddings=True),
+                   seq_len=2048, micro_batch_size=4, grad_accum_steps=1, steps=30, precision="bf16"),
+}
+SYSTEMS = ("dstrain", "hf_trainer")
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU"))
+
+
+def bench_ds_config(name: str, precision: str, out: Path) -> Path:
+    """The shipped JSON both sides get: its scheduler left to each side's own cosine, bf16 as the run's."""
+    path = Path(name) if Path(name).exists() else ROOT / "ds_configs" / name
+    cfg = json.loads(path.read_text())
+    cfg.pop("scheduler", None)
+    cfg.setdefault("bf16", {})["enabled"] = precision == "bf16"
+    out.write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+class PeakMemory:
+    """Polls the peak RSS (VmHWM) of every rank process under a launcher, and nvidia-smi's per-process use."""
+
+    def __init__(self, root_pid: int, interval: float = 0.05):
+        self.root, self.interval = root_pid, interval
+        self.rss: dict[int, int] = {}  # rank pid -> bytes
+        self.gpu: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _ranks(self) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        found, todo = [], [self.root]
+        while todo:
+            pid = todo.pop()
+            for child in children.get(pid, []):
+                todo.append(child)
+                try:
+                    if b"--local_rank" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        found.append(child)
+                except OSError:
+                    pass
+        return found
+
+    def _run(self) -> None:
+        polls = 0
+        while not self._stop.is_set():
+            for pid in self._ranks():
+                try:
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            self.rss[pid] = max(self.rss.get(pid, 0), int(line.split()[1]) * 1024)
+                except OSError:
+                    pass
+            if polls % 10 == 0 and shutil.which("nvidia-smi"):
+                self._poll_gpu()
+            polls += 1
+            self._stop.wait(self.interval)
+
+    def _poll_gpu(self) -> None:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            pid, used = (int(x) for x in line.split(","))
+            if pid in self.rss:
+                self.gpu[pid] = max(self.gpu.get(pid, 0), used * 2**20)
+
+
+def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path, ranks: int, index: int) -> dict:
+    out = work / f"{system}-{index}"
+    steps = preset["steps"]
+    common = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    if system == "dstrain":
+        cmd = common + ["train.py", "--ds_config", str(ds_json), "--output_dir", str(out),
+                        f"--model.name_or_path={model}", f"--train.max_steps={steps}",
+                        f"--train.seq_len={preset['seq_len']}", f"--train.micro_batch_size={preset['micro_batch_size']}",
+                        f"--train.grad_accum_steps={preset['grad_accum_steps']}",
+                        f"--train.precision={preset['precision']}", "--train.lr=3e-3", "--train.warmup_steps=10",
+                        "--eval.max_batches=0", "--log.wandb=false", "--log.progress_bar=false", "--log.plot=false",
+                        "--checkpoint.every=0", "--checkpoint.export_hf=false", *args.dstrain_args]
+    else:
+        cmd = common + ["bench/hf_trainer_peer.py", "--model", str(model), "--data", str(ROOT / "data/tiny"),
+                        "--ds_config", str(ds_json), "--output_dir", str(out), "--result", str(out / "result.json"),
+                        f"--max_steps={steps}", f"--seq_len={preset['seq_len']}",
+                        f"--micro_batch_size={preset['micro_batch_size']}",
+                        f"--grad_accum_steps={preset['grad_accum_steps']}", f"--precision={preset['precision']}",
+                        "--lr=3e-3", "--warmup_steps=10"]
+    out.mkdir(parents=True)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
+               DSTRAIN_CACHE=str(out / "cache"), HF_DATASETS_CACHE=str(out / "hf_datasets"),  # cold caches
+               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+    if ranks > 1 and "OMP_NUM_THREADS" not in os.environ and not gpu_count():
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))
+    launched = time.time()
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with PeakMemory(proc.pid) as memory:
+            proc.wait()
+    if proc.returncode:
+        raise SystemExit(f"{system} run {index} failed ({proc.returncode}); last lines of {out / 'log.txt'}:\n"
+                         + "\n".join((out / "log.txt").read_text().splitlines()[-25:]))
+    if system == "dstrain":
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "loss" in r]
+        ends, losses, tokens = [r["time"] for r in rows], [r["loss"] for r in rows], rows[0]["tokens"]
+        stage = json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"]
+        engine = "DeepSpeedEngine"
+    else:
+        result = json.loads((out / "result.json").read_text())
+        if not result["deepspeed_engine"]:
+            raise SystemExit("the Trainer did not build a DeepSpeed engine: the comparison would be meaningless")
+        ends, losses, stage, engine = result["step_end"], result["losses"], result["zero_stage"], result["deepspeed_engine"]
+        tokens = preset["micro_batch_size"] * preset["grad_accum_steps"] * result["world_size"] * preset["seq_len"]
+    if len(ends) != steps:
+        raise SystemExit(f"{system} run {index}: {len(ends)} step times for {steps} steps")
+    skip = args.skip
+    return {"system": system, "run": index, "tokens_per_step": tokens, "zero_stage": stage, "engine": engine,
+            "tokens_per_s": tokens * (steps - skip) / (ends[-1] - ends[skip - 1]),
+            "first_step_s": ends[0] - launched, "final_loss": statistics.mean(losses[-5:]), "losses": losses,
+            "peak_rss_bytes": sorted(memory.rss.values()), "peak_gpu_bytes": sorted(memory.gpu.values())}
+
+
+def summarize(runs: list[dict]) -> dict:
+    out = {}
+    for system in SYSTEMS:
+        mine = [r for r in runs if r["system"] == system]
+        out[system] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "first_step_s": statistics.median(r["first_step_s"] for r in mine),
+            "peak_rss_bytes": statistics.median(max(r["peak_rss_bytes"] or [0]) for r in mine),
+            "peak_gpu_bytes": statistics.median(max(r["peak_gpu_bytes"] or [0]) for r in mine),
+            "final_loss": statistics.median(r["final_loss"] for r in mine),
+            "zero_stage": mine[0]["zero_stage"], "engine": mine[0]["engine"]}
+    ours, peer = out["dstrain"], out["hf_trainer"]
+    out["ratio_tokens_per_s"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+    out["ratio_first_step"] = ours["first_step_s"] / peer["first_step_s"]
+    return out
+
+
+def table(summary: dict, runs: list[dict], setup: str) -> str:
+    ours, peer = summary["dstrain"], summary["hf_trainer"]
+    gpu = ours["peak_gpu_bytes"] or peer["peak_gpu_bytes"]
+    mem = "peak GPU MiB per rank (max)" if gpu else "peak RSS MiB per rank (max)"
+    key = "peak_gpu_bytes" if gpu else "peak_rss_bytes"
+    lines = [setup, "",
+             f"| | tokens/s (median) | launch to first step, s | {mem} | final loss (last 5 steps) | engine, ZeRO |",
+             "|---|---|---|---|---|---|"]
+    for name, s in (("dstrain train.py", ours), ("HF Trainer", peer)):
+        lines.append(f"| {name} | {s['tokens_per_s']:,.0f} | {s['first_step_s']:.1f} | {s[key] / 2**20:,.0f} | "
+                     f"{s['final_loss']:.4f} | {s['engine']}, {s['zero_stage']} |")
+    lines += ["", f"**tokens/s ratio dstrain / Trainer: {summary['ratio_tokens_per_s']:.2f}x** (target >= 1.2x); "
+                  f"time to first step ratio: {summary['ratio_first_step']:.2f} (target <= 1).", "",
+              "Each run, in launch order (tokens/s, first step s): " + "; ".join(
+                  f"{r['system']} {r['tokens_per_s']:,.0f} / {r['first_step_s']:.1f}" for r in runs), ""]
+    return "\n".join(lines) + "\n"
+
+
+def chart(summary: dict, runs: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {"dstrain": "dstrain train.py", "hf_trainer": "HF Trainer"}
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (each run, bar = median)"),
+                           (axes[1], "first_step_s", "launch to first step (s)")):
+        for i, system in enumerate(SYSTEMS):
+            ax.bar(i, summary[system][key], color=f"C{i}", alpha=0.6)
+            ax.plot([i] * len([r for r in runs if r["system"] == system]),
+                    [r[key] for r in runs if r["system"] == system], "k.")
+        ax.set_xticks(range(2), [names[s] for s in SYSTEMS])
+        ax.set_title(label, fontsize=10)
+    key = "peak_gpu_bytes" if summary["dstrain"]["peak_gpu_bytes"] else "peak_rss_bytes"
+    axes[2].bar(range(2), [summary[s][key] / 2**20 for s in SYSTEMS], color=["C0", "C1"], alpha=0.6)
+    axes[2].set_xticks(range(2), [names[s] for s in SYSTEMS])
+    axes[2].set_title("peak memory per rank (MiB)", fontsize=10)
+    for i, system in enumerate(SYSTEMS):
+        first = next(r for r in runs if r["system"] == system)
+        axes[3].plot(range(1, len(first["losses"]) + 1), first["losses"], color=f"C{i}", label=names[system])
+    axes[3].set_title("training loss (first run of each)", fontsize=10)
+    axes[3].set_xlabel("optimizer step")
+    axes[3].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each system, alternating")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
+    parser.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (warm-up)")
+    parser.add_argument("--ds_config", default="zero2.json")
+    parser.add_argument("--write", action="store_true", help=f"update docs/benchmarks.md, {CHART.name}, {RESULTS.name}")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories and logs (printed)")
+    parser.add_argument("dstrain_args", nargs="*", help="extra train.py arguments, after --")
+    args = parser.parse_args()
+    preset = dict(PRESETS[args.preset], **({"steps": args.steps} if args.steps else {}))
+    gpus = gpu_count()
+    ranks = gpus or 2
+    if not gpus and preset["precision"] == "bf16":
+        preset["precision"] = "fp32"  # the CPU accelerator emulates bf16 (README, "Precision")
+    if preset["steps"] <= args.skip + 1:
+        raise SystemExit(f"--steps must exceed --skip + 1 ({args.skip + 1})")
+
+    work = Path(tempfile.mkdtemp(prefix="dstrain-speed-"))
+    try:
+        params = make_llama(work / "model", **preset["sizes"])
+        ds_json = bench_ds_config(args.ds_config, preset["precision"], work / "ds_config.json")
+        print(f"{args.preset}: {params / 1e6:.1f}M parameters, {ranks} ranks, seq {preset['seq_len']}, global batch "
+              f"{preset['micro_batch_size'] * preset['grad_accum_steps'] * ranks}, {preset['steps']} steps, "
+              f"{preset['precision']}, {args.ds_config}", flush=True)
+        runs = []
+        for index in range(args.repeats):
+            for system in (SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]):
+                runs.append(run(system, args, preset, work / "model", ds_json, work, ranks, index))
+                r = runs[-1]
+                print(f"  {system:10s} run {index}: {r['tokens_per_s']:,.0f} tokens/s, first step "
+                      f"{r['first_step_s']:.1f} s, peak RSS {max(r['peak_rss_bytes'] or [0]) / 2**20:,.0f} MiB, "
+                      f"final loss {r['final_loss']:.4f}", flush=True)
+    finally:
+        if args.keep:
+            print(f"runs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    summary = summarize(runs)
+    device = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.splitlines()[0] if gpus else
+              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU ranks (gloo)")
+    setup = (f"Preset `{args.preset}`: {params / 1e6:.1f}M-parameter Llama, {ranks} ranks on {device}, "
+             f"{preset['precision']}, seq {preset['seq_len']}, micro batch {preset['micro_batch_size']} x accum "
+             f"{preset['grad_accum_steps']} (global {preset['micro_batch_size'] * preset['grad_accum_steps'] * ranks}"
+             f" sequences), {preset['steps']} steps per run (tokens/s over steps {args.skip + 1}-{preset['steps']}), "
+             f"{args.repeats} runs of each alternating, `{args.ds_config}` for both. "
+             f"Versions: {versions()}.")
+    text = table(summary, runs, setup)
+    print(text)
+    if args.write:
+        chart(summary, runs, CHART)
+        RESULTS.write_text(json.dumps({"setup": setup, "summary": summary, "runs": runs}, indent=1))
+        write_section("bench/speed.py", "Speed against the Hugging Face Trainer",
+                      text + f"\n![tokens/s, first step, memory and loss of both]({CHART.name})\n")
+
+
+def versions() -> str:
+    import deepspeed
+    import torch
+    import transformers
+    return f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
+
+
+if __name__ == "__main__":
+    main()

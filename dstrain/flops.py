@@ -1,0 +1,112 @@
+"""Model FLOPs per token and the device's peak, for MFU (model FLOPs utilisation).
+
+FLOPs per trained token, PaLM's convention (Chowdhery et al. 2022, appendix B): 6 N + 12 L T A.
+  N  parameters that take part in a matmul: all of them but the input embedding table (counted once when it
+     is tied to the LM head, which is a matmul). 2N is the forward, 4N the backward.
+  L  layers, T the sequence length, A = attention heads x head_dim: forward QK^T and AV cost 4 T A per token
+     and layer, x3 with the backward, over the full T x T square as PaLM and Megatron count it.
+Recomputation under activation checkpointing is not counted (model, not hardware, FLOPs utilisation).
+
+Peak: a table of dense bf16/fp16 tensor-core peaks for known GPUs; anything else (CPU, fp32, an unknown GPU)
+gets a short measured matmul peak, taken on every rank at once so ranks sharing cores share them here too.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Dense (no sparsity) bf16 = fp16 tensor peak per device, FLOP/s, from the vendors' data sheets.
+# Matched as substrings of the device name, longest first ("H100 PCIe" before "H100", "A100" before "A10").
+GPU_PEAK_BF16 = {
+    "B200": 2250e12, "H200": 989.4e12, "GH200": 989.4e12, "H100 NVL": 835.5e12, "H100 PCIe": 756.5e12,
+    "H100": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12, "L40S": 362.1e12, "L40": 181e12,
+    "L4": 121e12, "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12, "V100": 125e12,
+    "MI300X": 1307.4e12, "MI250X": 383e12,
+}
+
+
+@dataclass
+class Peak:
+    flops: float  # FLOP/s of one device (one rank)
+    source: str  # where the figure came from, for the log and run_info.json
+
+
+def flops_per_token(config, parameters: int, seq_len: int) -> float:
+    """6 N + 12 L T A for a Hugging Face decoder config with `parameters` in total (see module docstring)."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    matmul_params = parameters - (0 if tied else config.vocab_size * hidden)
+    return 6.0 * matmul_params + 12.0 * config.num_hidden_layers * seq_len * heads * head_dim
+
+
+def table_peak(device_name: str, precision: str) -> float | None:
+    if precision not in ("bf16", "fp16"):
+        return None
+    for key in sorted(GPU_PEAK_BF16, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return GPU_PEAK_BF16[key]
+    return None
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def measure_matmul_peak(precision: str, device: torch.device, seconds: float = 0.3) -> float:
+    """Best FLOP/s of square matmuls in `precision` over about `seconds` on `device`."""
+    dtype = DTYPES.get(precision, torch.float32)
+    n = 2048 if device.type == "cuda" else 512
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    repeats, best, deadline = 4, 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        began = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        sync()
+        best = max(best, repeats * 2.0 * n ** 3 / (time.perf_counter() - began))
+    return best
+
+
+def device_peak(device: torch.device, precision: str) -> Peak:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = table_peak(name, precision)
+        if peak is not None:
+            return Peak(peak, f"{name} dense {precision} data sheet")
+    else:
+        import platform
+        name = platform.processor() or platform.machine()
+    measured = measure_matmul_peak(precision, device)
+    return Peak(measured, f"measured {precision} matmul on {name}, {torch.get_num_threads()} threads per rank")
+
+
+def profiler_config(step: int, output_file: str) -> dict:
+    """DeepSpeed's flops profiler for optimizer step `step` (1-based, as in metrics.jsonl)."""
+    # DeepSpeed profiles the forward passes run while engine.global_steps == profile_step, i.e. our step + 1
+    return {"enabled": True, "profile_step": step - 1, "module_depth": -1, "top_modules": 3, "detailed": True,
+            "output_file": output_file}
+
+
+def profile_one_step(engine, wall_clock_breakdown: bool = False) -> None:
+    """Once on, DeepSpeed's profiler also turns on wall_clock_breakdown (step timers printed every step); after
+    the profiled step, turn both back to what the config asked so the rest of the run is as fast and quiet."""
+    from deepspeed.runtime.engine import EngineTimers
+
+    config, step = engine._config, engine.step
+
+    def step_then_maybe_stop(*args, **kwargs):
+        result = step(*args, **kwargs)
+        if config.flops_profiler_config.enabled and engine.global_steps > config.flops_profiler_config.profile_step:
+            config.flops_profiler_config.enabled = False
+            config.wall_clock_breakdown = wall_clock_breakdown
+            engine.engine_timers = EngineTimers(wall_clock_breakdown, wall_clock_breakdown)
+        return result
+
+    engine.step = step_then_maybe_stop

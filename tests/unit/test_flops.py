@@ -1,0 +1,50 @@
+"""FLOPs per token, the peak table and the measured peak behind MFU."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dstrain import flops
+from dstrain.config import REPO_ROOT
+
+
+def _tiny(**overrides):
+    config = AutoConfig.from_pretrained(REPO_ROOT / "recipes/tiny/model")
+    config.update(overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+def _matmul_flops_by_hand(config, seq_len: int) -> float:
+    """Forward multiply-adds of every Linear plus attention, counted from the shapes (x2 FLOPs, x3 fwd+bwd)."""
+    d, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * inter  # q, k+v, o, gate/up/down
+    attention = 2 * seq_len * heads * hd  # QK^T and AV per token, full square
+    return 3 * 2 * (layers * (per_layer + attention) + d * vocab)  # + the LM head
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_flops_per_token_matches_a_count_of_the_matmuls(tied):
+    config, params = _tiny(tie_word_embeddings=tied)
+    # the formula counts norm weights as matmul parameters (6 FLOPs each); the hand count does not
+    norms = config.hidden_size * (2 * config.num_hidden_layers + 1)
+    assert flops.flops_per_token(config, params, 128) - 6 * norms == pytest.approx(_matmul_flops_by_hand(config, 128))
+
+
+def test_peak_table_takes_the_most_specific_name():
+    assert flops.table_peak("NVIDIA H100 PCIe", "bf16") == 756.5e12
+    assert flops.table_peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert flops.table_peak("NVIDIA A100-SXM4-80GB", "fp16") == 312e12
+    assert flops.table_peak("NVIDIA A10", "bf16") == 125e12
+    assert flops.table_peak("NVIDIA H200", "fp32") is None  # no tensor-core figure: measured instead
+    assert flops.table_peak("Some Future GPU", "bf16") is None
+
+
+def test_measured_cpu_peak_is_in_a_plausible_range():
+    peak = flops.device_peak(torch.device("cpu"), "fp32")
+    assert 1e8 < peak.flops < 1e13 and "measured fp32 matmul" in peak.source
+
+
+def test_profiler_config_names_deepspeeds_zero_based_step(tmp_path):
+    cfg = flops.profiler_config(5, str(tmp_path / "p.txt"))
+    assert cfg["enabled"] and cfg["profile_step"] == 4 and cfg["output_file"].endswith("p.txt")
