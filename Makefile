@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps train test test-fast bench bench-compression lint assets clean
+.PHONY: setup system-deps test-deps train test test-fast bench bench-memory bench-compression lint assets clean
 
 setup: system-deps $(VENV)/.installed
 
@@ -59,10 +59,13 @@ test: setup test-deps
 test-fast: setup test-deps
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
-# side-by-side measurements; BENCH_ARGS=--write updates docs/benchmarks.md
+# side-by-side measurements, printed and written to docs/benchmarks.md (BENCH_ARGS="--preset large" for a bigger job)
 BENCH_ARGS ?=
 bench: setup
-	$(PY) bench/memory.py $(BENCH_ARGS)
+	$(PY) bench/speed.py --write $(BENCH_ARGS)
+
+bench-memory: setup
+	$(PY) bench/memory.py --write $(BENCH_ARGS)
 
 # gradient compression: bytes, convergence, and step time on a tc-limited veth link (needs root for that part)
 bench-compression: setup

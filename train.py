@@ -104,6 +104,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
     resume = checkpoint.choose(args.resume, run_dir / "checkpoints", ctx, recipe.checkpoint.verify, log)
     layout = ds_config.layout_of(raw_ds, ctx.world_size)
+    if train.compile and layout.pipeline_stages > 1:
+        raise UserError("train.compile is not supported with pipeline stages; set train.compile=false")
     if resume:  # same global batch on a new world size (grad_accum_steps re-derived), universal conversion
         checkpoint.adapt_to_world(resume, train, layout.data_parallel,
                                   layout.pipeline_stages > 1 or layout.tensor_parallel > 1, log)
@@ -138,12 +140,14 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg, mpu=dist.tensor_parallel_groups(layout))
     reducer = compression.install(engine, compress)  # None unless the JSON asks for it
+    if train.compile:  # DeepSpeed's wrapper around torch.compile (inductor on CPU and CUDA)
+        engine.compile()
     peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores
     if recipe.log.flops_profile_step:
         flops.profile_one_step(engine, bool(ds_cfg.get("wall_clock_breakdown", False)))
     dp_rank = dist.data_parallel_rank(engine)
     stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, dp_rank,
-                              layout.data_parallel, train.seed)
+                              layout.data_parallel, train.seed, pin_memory=engine.device.type == "cuda")
     val = data.eval_batches(prepared.val, train.micro_batch_size, dp_rank, layout.data_parallel,
                             recipe.eval.max_batches) if prepared.val is not None else []
     ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout.tensor_parallel, reducer)

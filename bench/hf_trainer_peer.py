@@ -28,6 +28,7 @@ def main() -> None:
     for name, default in (("lr", 3e-3), ("weight_decay", 0.1), ("min_lr_ratio", 0.1), ("max_grad_norm", 1.0)):
         parser.add_argument(f"--{name}", type=float, default=default)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--torch_compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's
     args = parser.parse_args()
 
@@ -60,7 +61,8 @@ def main() -> None:
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio},
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, adam_beta1=0.9, adam_beta2=0.95,
         adam_epsilon=1e-8, max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no",
-        eval_strategy="no", report_to=[], seed=args.seed, dataloader_drop_last=True, disable_tqdm=True)
+        eval_strategy="no", report_to=[], seed=args.seed, dataloader_drop_last=True, disable_tqdm=True,
+        torch_compile=args.torch_compile)
 
     class Record(TrainerCallback):
         def __init__(self):

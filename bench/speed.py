@@ -42,7 +42,7 @@ PRESETS = {
     # a few minutes on 2 CPU cores: ~3M parameters, 2 ranks x 8 x 256 tokens per step
     "cpu": dict(sizes=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=32),
-                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=30, precision="fp32"),
+                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=24, precision="fp32"),
     # ~100M parameters: minutes per run on CPU, seconds on a GPU
     "large": dict(sizes=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                              num_key_value_heads=12, head_dim=64),
@@ -53,7 +53,9 @@ PRESETS = {
                               tie_word_embeddings=True),
                    seq_len=2048, micro_batch_size=4, grad_accum_steps=1, steps=30, precision="bf16"),
 }
-SYSTEMS = ("dstrain", "hf_trainer")
+SYSTEMS = {  # name: (label, compiled); the Trainer with torch_compile only with --peer-compile
+    "dstrain": ("dstrain train.py", False), "dstrain_compile": ("dstrain train.py, train.compile=true", True),
+    "hf_trainer": ("HF Trainer", False), "hf_trainer_compile": ("HF Trainer, torch_compile=True", True)}
 
 
 def gpu_count() -> int:
@@ -140,25 +142,28 @@ class PeakMemory:
 def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path, ranks: int, index: int) -> dict:
     out = work / f"{system}-{index}"
     steps = preset["steps"]
+    compiled = SYSTEMS[system][1]
     common = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
-    if system == "dstrain":
+    if system.startswith("dstrain"):
         cmd = common + ["train.py", "--ds_config", str(ds_json), "--output_dir", str(out),
                         f"--model.name_or_path={model}", f"--train.max_steps={steps}",
                         f"--train.seq_len={preset['seq_len']}", f"--train.micro_batch_size={preset['micro_batch_size']}",
                         f"--train.grad_accum_steps={preset['grad_accum_steps']}",
                         f"--train.precision={preset['precision']}", "--train.lr=3e-3", "--train.warmup_steps=10",
                         "--eval.max_batches=0", "--log.wandb=false", "--log.progress_bar=false", "--log.plot=false",
-                        "--checkpoint.every=0", "--checkpoint.export_hf=false", *args.dstrain_args]
+                        "--checkpoint.every=0", "--checkpoint.export_hf=false", f"--train.compile={str(compiled).lower()}",
+                        *args.dstrain_args]
     else:
         cmd = common + ["bench/hf_trainer_peer.py", "--model", str(model), "--data", str(ROOT / "data/tiny"),
                         "--ds_config", str(ds_json), "--output_dir", str(out), "--result", str(out / "result.json"),
                         f"--max_steps={steps}", f"--seq_len={preset['seq_len']}",
                         f"--micro_batch_size={preset['micro_batch_size']}",
                         f"--grad_accum_steps={preset['grad_accum_steps']}", f"--precision={preset['precision']}",
-                        "--lr=3e-3", "--warmup_steps=10"]
+                        "--lr=3e-3", "--warmup_steps=10", *(["--torch_compile"] if compiled else [])]
     out.mkdir(parents=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
-               DSTRAIN_CACHE=str(out / "cache"), HF_DATASETS_CACHE=str(out / "hf_datasets"),  # cold caches
+               DSTRAIN_CACHE=str(out / "cache"), HF_DATASETS_CACHE=str(out / "hf_datasets"),  # cold caches,
+               TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"),  # compiled kernels too: each run pays a first launch
                MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
     if ranks > 1 and "OMP_NUM_THREADS" not in os.environ and not gpu_count():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))
@@ -170,7 +175,7 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
     if proc.returncode:
         raise SystemExit(f"{system} run {index} failed ({proc.returncode}); last lines of {out / 'log.txt'}:\n"
                          + "\n".join((out / "log.txt").read_text().splitlines()[-25:]))
-    if system == "dstrain":
+    if system.startswith("dstrain"):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "loss" in r]
         ends, losses, tokens = [r["time"] for r in rows], [r["loss"] for r in rows], rows[0]["tokens"]
@@ -192,37 +197,41 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
 
 
 def summarize(runs: list[dict]) -> dict:
-    out = {}
-    for system in SYSTEMS:
+    out: dict = {"systems": {}}
+    for system in dict.fromkeys(r["system"] for r in runs):
         mine = [r for r in runs if r["system"] == system]
-        out[system] = {
+        out["systems"][system] = {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
             "first_step_s": statistics.median(r["first_step_s"] for r in mine),
             "peak_rss_bytes": statistics.median(max(r["peak_rss_bytes"] or [0]) for r in mine),
             "peak_gpu_bytes": statistics.median(max(r["peak_gpu_bytes"] or [0]) for r in mine),
             "final_loss": statistics.median(r["final_loss"] for r in mine),
             "zero_stage": mine[0]["zero_stage"], "engine": mine[0]["engine"]}
-    ours, peer = out["dstrain"], out["hf_trainer"]
-    out["ratio_tokens_per_s"] = ours["tokens_per_s"] / peer["tokens_per_s"]
-    out["ratio_first_step"] = ours["first_step_s"] / peer["first_step_s"]
+    got = out["systems"]
+    out["ratios"] = {f"{ours} / {peer}": {"tokens_per_s": got[ours]["tokens_per_s"] / got[peer]["tokens_per_s"],
+                                          "first_step_s": got[ours]["first_step_s"] / got[peer]["first_step_s"]}
+                     for ours, peer in (("dstrain", "hf_trainer"), ("dstrain_compile", "hf_trainer"),
+                                        ("dstrain_compile", "hf_trainer_compile"))
+                     if ours in got and peer in got}
     return out
 
 
 def table(summary: dict, runs: list[dict], setup: str) -> str:
-    ours, peer = summary["dstrain"], summary["hf_trainer"]
-    gpu = ours["peak_gpu_bytes"] or peer["peak_gpu_bytes"]
-    mem = "peak GPU MiB per rank (max)" if gpu else "peak RSS MiB per rank (max)"
-    key = "peak_gpu_bytes" if gpu else "peak_rss_bytes"
+    got = summary["systems"]
+    gpu = any(s["peak_gpu_bytes"] for s in got.values())
+    mem, key = ("peak GPU MiB per rank (max)", "peak_gpu_bytes") if gpu else ("peak RSS MiB per rank (max)",
+                                                                                 "peak_rss_bytes")
     lines = [setup, "",
              f"| | tokens/s (median) | launch to first step, s | {mem} | final loss (last 5 steps) | engine, ZeRO |",
              "|---|---|---|---|---|---|"]
-    for name, s in (("dstrain train.py", ours), ("HF Trainer", peer)):
-        lines.append(f"| {name} | {s['tokens_per_s']:,.0f} | {s['first_step_s']:.1f} | {s[key] / 2**20:,.0f} | "
-                     f"{s['final_loss']:.4f} | {s['engine']}, {s['zero_stage']} |")
-    lines += ["", f"**tokens/s ratio dstrain / Trainer: {summary['ratio_tokens_per_s']:.2f}x** (target >= 1.2x); "
-                  f"time to first step ratio: {summary['ratio_first_step']:.2f} (target <= 1).", "",
-              "Each run, in launch order (tokens/s, first step s): " + "; ".join(
-                  f"{r['system']} {r['tokens_per_s']:,.0f} / {r['first_step_s']:.1f}" for r in runs), ""]
+    for system, s in got.items():
+        lines.append(f"| {SYSTEMS[system][0]} | {s['tokens_per_s']:,.0f} | {s['first_step_s']:.1f} | "
+                     f"{s[key] / 2**20:,.0f} | {s['final_loss']:.4f} | {s['engine']}, {s['zero_stage']} |")
+    lines += ["", "| ratio | tokens/s (target >= 1.2x) | time to first step (target <= 1) |", "|---|---|---|"]
+    lines += [f"| {pair} | **{r['tokens_per_s']:.2f}x** | {r['first_step_s']:.2f} |"
+              for pair, r in summary["ratios"].items()]
+    lines += ["", "Each run, in launch order (tokens/s / first step s): " + "; ".join(
+        f"{r['system']} {r['tokens_per_s']:,.0f} / {r['first_step_s']:.1f}" for r in runs), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -231,26 +240,27 @@ def chart(summary: dict, runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = {"dstrain": "dstrain train.py", "hf_trainer": "HF Trainer"}
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
-    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (each run, bar = median)"),
-                           (axes[1], "first_step_s", "launch to first step (s)")):
-        for i, system in enumerate(SYSTEMS):
-            ax.bar(i, summary[system][key], color=f"C{i}", alpha=0.6)
-            ax.plot([i] * len([r for r in runs if r["system"] == system]),
-                    [r[key] for r in runs if r["system"] == system], "k.")
-        ax.set_xticks(range(2), [names[s] for s in SYSTEMS])
-        ax.set_title(label, fontsize=10)
-    key = "peak_gpu_bytes" if summary["dstrain"]["peak_gpu_bytes"] else "peak_rss_bytes"
-    axes[2].bar(range(2), [summary[s][key] / 2**20 for s in SYSTEMS], color=["C0", "C1"], alpha=0.6)
-    axes[2].set_xticks(range(2), [names[s] for s in SYSTEMS])
-    axes[2].set_title("peak memory per rank (MiB)", fontsize=10)
-    for i, system in enumerate(SYSTEMS):
+    systems = list(summary["systems"])
+    names = [SYSTEMS[s][0].replace(", ", ",\n") for s in systems]
+    got = summary["systems"]
+    key = "peak_gpu_bytes" if any(s["peak_gpu_bytes"] for s in got.values()) else "peak_rss_bytes"
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    for ax, field, title, scale in ((axes[0], "tokens_per_s", "tokens/s (dots: runs, bar: median)", 1),
+                                    (axes[1], "first_step_s", "launch to first step, s", 1),
+                                    (axes[2], key, "peak memory per rank, MiB", 2**20)):
+        for i, system in enumerate(systems):
+            ax.bar(i, got[system][field] / scale, color=f"C{i}", alpha=0.6)
+            if field != key:
+                values = [r[field] for r in runs if r["system"] == system]
+                ax.plot([i] * len(values), values, "k.")
+        ax.set_xticks(range(len(systems)), names, fontsize=7)
+        ax.set_title(title, fontsize=10)
+    for i, system in enumerate(systems):
         first = next(r for r in runs if r["system"] == system)
-        axes[3].plot(range(1, len(first["losses"]) + 1), first["losses"], color=f"C{i}", label=names[system])
+        axes[3].plot(range(1, len(first["losses"]) + 1), first["losses"], color=f"C{i}", label=SYSTEMS[system][0])
     axes[3].set_title("training loss (first run of each)", fontsize=10)
     axes[3].set_xlabel("optimizer step")
-    axes[3].legend()
+    axes[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -263,7 +273,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (warm-up)")
     parser.add_argument("--ds_config", default="zero2.json")
+    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=["dstrain", "dstrain_compile", "hf_trainer"])
+    parser.add_argument("--peer-compile", action="store_true", help="also run the Trainer with torch_compile=True")
     parser.add_argument("--write", action="store_true", help=f"update docs/benchmarks.md, {CHART.name}, {RESULTS.name}")
+    parser.add_argument("--results", default=None, help="also write every figure to this JSON file")
     parser.add_argument("--keep", action="store_true", help="keep the run directories and logs (printed)")
     parser.add_argument("dstrain_args", nargs="*", help="extra train.py arguments, after --")
     args = parser.parse_args()
@@ -275,6 +288,7 @@ def main() -> None:
     if preset["steps"] <= args.skip + 1:
         raise SystemExit(f"--steps must exceed --skip + 1 ({args.skip + 1})")
 
+    systems = args.systems + (["hf_trainer_compile"] if args.peer_compile else [])
     work = Path(tempfile.mkdtemp(prefix="dstrain-speed-"))
     try:
         params = make_llama(work / "model", **preset["sizes"])
@@ -284,7 +298,7 @@ def main() -> None:
               f"{preset['precision']}, {args.ds_config}", flush=True)
         runs = []
         for index in range(args.repeats):
-            for system in (SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]):
+            for system in (systems if index % 2 == 0 else systems[::-1]):
                 runs.append(run(system, args, preset, work / "model", ds_json, work, ranks, index))
                 r = runs[-1]
                 print(f"  {system:10s} run {index}: {r['tokens_per_s']:,.0f} tokens/s, first step "
@@ -308,9 +322,12 @@ def main() -> None:
              f"Versions: {versions()}.")
     text = table(summary, runs, setup)
     print(text)
+    record = {"setup": setup, "summary": summary, "runs": runs}
+    if args.results:
+        Path(args.results).write_text(json.dumps(record, indent=1))
     if args.write:
         chart(summary, runs, CHART)
-        RESULTS.write_text(json.dumps({"setup": setup, "summary": summary, "runs": runs}, indent=1))
+        RESULTS.write_text(json.dumps(record, indent=1))
         write_section("bench/speed.py", "Speed against the Hugging Face Trainer",
                       text + f"\n![tokens/s, first step, memory and loss of both]({CHART.name})\n")
 

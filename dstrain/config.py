@@ -71,6 +71,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # auto: the DeepSpeed config's (fp32 on CPU) | bf16 | fp16 | fp32
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model: faster steps after a slower first one (docs/benchmarks.md)
     seed: int = 42
     exit_at_step: Optional[int] = None  # checkpoint and exit after this step; --resume auto continues later
 

@@ -263,8 +263,8 @@ class TrainStream:
     permutation seeded by (seed, k // n), so each epoch is reshuffled and any step can be re-created."""
 
     def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
-                 seed: int):
-        self.dataset, self.seed = dataset, seed
+                 seed: int, pin_memory: bool = False):
+        self.dataset, self.seed, self.pin_memory = dataset, seed, pin_memory  # pinned: asynchronous copies to GPU
         self.micro, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum_steps, dp_rank, dp_size
         self.global_batch = micro_batch_size * grad_accum_steps * dp_size
         self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
@@ -293,7 +293,8 @@ class TrainStream:
         for m in range(self.accum):
             start = step * self.global_batch + self.offset + (m * self.dp_size + self.dp_rank) * self.micro
             idx = [self.sample_index(k) for k in range(start, start + self.micro)]
-            out.append(_stack(self.dataset[idx]))
+            batch = _stack(self.dataset[idx])
+            out.append({k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch)
         return out
 
 

@@ -57,18 +57,19 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], dp_size: in
     device = engine.device
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     replicas = world // dp_size  # tensor-parallel peers see the same samples; count them once
-    (counted,) = all_reduce_sum([sum(label_count(b) for b in micro_batches)], device)
+    (counted,) = all_reduce_sum([sum(label_count(b) for b in micro_batches)], device)  # CPU counts: no GPU wait
     global_tokens = max(counted / replicas, 1.0)
     scale = len(micro_batches) * dp_size / global_tokens
-    local_sum = 0.0
+    local_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per micro-batch
     for batch in micro_batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned on GPUs (TrainStream)
         summed = loss_sum(engine, batch)
         engine.backward(summed * scale)
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
-        local_sum += summed.item()
-    (total,) = all_reduce_sum([local_sum], device)
-    return total / replicas / global_tokens, int(global_tokens)
+        local_sum += summed.detach()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(local_sum)
+    return local_sum.item() / replicas / global_tokens, int(global_tokens)  # the step's one sync, for the log
 
 
 @torch.no_grad()

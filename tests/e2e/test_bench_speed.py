@@ -1,0 +1,30 @@
+"""`make bench` must keep working: bench/speed.py runs train.py and the Hugging Face Trainer on the same job,
+checks that the Trainer really built a DeepSpeed engine, and reports comparable figures for both."""
+import json
+import subprocess
+import sys
+
+from helpers import ROOT
+
+
+def test_speed_bench_runs_both_sides_on_the_same_job(tmp_path):
+    results = tmp_path / "speed.json"
+    proc = subprocess.run([sys.executable, "bench/speed.py", "--repeats", "1", "--steps", "12", "--skip", "2",
+                           "--systems", "dstrain", "hf_trainer", "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(results.read_text())
+    ours, peer = out["summary"]["systems"]["dstrain"], out["summary"]["systems"]["hf_trainer"]
+    print(f"dstrain {ours['tokens_per_s']:.0f} tok/s, first step {ours['first_step_s']:.1f} s, loss "
+          f"{ours['final_loss']:.3f}; Trainer {peer['tokens_per_s']:.0f}, {peer['first_step_s']:.1f} s, "
+          f"{peer['final_loss']:.3f}")
+    for side in (ours, peer):
+        assert side["engine"] == "DeepSpeedEngine" and side["zero_stage"] == 2
+        assert side["tokens_per_s"] > 0 and side["first_step_s"] > 0 and side["peak_rss_bytes"] > 100 * 2**20
+    runs = out["runs"]
+    assert len({r["tokens_per_step"] for r in runs}) == 1 and len({len(r["losses"]) for r in runs}) == 1
+    # the same model, data, optimizer and schedule: both start at ln(vocab) and learn to a similar loss
+    for r in runs:
+        assert abs(r["losses"][0] - 6.36) < 0.2 and r["final_loss"] < r["losses"][0] - 0.8
+    assert abs(ours["final_loss"] - peer["final_loss"]) < 0.15 * peer["final_loss"]
+    ratio = out["summary"]["ratios"]["dstrain / hf_trainer"]["tokens_per_s"]
+    assert ratio == ours["tokens_per_s"] / peer["tokens_per_s"] and f"**{ratio:.2f}x**" in proc.stdout
