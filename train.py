@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as error:  # a crash here, or a collective that failed because a peer died
         watchdog.fail(error)
     watchdog.close()
+    dist.shutdown()
     if code:
         sys.exit(code)
 

@@ -62,6 +62,14 @@ def init() -> DistContext:
     return ctx
 
 
+def shutdown() -> None:
+    """Tear the process group down while the interpreter is whole. Left to exit-time destructors, a rank that
+    finished first once died with "terminate called without an active exception" (SIGABRT) while rank 0
+    was still exporting: gloo's threads destroyed while still joinable."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def clear_stale_build_locks(max_age_s: float = 1800) -> None:
     """torch's JIT builder (DeepSpeed's ops) waits forever on a `lock` file that a killed build left
     behind: every later run hangs at start. No build of ours takes half an hour, so older locks go."""
