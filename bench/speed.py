@@ -20,6 +20,7 @@ The Trainer's run must have built a DeepSpeedEngine (checked from trainer.model_
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -143,7 +144,8 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
     out = work / f"{system}-{index}"
     steps = preset["steps"]
     compiled = SYSTEMS[system][1]
-    common = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    port = free_port()
+    common = [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port)]
     if system.startswith("dstrain"):
         cmd = common + ["train.py", "--ds_config", str(ds_json), "--output_dir", str(out),
                         f"--model.name_or_path={model}", f"--train.max_steps={steps}",
@@ -172,6 +174,9 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         with PeakMemory(proc.pid) as memory:
             proc.wait()
+    # DeepSpeed's CPU backend leaves a 64 MiB /dev/shm buffer per rank; train.py removes its own, the peer not
+    for leaked in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        os.unlink(leaked)
     if proc.returncode:
         raise SystemExit(f"{system} run {index} failed ({proc.returncode}); last lines of {out / 'log.txt'}:\n"
                          + "\n".join((out / "log.txt").read_text().splitlines()[-25:]))

@@ -8,10 +8,13 @@ from helpers import ROOT
 
 
 def test_speed_bench_runs_both_sides_on_the_same_job(tmp_path):
+    import glob
     results = tmp_path / "speed.json"
+    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = subprocess.run([sys.executable, "bench/speed.py", "--repeats", "1", "--steps", "12", "--skip", "2",
                            "--systems", "dstrain", "hf_trainer", "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= before, "the bench left /dev/shm buffers"
     out = json.loads(results.read_text())
     ours, peer = out["summary"]["systems"]["dstrain"], out["summary"]["systems"]["hf_trainer"]
     print(f"dstrain {ours['tokens_per_s']:.0f} tok/s, first step {ours['first_step_s']:.1f} s, loss "
