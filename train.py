@@ -123,6 +123,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     baseline_memory = memory.current_bytes()  # everything after this is the model and its training
     model, _hf_ds_config = models.build(recipe.model, train, ds_cfg, tokenizer)
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
+    flops_per_token = flops.flops_per_token(model_config, params_total, train.seq_len)
     if recipe.log.flops_profile_step:  # DeepSpeed's profiler, for one step, on rank 0
         ds_cfg["flops_profiler"] = flops.profiler_config(recipe.log.flops_profile_step, str(run_dir / "flops_profile.txt"))
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
@@ -131,7 +132,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []),
         "gradient_compression": dataclasses.asdict(compress),
-        "flops_per_token": flops.flops_per_token(model_config, params_total, train.seq_len)})
+        "flops_per_token": flops_per_token})
     if layout.pipeline_stages > 1:  # the same HF modules, regrouped into stages
         piped = pipeline.convert(model, layout.pipeline_stages, ds_cfg["pipeline"].get("partition_method", "parameters"),
                                  train.activation_checkpointing)
@@ -158,10 +159,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         stream.resume(start, resume.manifest.get("samples", start * stream.global_batch))
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
-                      flops.flops_per_token(model_config, params_total, train.seq_len), peak.flops * ctx.world_size)
+                      flops_per_token, peak.flops * ctx.world_size)
     metrics.message(f"{'resumed from ' + str(resume.path) if resume else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}; "
-                    f"MFU = tokens/s x {metrics.flops_per_token / 1e6:,.1f} MFLOP/token / ({ctx.world_size} x "
+                    f"MFU = tokens/s x {flops_per_token / 1e6:,.1f} MFLOP/token / ({ctx.world_size} x "
                     f"{peak.flops / 1e12:,.3g} TFLOP/s, {peak.source})")
     tokens_per_step = stream.global_batch * train.seq_len
 
