@@ -66,10 +66,12 @@ def load_inputs(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe, dic
     return args, recipe, ds_overrides
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit code of the run; the process group is still up when it returns (see dist.leave)."""
     args, recipe, ds_overrides = load_inputs(argv)
     if args.preflight:
-        return run_preflight(args, recipe, ds_overrides)
+        run_preflight(args, recipe, ds_overrides)
+        return 0
     run_dir = prepare_run_dir(Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe))
 
     from dstrain import checkpoint, dist, ds_config
@@ -89,9 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as error:  # a crash here, or a collective that failed because a peer died
         watchdog.fail(error)
     watchdog.close()
-    dist.shutdown()
-    if code:
-        sys.exit(code)
+    return code
 
 
 def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
@@ -230,8 +230,16 @@ def _as_float(value) -> float | None:
 
 if __name__ == "__main__":
     try:
-        main()
+        exit_code = main()
     except UserError as error:
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same input error; say it once
             print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_code = 2
+    except SystemExit as stop:  # preflight's verdict, argparse, or a stop decided inside the run
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+        exit_code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        from dstrain import dist
+        dist.leave(exit_code)
+    sys.exit(exit_code)

@@ -2,12 +2,14 @@
 accelerate launch and plain `python` (one process)."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -63,11 +65,27 @@ def init() -> DistContext:
 
 
 def shutdown() -> None:
-    """Tear the process group down while the interpreter is whole. Left to exit-time destructors, a rank that
-    finished first once died with "terminate called without an active exception" (SIGABRT) while rank 0
-    was still exporting: gloo's threads destroyed while still joinable."""
+    """Tear the process groups down (no collective: gloo's destroy is local)."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End a rank whose work is done and whose files are closed: flush, then os._exit, skipping interpreter
+    teardown. That teardown destroys the C++ threads of gloo (DeepSpeed keeps its process groups referenced
+    after destroy_process_group: 4 gloo worker threads and 2 transport loops were still running after it)
+    and the TCPStore server, and stops Python's daemon threads (tqdm's monitor), in no fixed order. It
+    aborted a finished rank about once in a few hundred launches with "terminate called without an active
+    exception" (SIGABRT; twice in CI, once with destroy_process_group already called): the launcher then
+    reported the job failed and killed the other ranks, one of them possibly still exporting."""
+    shutdown()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def clear_stale_build_locks(max_age_s: float = 1800) -> None:

@@ -1,0 +1,38 @@
+"""dist.leave: a finished rank skips interpreter teardown (os._exit) without losing its output or exit code."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROGRAM = """
+import logging, os, sys, threading, time
+import torch.distributed as tdist
+from dstrain import dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+tdist.init_process_group("gloo", rank=0, world_size=1)
+logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()  # would not stop an exit either
+sys.stdout.write("buffered stdout, no newline")  # a pipe is block-buffered: lost by a bare os._exit
+logging.getLogger("x").info("a log record")
+dist.leave(int(sys.argv[2]))
+print("not reached")
+"""
+
+
+def _free_port() -> str:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_leave_flushes_output_tears_down_the_group_and_keeps_the_exit_code():
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as under a plain launcher
+    for code in (0, 75):
+        proc = subprocess.run([sys.executable, "-c", PROGRAM, _free_port(), str(code)], cwd=ROOT, env=buffered,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, proc.stderr[-2000:]
+        assert proc.stdout == "buffered stdout, no newline"
+        assert "a log record" in proc.stderr and "not reached" not in proc.stdout
