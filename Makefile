@@ -67,10 +67,11 @@ bench: setup
 bench-memory: setup
 	$(PY) bench/memory.py --write $(BENCH_ARGS)
 
-# gradient compression: bytes, convergence, and step time on a tc-limited veth link (needs root for that part)
+# gradient compression: bytes, convergence over 3 data orders, and step time on a tc-limited veth link (needs
+# root for that part); about 85 min on 2 cores
 bench-compression: setup
 	$(call apt_install,iproute2)
-	$(PY) bench/compression.py --slow-link $(BENCH_ARGS)
+	$(PY) bench/compression.py --seeds 42,1,2 --slow-link --write $(BENCH_ARGS)
 
 lint: setup test-deps
 	$(PY) -m compileall -q train.py dstrain tests bench scripts

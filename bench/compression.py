@@ -13,7 +13,13 @@ with tc (netem rate + delay when the kernel has sch_netem, else tbf rate only), 
 median step time of each method. The veths' own tx counters give the bytes that really crossed the link.
 The namespaces are created and deleted here.
 
-    python bench/compression.py [--steps 300] [--slow-link] [--rate 100mbit] [--delay 1ms] [--write]
+Part 1 with --seeds 42,1,2 repeats the runs with other data orders (train.seed; 42 is the recipe default and
+the one the main table and the PNG show): the eval loss of one run at one step moves by a few percent with the
+order alone, so the per-seed table says whether a method's gap is more than that. Runs add to the saved
+results (--methods picks some: fp32,bf16,powersgd,sign).
+
+    python bench/compression.py [--steps 300] [--seeds 42] [--methods ...] [--slow-link] [--rate 100mbit]
+                                [--delay 1ms] [--write]
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ from common import free_port, make_llama, write_section
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = ROOT / "docs" / "compression_bench.json"  # every figure of the section; each part updates its own
+DEFAULT_SEED = 42  # the recipes' train.seed
+SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "PowerSGD rank 4", "sign": "sign + EF"}
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
@@ -72,18 +80,18 @@ def read_metrics(out: Path, warmup: int) -> dict:
             "step_s": statistics.median(r["step_s"] for r in late)}
 
 
-def part1(model: Path, work: Path, steps: int, warmup: int) -> dict:
+def part1(model: Path, work: Path, steps: int, warmup: int, seed: int, names: list[str]) -> dict:
     results = {}
-    for name, extra in METHODS.items():
-        out = work / f"p1-{len(results)}"
+    for name in names:
+        out = work / f"p1-{seed}-{len(results)}"
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
         began = time.time()
-        proc = subprocess.run(cmd + train_args(model, out, steps, warmup, extra), cwd=ROOT, env=environment(work),
-                              capture_output=True, text=True)
+        proc = subprocess.run(cmd + train_args(model, out, steps, warmup, METHODS[name] + [f"--train.seed={seed}"]),
+                              cwd=ROOT, env=environment(work), capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
         results[name] = read_metrics(out, warmup)
-        print(f"  {name}: {time.time() - began:.0f} s, eval loss {results[name]['evals'][-1][1]:.4f}, "
+        print(f"  seed {seed}, {name}: {time.time() - began:.0f} s, eval loss {results[name]['evals'][-1][1]:.4f}, "
               f"{results[name]['bytes'] / 1e6:.3f} MB/step", file=sys.stderr)
     return results
 
@@ -201,6 +209,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20, help="uncompressed steps first (gradient_compression)")
+    parser.add_argument("--seeds", default=str(DEFAULT_SEED), help="part 1 data-order seeds, comma-separated")
+    parser.add_argument("--methods", default=",".join(SHORT), help=f"part 1 methods, of {','.join(SHORT)}")
     parser.add_argument("--slow-link", action="store_true", help="also time each method between two namespaces")
     parser.add_argument("--link-steps", type=int, default=30)
     parser.add_argument("--rate", default="100mbit")
@@ -208,6 +218,11 @@ def main() -> None:
     parser.add_argument("--link-only", action="store_true", help="skip part 1 (a quick check of the slow link)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and the PNG")
     args = parser.parse_args()
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+        names = [SHORT[key] for key in args.methods.split(",")]
+    except (ValueError, KeyError):
+        parser.error(f"--seeds takes integers and --methods names of {', '.join(SHORT)}, comma-separated")
 
     saved = RESULTS if args.write else Path(tempfile.gettempdir()) / "dstrain-compression-bench.json"
     work = Path(tempfile.mkdtemp(prefix="dstrain-bench-"))
@@ -217,10 +232,21 @@ def main() -> None:
         state["params"] = params
         if not args.link_only:
             print(f"part 1: {params / 1e6:.2f}M parameters, {args.steps} steps per method", file=sys.stderr)
-            state["part1"] = part1(work / "model", work, args.steps, args.warmup)
+            if state.get("part1_args") != {"steps": args.steps, "warmup": args.warmup}:  # older runs do not compare
+                state.pop("part1", None), state.pop("by_seed", None)
             state["part1_args"] = {"steps": args.steps, "warmup": args.warmup}
-            saved.write_text(json.dumps(state, indent=1))  # a failure in part 2 keeps part 1
-            plot(state["part1"], ROOT / "docs" / "compression_loss.png" if args.write else work / "loss.png")
+            state.setdefault("by_seed", {}).setdefault(str(DEFAULT_SEED), {}).update(
+                {name: r["evals"][-1][1] for name, r in state.get("part1", {}).items()})
+            for seed in seeds:
+                results = part1(work / "model", work, args.steps, args.warmup, seed, names)
+                finals = state.setdefault("by_seed", {}).setdefault(str(seed), {})
+                finals.update({name: r["evals"][-1][1] for name, r in results.items()})
+                if seed == DEFAULT_SEED:
+                    state.setdefault("part1", {}).update(results)
+                    state["part1"] = {name: state["part1"][name] for name in METHODS if name in state["part1"]}
+                saved.write_text(json.dumps(state, indent=1))  # a failure later keeps what ran
+            if DEFAULT_SEED in seeds:
+                plot(state["part1"], ROOT / "docs" / "compression_loss.png" if args.write else work / "loss.png")
         if args.slow_link or args.link_only:
             state["link"], state["shaping"] = part2(work / "model", work, args.link_steps, 5, args.rate, args.delay)
             state["link_args"] = {"steps": args.link_steps}
@@ -244,12 +270,14 @@ def report(state: dict) -> str:
     if results:
         args = argparse.Namespace(**state["part1_args"])
         base = results["fp32 all-reduce"]
-        text += (f"{args.steps} steps, compression after {args.warmup} uncompressed steps.\n\n"
+        text += (f"{args.steps} steps, compression after {args.warmup} uncompressed steps, data order seed "
+                 f"{DEFAULT_SEED} (one run each; the table after it has three orders).\n\n"
                  "| method | bytes/step | less than fp32 | final eval loss | vs fp32 |\n|---|---|---|---|---|\n")
         for name, r in results.items():
             text += (f"| {name} | {r['bytes'] / 1e6:.3f} MB | {base['bytes'] / r['bytes']:.1f}x | "
                      f"{r['evals'][-1][1]:.4f} | {r['evals'][-1][1] / base['evals'][-1][1] - 1:+.2%} |\n")
         text += "\nLoss curves: [compression_loss.png](compression_loss.png)\n"
+    text += _seed_table(state.get("by_seed", {}))
     if link:
         args = argparse.Namespace(link_steps=state["link_args"]["steps"])
         plain = link["fp32 all-reduce"]
@@ -260,6 +288,31 @@ def report(state: dict) -> str:
         for name, r in link.items():
             text += (f"| {name} | {r['step_s']:.3f} | {plain['step_s'] / r['step_s']:.2f}x | "
                      f"{r['bytes'] / 1e6:.3f} MB | {r['link_bytes_per_step'] / 1e6:.3f} MB |\n")
+    return text
+
+
+def _seed_table(by_seed: dict) -> str:
+    """Final eval loss per data-order seed; each method's mean against fp32's mean over the same seeds."""
+    seeds = sorted(by_seed, key=int)
+    if len(seeds) < 2:
+        return ""
+    text = (f"\nFinal eval loss by data order (train.seed): the same model and steps, only the order of the "
+            f"batches changes.\n\n| method | " + " | ".join(f"seed {s}" for s in seeds) +
+            " | mean | mean vs fp32 mean, same seeds |\n|---|" + "---|" * (len(seeds) + 2) + "\n")
+    for name in METHODS:
+        have = [s for s in seeds if name in by_seed[s]]
+        if not have:
+            continue
+        cells = " | ".join(f"{by_seed[s][name]:.4f}" if name in by_seed[s] else "" for s in seeds)
+        mean = statistics.mean(by_seed[s][name] for s in have)
+        paired = [s for s in have if "fp32 all-reduce" in by_seed[s]]
+        gap = (mean / statistics.mean(by_seed[s]["fp32 all-reduce"] for s in paired) - 1) \
+            if paired and len(paired) == len(have) else None
+        text += f"| {name} | {cells} | {mean:.4f} | {'' if gap is None else f'{gap:+.2%}'} |\n"
+    fp32 = [by_seed[s]["fp32 all-reduce"] for s in seeds if "fp32 all-reduce" in by_seed[s]]
+    if len(fp32) > 1:
+        text += (f"\nfp32 alone, across its {len(fp32)} orders: {min(fp32):.4f} to {max(fp32):.4f} "
+                 f"({max(fp32) / min(fp32) - 1:.1%} apart).\n")
     return text
 
 
