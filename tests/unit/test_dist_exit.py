@@ -28,7 +28,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_leave_flushes_output_tears_down_the_group_and_keeps_the_exit_code():
+def test_leave_flushes_output_and_keeps_the_exit_code():
     buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as under a plain launcher
     for code in (0, 75):
         proc = subprocess.run([sys.executable, "-c", PROGRAM, _free_port(), str(code)], cwd=ROOT, env=buffered,
