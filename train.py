@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
     import deepspeed
-    from dstrain import (checkpoint, compression, data, dist, ds_config, faults, flops, memory, model as models,
+    from dstrain import (checkpoint, compiler, compression, data, dist, ds_config, faults, flops, memory, model as models,
                          pipeline, preempt, schedule)
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
@@ -142,8 +142,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg, mpu=dist.tensor_parallel_groups(layout))
     reducer = compression.install(engine, compress)  # None unless the JSON asks for it
-    if train.compile:  # DeepSpeed's wrapper around torch.compile (inductor on CPU and CUDA)
-        engine.compile()
+    compiled = compiler.install(engine, ds_config.zero_stage(ds_cfg), layout.tensor_parallel,
+                                train.activation_checkpointing, train.compile_wait, log) if train.compile else None
     peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores
     if recipe.log.flops_profile_step:
         flops.profile_one_step(engine, bool(ds_cfg.get("wall_clock_breakdown", False)))
@@ -182,6 +182,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens_per_step,
                      time.perf_counter() - began, counter.wire_bytes - sent if counter else None)
         watchdog.progress()
+        if compiled:
+            compiled.poll(step, metrics.message)  # the background compile is done: later steps use it
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, evaluate(engine, val, layout.data_parallel))
             watchdog.progress()

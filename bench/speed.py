@@ -9,8 +9,12 @@ side and bf16 set to the run's precision). Both run under the `deepspeed` launch
 
 Measured the same way for both, outside their own logging:
   tokens/s          global tokens per step x steps / wall time between the end of step `--skip` and the last
-                    step (train.py's metrics.jsonl rows and a Trainer callback both stamp step ends)
+                    step (train.py's metrics.jsonl rows and a Trainer callback both stamp step ends): the
+                    steady state, after warm-up (train.compile compiles in the background while the first
+                    steps run eager; the run records the step it switched at, and the table flags a window
+                    that started before it)
   first step        launch of the `deepspeed` command -> end of the first optimizer step
+  last step         launch -> end of the last step: the whole job, start-up and warm-up included
   peak memory       each rank's VmHWM (peak RSS) polled from /proc; on GPUs also nvidia-smi's per-process use
   final loss        mean training loss of the last 5 steps
 The Trainer's run must have built a DeepSpeedEngine (checked from trainer.model_wrapped), or the bench stops.
@@ -24,6 +28,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -43,16 +48,16 @@ PRESETS = {
     # a few minutes on 2 CPU cores: ~3M parameters, 2 ranks x 8 x 256 tokens per step
     "cpu": dict(sizes=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=32),
-                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=24, precision="fp32"),
+                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=40, skip=20, precision="fp32"),
     # ~100M parameters: minutes per run on CPU, seconds on a GPU
     "large": dict(sizes=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                              num_key_value_heads=12, head_dim=64),
-                  seq_len=512, micro_batch_size=4, grad_accum_steps=2, steps=30, precision="bf16"),
+                  seq_len=512, micro_batch_size=4, grad_accum_steps=2, steps=30, skip=10, precision="bf16"),
     # Llama-3.2-1B's shape (1.24B parameters with its 128k vocabulary), seq 2048: the GPU MFU target
     "gpu-1b": dict(sizes=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                               num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=2048,
                               tie_word_embeddings=True),
-                   seq_len=2048, micro_batch_size=4, grad_accum_steps=1, steps=30, precision="bf16"),
+                   seq_len=2048, micro_batch_size=4, grad_accum_steps=1, steps=30, skip=5, precision="bf16"),
 }
 SYSTEMS = {  # name: (label, compiled); the Trainer with torch_compile only with --peer-compile
     "dstrain": ("dstrain train.py", False), "dstrain_compile": ("dstrain train.py, train.compile=true", True),
@@ -195,9 +200,11 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
     if len(ends) != steps:
         raise SystemExit(f"{system} run {index}: {len(ends)} step times for {steps} steps")
     skip = args.skip
+    switched = re.search(r"in the background; steps from (\d+) use them", (out / "log.txt").read_text())
     return {"system": system, "run": index, "tokens_per_step": tokens, "zero_stage": stage, "engine": engine,
             "tokens_per_s": tokens * (steps - skip) / (ends[-1] - ends[skip - 1]),
-            "first_step_s": ends[0] - launched, "final_loss": statistics.mean(losses[-5:]), "losses": losses,
+            "first_step_s": ends[0] - launched, "last_step_s": ends[-1] - launched,
+            "compiled_from_step": int(switched.group(1)) if switched else None, "final_loss": statistics.mean(losses[-5:]), "losses": losses,
             "peak_rss_bytes": sorted(memory.rss.values()), "peak_gpu_bytes": sorted(memory.gpu.values())}
 
 
@@ -208,35 +215,48 @@ def summarize(runs: list[dict]) -> dict:
         out["systems"][system] = {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
             "first_step_s": statistics.median(r["first_step_s"] for r in mine),
+            "last_step_s": statistics.median(r["last_step_s"] for r in mine),
             "peak_rss_bytes": statistics.median(max(r["peak_rss_bytes"] or [0]) for r in mine),
             "peak_gpu_bytes": statistics.median(max(r["peak_gpu_bytes"] or [0]) for r in mine),
             "final_loss": statistics.median(r["final_loss"] for r in mine),
             "zero_stage": mine[0]["zero_stage"], "engine": mine[0]["engine"]}
     got = out["systems"]
     out["ratios"] = {f"{ours} / {peer}": {"tokens_per_s": got[ours]["tokens_per_s"] / got[peer]["tokens_per_s"],
-                                          "first_step_s": got[ours]["first_step_s"] / got[peer]["first_step_s"]}
+                                          "first_step_s": got[ours]["first_step_s"] / got[peer]["first_step_s"],
+                                          "last_step_s": got[ours]["last_step_s"] / got[peer]["last_step_s"]}
                      for ours, peer in (("dstrain", "hf_trainer"), ("dstrain_compile", "hf_trainer"),
                                         ("dstrain_compile", "hf_trainer_compile"))
                      if ours in got and peer in got}
     return out
 
 
-def table(summary: dict, runs: list[dict], setup: str) -> str:
+def table(summary: dict, runs: list[dict], setup: str, skip: int) -> str:
     got = summary["systems"]
     gpu = any(s["peak_gpu_bytes"] for s in got.values())
     mem, key = ("peak GPU MiB per rank (max)", "peak_gpu_bytes") if gpu else ("peak RSS MiB per rank (max)",
                                                                                  "peak_rss_bytes")
     lines = [setup, "",
-             f"| | tokens/s (median) | launch to first step, s | {mem} | final loss (last 5 steps) | engine, ZeRO |",
-             "|---|---|---|---|---|---|"]
+             f"| | tokens/s (median) | launch to first step, s | launch to last step, s | {mem} | "
+             f"final loss (last 5 steps) | engine, ZeRO |",
+             "|---|---|---|---|---|---|---|"]
     for system, s in got.items():
         lines.append(f"| {SYSTEMS[system][0]} | {s['tokens_per_s']:,.0f} | {s['first_step_s']:.1f} | "
-                     f"{s[key] / 2**20:,.0f} | {s['final_loss']:.4f} | {s['engine']}, {s['zero_stage']} |")
-    lines += ["", "| ratio | tokens/s (target >= 1.2x) | time to first step (target <= 1) |", "|---|---|---|"]
-    lines += [f"| {pair} | **{r['tokens_per_s']:.2f}x** | {r['first_step_s']:.2f} |"
+                     f"{s['last_step_s']:.1f} | {s[key] / 2**20:,.0f} | {s['final_loss']:.4f} | "
+                     f"{s['engine']}, {s['zero_stage']} |")
+    lines += ["", "| ratio | tokens/s (target >= 1.2x) | time to first step (target <= 1) | launch to last step |",
+              "|---|---|---|---|"]
+    lines += [f"| {pair} | **{r['tokens_per_s']:.2f}x** | {r['first_step_s']:.2f} | {r['last_step_s']:.2f} |"
               for pair, r in summary["ratios"].items()]
-    lines += ["", "Each run, in launch order (tokens/s / first step s): " + "; ".join(
-        f"{r['system']} {r['tokens_per_s']:,.0f} / {r['first_step_s']:.1f}" for r in runs), ""]
+    switches = [r["compiled_from_step"] for r in runs if r["compiled_from_step"] is not None]
+    if switches:
+        lines += ["", f"train.compile switched to the compiled blocks at step {', '.join(map(str, switches))} "
+                      f"(tokens/s counts steps {skip + 1} on)."]
+        if max(switches) > skip + 1:
+            lines.append(f"WARNING: a compiled run switched after step {skip + 1}: its tokens/s mixes eager steps; "
+                         f"use more --steps and --skip")
+    lines += ["", "Each run, in launch order (tokens/s / first step s / last step s): " + "; ".join(
+        f"{r['system']} {r['tokens_per_s']:,.0f} / {r['first_step_s']:.1f} / {r['last_step_s']:.1f}"
+        for r in runs), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -249,10 +269,11 @@ def chart(summary: dict, runs: list[dict], path: Path) -> None:
     names = [SYSTEMS[s][0].replace(", ", ",\n") for s in systems]
     got = summary["systems"]
     key = "peak_gpu_bytes" if any(s["peak_gpu_bytes"] for s in got.values()) else "peak_rss_bytes"
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(21, 4))
     for ax, field, title, scale in ((axes[0], "tokens_per_s", "tokens/s (dots: runs, bar: median)", 1),
                                     (axes[1], "first_step_s", "launch to first step, s", 1),
-                                    (axes[2], key, "peak memory per rank, MiB", 2**20)):
+                                    (axes[2], "last_step_s", "launch to last step, s", 1),
+                                    (axes[3], key, "peak memory per rank, MiB", 2**20)):
         for i, system in enumerate(systems):
             ax.bar(i, got[system][field] / scale, color=f"C{i}", alpha=0.6)
             if field != key:
@@ -262,10 +283,10 @@ def chart(summary: dict, runs: list[dict], path: Path) -> None:
         ax.set_title(title, fontsize=10)
     for i, system in enumerate(systems):
         first = next(r for r in runs if r["system"] == system)
-        axes[3].plot(range(1, len(first["losses"]) + 1), first["losses"], color=f"C{i}", label=SYSTEMS[system][0])
-    axes[3].set_title("training loss (first run of each)", fontsize=10)
-    axes[3].set_xlabel("optimizer step")
-    axes[3].legend(fontsize=7)
+        axes[4].plot(range(1, len(first["losses"]) + 1), first["losses"], color=f"C{i}", label=SYSTEMS[system][0])
+    axes[4].set_title("training loss (first run of each)", fontsize=10)
+    axes[4].set_xlabel("optimizer step")
+    axes[4].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -276,7 +297,8 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each system, alternating")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
-    parser.add_argument("--skip", type=int, default=5, help="steps left out of tokens/s (warm-up)")
+    parser.add_argument("--skip", type=int, default=None, help="steps left out of tokens/s (warm-up; default: "
+                                                                "the preset's)")
     parser.add_argument("--ds_config", default="zero2.json")
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=["dstrain", "dstrain_compile", "hf_trainer"])
     parser.add_argument("--peer-compile", action="store_true", help="also run the Trainer with torch_compile=True")
@@ -286,6 +308,7 @@ def main() -> None:
     parser.add_argument("dstrain_args", nargs="*", help="extra train.py arguments, after --")
     args = parser.parse_args()
     preset = dict(PRESETS[args.preset], **({"steps": args.steps} if args.steps else {}))
+    args.skip = preset["skip"] if args.skip is None else args.skip
     gpus = gpu_count()
     ranks = gpus or 2
     if not gpus and preset["precision"] == "bf16":
@@ -325,7 +348,7 @@ def main() -> None:
              f" sequences), {preset['steps']} steps per run (tokens/s over steps {args.skip + 1}-{preset['steps']}), "
              f"{args.repeats} runs of each alternating, `{args.ds_config}` for both. "
              f"Versions: {versions()}.")
-    text = table(summary, runs, setup)
+    text = table(summary, runs, setup, args.skip)
     print(text)
     record = {"setup": setup, "summary": summary, "runs": runs}
     if args.results:

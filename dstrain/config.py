@@ -71,7 +71,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # auto: the DeepSpeed config's (fp32 on CPU) | bf16 | fp16 | fp32
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile the model: faster steps after a slower first one (docs/benchmarks.md)
+    compile: bool = False  # torch.compile the decoder blocks, in the background while the first steps run eager
+    compile_wait: bool = False  # with compile: compile in step 1 instead (every step compiled: reproducible runs)
     seed: int = 42
     exit_at_step: Optional[int] = None  # checkpoint and exit after this step; --resume auto continues later
 
@@ -87,6 +88,8 @@ class TrainConfig:
             raise UserError(f"train.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
         if self.exit_at_step is not None and not 0 < self.exit_at_step <= self.max_steps:
             raise UserError(f"train.exit_at_step={self.exit_at_step} must be between 1 and train.max_steps")
+        if self.compile_wait and not self.compile:
+            raise UserError("train.compile_wait=true only applies with train.compile=true; set both or neither")
         _one_of("train.lr_schedule", self.lr_schedule, ("cosine", "linear", "constant"))
         _one_of("train.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
 

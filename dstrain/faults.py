@@ -6,7 +6,8 @@ points   step (before a training step), save:shards (files written, not yet list
          (complete.json written, not yet published), save:publish (renamed, `latest` not yet written),
          save:prune (published, old checkpoints not yet pruned)
 actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
-         "No space left on device", like a full disk)
+         "No space left on device", like a full disk), slow (sleep `seconds=N`, default 30, then go on:
+         a slow data loader or file system)
 
 Real failures are used where a test can make them (kill -9 from outside, a full tmpfs); injection covers
 the points in between that no outside timing can hit reliably.
@@ -50,7 +51,9 @@ def point(name: str, rank: int, step: int) -> None:
         elif action == "stall":
             while True:
                 time.sleep(3600)
+        elif action == "slow":
+            time.sleep(cond.get("seconds", 30))
         elif action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         else:
-            raise ValueError(f"DSTRAIN_FAULT: unknown action {action!r} (kill, stall, enospc)")
+            raise ValueError(f"DSTRAIN_FAULT: unknown action {action!r} (kill, stall, slow, enospc)")

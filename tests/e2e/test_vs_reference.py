@@ -23,8 +23,9 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed", extra=(), rtol=RTOL, nproc=2):
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
-    launch(COMMON + [f"--model.name_or_path={model_dir}", *ds_args, "--output_dir", str(run_dir), *extra], cache,
-           launcher=launcher, nproc=nproc)
+    proc = launch(COMMON + [f"--model.name_or_path={model_dir}", *ds_args, "--output_dir", str(run_dir), *extra],
+                  cache, launcher=launcher, nproc=nproc)
+    (run_dir / "launch_stderr.txt").write_text(proc.stderr)  # what rank 0 said, for tests that check it
     got, _ = metrics(run_dir)
     want, ref_model = reference_losses(model_dir, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1)
     gaps = [abs(g - w) / w for g, w in zip(got, want)]
@@ -139,14 +140,28 @@ def test_export_round_trip(tmp_path, cache, tiny_llama):
         assert torch.equal(a, b), name
 
 
-def test_compiled_model_matches_reference_and_exports(tmp_path, cache, tiny_llama, monkeypatch):
-    """train.compile=true (DeepSpeed's engine.compile, inductor): the plain loop's losses (measured gap 1.2e-7,
-    inside RTOL), inductor really generated kernels, and the export has the uncompiled model's names."""
+@pytest.mark.parametrize("mode", ["background", "wait"])
+def test_compiled_model_matches_reference_and_exports(tmp_path, cache, tiny_llama, monkeypatch, mode):
+    """train.compile=true under ZeRO-2 on 2 ranks: decoder blocks compiled (inductor) in a background thread
+    while training runs eager, switched in at a step boundary (`wait`: compiled in step 1, every step). The
+    plain loop's losses either way (the thread's own forward/backward must not touch DeepSpeed's gradients),
+    inductor really generated kernels, and the export has the uncompiled model's names."""
+    import re
     import torch
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "zero2.json", extra=["--train.compile=true"])
+    extra = ["--train.compile=true"]
+    if mode == "background":  # steps take milliseconds here: a slow step 3 lets the compile finish mid-run
+        monkeypatch.setenv("DSTRAIN_FAULT", "step:slow:step=3:seconds=45")
+    else:
+        extra.append("--train.compile_wait=true")
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "zero2.json", extra=extra)
+    said = (run_dir / "launch_stderr.txt").read_text()
+    assert re.search(r"\d x LlamaDecoderLayer compiled", said), said[-3000:]
+    if mode == "background":
+        switched = re.search(r"in the background; steps from (\d+) use them", said)
+        assert switched and 3 <= int(switched.group(1)) <= STEPS, said[-3000:]
     assert list((tmp_path / "inductor").rglob("*.py")), "inductor wrote no kernels: the model was not compiled"
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     assert {n for n, _ in exported.named_parameters()} == {n for n, _ in ref_model.named_parameters()}

@@ -1,0 +1,131 @@
+"""train.compile: torch.compile (inductor) without making the first step wait for it.
+
+Regional: each repeated decoder block (the model's `_no_split_modules`, e.g. LlamaDecoderLayer) is compiled,
+not the whole model. The blocks share one code object, so inductor builds one forward and one backward graph
+and every layer reuses them (parameters are graph inputs): a fraction of the whole model's compile time for
+the same fused kernels (docs/benchmarks.md).
+
+In the background: the first training forward runs eager, hands a detached copy of a block's inputs to a
+thread, and carries on. The thread compiles by calling each compiled block once on that copy, forward and
+backward; its backward asks only for the copy's gradient, so no parameter's .grad, and none of DeepSpeed's
+gradient hooks, is touched. At the next step boundary after it finishes, `poll` switches the blocks to the
+compiled graphs. Training is never blocked: launch to first step is the eager one, and the steps after the
+switch run at compiled speed. Steps before it ran eager, so which step switched depends on timing; with
+`train.compile_wait` every step is compiled and a run is reproducible, at the price of a first step that
+waits. Evaluation (no grad) stays eager. A compile that fails leaves training eager and says why.
+
+Where a block's forward would talk to other ranks or to DeepSpeed's hooks (ZeRO-3 gathers parameters in
+submodule hooks, tensor parallelism all-reduces inside layers) or recomputes itself (activation checkpointing),
+calling it off the training thread is unsafe: those runs use DeepSpeed's `engine.compile()` of the whole
+model, compiled on the first step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+
+
+def _copy(value):
+    """Detached copies of a call's tensors (requires_grad kept: compiled graphs are guarded on it)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copy(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    kinds = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in kinds]
+
+
+def whole_model_reason(zero_stage: int, tensor_parallel: int, activation_checkpointing: bool, blocks: list) -> str:
+    """Why the blocks cannot be compiled off the training thread ('' when they can)."""
+    if zero_stage >= 3:
+        return "ZeRO-3 gathers parameters in hooks inside the blocks"
+    if tensor_parallel > 1:
+        return "tensor-parallel layers all-reduce inside the blocks"
+    if activation_checkpointing:
+        return "activation checkpointing recomputes the blocks"
+    if not blocks:
+        return "the model names no repeated blocks (_no_split_modules)"
+    return ""
+
+
+class RegionalCompile:
+    """Compiles `blocks` on first use: in a background thread (wait=False) or in the first step (wait=True)."""
+
+    def __init__(self, blocks: list[torch.nn.Module], wait: bool):
+        self.blocks, self.wait = blocks, wait
+        self.eager = [block.forward for block in blocks]
+        self.compiled = [torch.compile(forward) for forward in self.eager]
+        self.active = wait  # compiled graphs in use (from the step after the thread finished)
+        self.ready = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.switched_at: int | None = None
+        for i, block in enumerate(blocks):
+            block.forward = self._forward(i)
+
+    def _forward(self, i: int) -> Callable:
+        def forward(*args, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation: the training graphs do not apply
+                return self.eager[i](*args, **kwargs)
+            if self.active:
+                return self.compiled[i](*args, **kwargs)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._compile, args=(_copy(args), _copy(kwargs)),
+                                               name="dstrain-compile", daemon=True)
+                self.thread.start()
+            return self.eager[i](*args, **kwargs)
+        return forward
+
+    def _compile(self, args, kwargs) -> None:
+        began = time.perf_counter()
+        try:
+            for compiled in self.compiled:  # one graph for all blocks: the later calls only check guards
+                inputs, named = _copy(args), _copy(kwargs)
+                out = compiled(*inputs, **named)
+                out = out[0] if isinstance(out, (tuple, list)) else out
+                wrt = [t for t in (*inputs, *named.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if wrt:  # compiles the backward graph; gradients of the copies only
+                    torch.autograd.grad(out.float().sum(), wrt)
+        except Exception as error:  # noqa: BLE001 -- reported by poll; training goes on eager
+            self.error = error
+        self.seconds = time.perf_counter() - began
+        self.ready.set()
+
+    def poll(self, step: int, say: Callable[[str], None]) -> None:
+        """At a step boundary: switch to the compiled blocks once they are ready, and say so once."""
+        if self.active or self.switched_at is not None or not self.ready.is_set():
+            return
+        self.switched_at = step + 1
+        if self.error is not None:
+            first = str(self.error).splitlines()[0] if str(self.error) else ""
+            say(f"warning: train.compile failed in the background ({type(self.error).__name__}: {first[:300]}); "
+                f"training continues eager")
+            return
+        self.active = True
+        say(f"compiled {len(self.blocks)} x {type(self.blocks[0]).__name__} in {self.seconds:.1f} s in the "
+            f"background; steps from {self.switched_at} use them")
+
+
+def install(engine, zero_stage: int, tensor_parallel: int, activation_checkpointing: bool, wait: bool,
+            say: Callable[[str], None]) -> RegionalCompile | None:
+    """train.compile=true: regional compile where it is safe, else DeepSpeed's engine.compile() (returns None)."""
+    blocks = blocks_of(engine.module)
+    reason = whole_model_reason(zero_stage, tensor_parallel, activation_checkpointing, blocks)
+    if reason:
+        say(f"train.compile: the whole model, compiled on the first step ({reason})")
+        engine.compile()
+        return None
+    regional = RegionalCompile(blocks, wait)
+    say(f"train.compile: {len(blocks)} x {type(blocks[0]).__name__} compiled "
+        f"{'on the first step' if wait else 'in the background while the first steps run eager'}")
+    return regional
