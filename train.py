@@ -142,8 +142,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg, mpu=dist.tensor_parallel_groups(layout))
     reducer = compression.install(engine, compress)  # None unless the JSON asks for it
-    compiled = compiler.install(engine, ds_config.zero_stage(ds_cfg), layout.tensor_parallel,
-                                train.activation_checkpointing, train.compile_wait, log) if train.compile else None
+    compiled = compiler.install(engine, ds_config.zero_stage(ds_cfg), layout.tensor_parallel, train.activation_checkpointing,
+                                train.compile_wait, ctx.local_rank, log) if train.compile else None
     peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores
     if recipe.log.flops_profile_step:
         flops.profile_one_step(engine, bool(ds_cfg.get("wall_clock_breakdown", False)))

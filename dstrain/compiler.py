@@ -5,12 +5,13 @@ not the whole model. The blocks share one code object, so inductor builds one fo
 and every layer reuses them (parameters are graph inputs): a fraction of the whole model's compile time for
 the same fused kernels (docs/benchmarks.md).
 
-In the background: the first training forward runs eager, hands a detached copy of a block's inputs to a
-thread, and carries on. The thread compiles by calling each compiled block once on that copy, forward and
-backward; its backward asks only for the copy's gradient, so no parameter's .grad, and none of DeepSpeed's
-gradient hooks, is touched. At the next step boundary after it finishes, `poll` switches the blocks to the
-compiled graphs. Training is never blocked: launch to first step is the eager one, and the steps after the
-switch run at compiled speed. Steps before it ran eager, so which step switched depends on timing; with
+In the background: the first training step runs eager and keeps a detached copy of a block's inputs; after
+it, a thread compiles by calling each compiled block once on that copy, forward and backward. Its backward
+asks only for the copy's gradient, so no parameter's .grad, and none of DeepSpeed's gradient hooks, is
+touched. At the first step boundary after it finishes, `poll` switches the blocks to the compiled graphs.
+Training is never blocked: launch to first step is the eager one, and the steps after the switch run at
+compiled speed. On a node, local rank 0 compiles first and the other ranks after it, from inductor's
+then-warm disk cache. Steps before the switch ran eager, so which step switched depends on timing; with
 `train.compile_wait` every step is compiled and a run is reproducible, at the price of a first step that
 waits. Evaluation (no grad) stays eager. A compile that fails leaves training eager and says why.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,13 +60,20 @@ def whole_model_reason(zero_stage: int, tensor_parallel: int, activation_checkpo
 
 
 class RegionalCompile:
-    """Compiles `blocks` on first use: in a background thread (wait=False) or in the first step (wait=True)."""
+    """Compiles `blocks` on first use: in a background thread (wait=False) or in the first step (wait=True).
 
-    def __init__(self, blocks: list[torch.nn.Module], wait: bool):
-        self.blocks, self.wait = blocks, wait
+    `marker`: a file that only the leader (local rank 0) writes, when its compile is done. The other ranks of
+    the node start theirs after it and find inductor's on-disk cache warm (one compile per machine, not one
+    per rank, sharing the node's cores); a missing marker only makes them wait up to `follow_timeout`."""
+
+    def __init__(self, blocks: list[torch.nn.Module], wait: bool, leader: bool = True, marker: Path | None = None,
+                 follow_timeout: float = 900.0):
+        self.blocks, self.wait, self.leader, self.marker = blocks, wait, leader, marker
+        self.follow_timeout = follow_timeout
         self.eager = [block.forward for block in blocks]
         self.compiled = [torch.compile(forward) for forward in self.eager]
         self.active = wait  # compiled graphs in use (from the step after the thread finished)
+        self.captured: tuple | None = None  # a copy of the first training call's inputs
         self.ready = threading.Event()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -79,16 +88,21 @@ class RegionalCompile:
                 return self.eager[i](*args, **kwargs)
             if self.active:
                 return self.compiled[i](*args, **kwargs)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._compile, args=(_copy(args), _copy(kwargs)),
-                                               name="dstrain-compile", daemon=True)
-                self.thread.start()
+            if self.captured is None:
+                self.captured = (_copy(args), _copy(kwargs))
             return self.eager[i](*args, **kwargs)
         return forward
 
     def _compile(self, args, kwargs) -> None:
         began = time.perf_counter()
         try:
+            if not self.leader and self.marker is not None:
+                while not self.marker.exists() and time.perf_counter() - began < self.follow_timeout:
+                    time.sleep(0.25)
+            devices = {t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+            cuda = [d for d in devices if d.type == "cuda"]
+            if cuda:  # the current GPU is per thread: a new thread would start on GPU 0, not this rank's
+                torch.cuda.set_device(cuda[0])
             for compiled in self.compiled:  # one graph for all blocks: the later calls only check guards
                 inputs, named = _copy(args), _copy(kwargs)
                 out = compiled(*inputs, **named)
@@ -98,14 +112,31 @@ class RegionalCompile:
                     torch.autograd.grad(out.float().sum(), wrt)
         except Exception as error:  # noqa: BLE001 -- reported by poll; training goes on eager
             self.error = error
+        finally:
+            if self.leader and self.marker is not None:  # done or failed: the followers go on either way
+                try:
+                    self.marker.parent.mkdir(parents=True, exist_ok=True)
+                    self.marker.touch()
+                except OSError:
+                    pass
         self.seconds = time.perf_counter() - began
         self.ready.set()
 
     def poll(self, step: int, say: Callable[[str], None]) -> None:
-        """At a step boundary: switch to the compiled blocks once they are ready, and say so once."""
-        if self.active or self.switched_at is not None or not self.ready.is_set():
+        """At a step boundary: start the compile after the first step (which it must not slow down), switch
+        to the compiled blocks once they are ready, and say so once."""
+        if self.active or self.switched_at is not None:
+            return
+        if self.thread is None:
+            if self.captured is not None:
+                self.thread = threading.Thread(target=self._compile, args=self.captured, name="dstrain-compile",
+                                               daemon=True)
+                self.thread.start()
+            return
+        if not self.ready.is_set():
             return
         self.switched_at = step + 1
+        self.captured = None
         if self.error is not None:
             first = str(self.error).splitlines()[0] if str(self.error) else ""
             say(f"warning: train.compile failed in the background ({type(self.error).__name__}: {first[:300]}); "
@@ -116,8 +147,26 @@ class RegionalCompile:
             f"background; steps from {self.switched_at} use them")
 
 
+def node_marker() -> Path:
+    """A file in inductor's cache folder (shared by the node's ranks) naming this launch: the ranks of one
+    launch share their launcher (parent process) and master port. Old markers are removed."""
+    import os
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    folder = Path(cache_dir()) / "dstrain_compiled"
+    launch = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}-{os.getppid()}"
+    if folder.is_dir():
+        for old in folder.iterdir():
+            try:
+                if time.time() - old.stat().st_mtime > 86400:
+                    old.unlink()
+            except OSError:
+                pass
+    return folder / launch
+
+
 def install(engine, zero_stage: int, tensor_parallel: int, activation_checkpointing: bool, wait: bool,
-            say: Callable[[str], None]) -> RegionalCompile | None:
+            local_rank: int, say: Callable[[str], None]) -> RegionalCompile | None:
     """train.compile=true: regional compile where it is safe, else DeepSpeed's engine.compile() (returns None)."""
     blocks = blocks_of(engine.module)
     reason = whole_model_reason(zero_stage, tensor_parallel, activation_checkpointing, blocks)
@@ -125,7 +174,7 @@ def install(engine, zero_stage: int, tensor_parallel: int, activation_checkpoint
         say(f"train.compile: the whole model, compiled on the first step ({reason})")
         engine.compile()
         return None
-    regional = RegionalCompile(blocks, wait)
+    regional = RegionalCompile(blocks, wait, leader=local_rank == 0, marker=None if wait else node_marker())
     say(f"train.compile: {len(blocks)} x {type(blocks[0]).__name__} compiled "
         f"{'on the first step' if wait else 'in the background while the first steps run eager'}")
     return regional

@@ -50,11 +50,12 @@ def test_background_compile_switches_at_a_step_boundary_and_matches_eager(induct
     regional = RegionalCompile(blocks, wait=False)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
     said, want, got = [], [], []
-    for step in (1, 2):  # eager steps while the thread compiles (these blocks take seconds; a step, milliseconds)
+    for step in (1, 2):  # eager steps: nothing compiles during step 1, the thread starts after it
         want.append(_step(eager, eager_opt, ids))
         got.append(_step(model, opt, ids))
-        assert regional.thread is not None and regional.thread.is_alive(), "the step waited for the compile"
+        assert (regional.thread is None) == (step == 1), "the compile must not start inside step 1"
         regional.poll(step, said.append)
+        assert regional.thread.is_alive(), "the step waited for the compile"  # blocks take seconds, a step ms
         assert not regional.active and not said
     assert regional.ready.wait(timeout=240), "the background compile never finished"
     assert not regional.active, "only poll switches, between steps"
@@ -90,6 +91,7 @@ def test_a_failed_compile_leaves_training_eager_with_a_warning(inductor_dir):
     said = []
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     assert _step(model, opt, ids) == _step(reference, ref_opt, ids)
+    regional.poll(1, said.append)  # starts the thread
     regional.thread.join(timeout=60)
     regional.poll(1, said.append)
     assert not regional.active and len(said) == 1 and "inductor exploded" in said[0] and "eager" in said[0]
@@ -115,3 +117,33 @@ def test_compile_wait_needs_compile():
     with pytest.raises(UserError, match="train.compile=true"):
         TrainConfig(compile_wait=True)
     TrainConfig(compile=True, compile_wait=True)
+
+
+
+def test_other_ranks_of_a_node_compile_after_the_leader(tmp_path):
+    """Followers wait for the leader's marker (inductor's disk cache is warm after it) and go on without it
+    after a timeout; the leader writes the marker even when its compile failed."""
+    from dstrain.compiler import RegionalCompile, blocks_of
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("stop here")
+
+    def started(leader: bool, marker, **kw) -> RegionalCompile:
+        model = _model()
+        regional = RegionalCompile(blocks_of(model), wait=False, leader=leader, marker=marker, **kw)
+        regional.compiled = [broken] * len(regional.compiled)
+        _step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 96, (2, 16)))
+        regional.poll(1, lambda text: None)
+        return regional
+
+    marker = tmp_path / "markers" / "launch"
+    follower = started(False, marker)
+    assert not follower.ready.wait(timeout=1.5) and not calls, "the follower compiled before the leader"
+    leader = started(True, marker)
+    assert leader.ready.wait(timeout=60) and marker.exists(), "a failed leader must still write its marker"
+    assert follower.ready.wait(timeout=10) and len(calls) == 2
+    lone = started(False, tmp_path / "never", follow_timeout=0.5)  # no leader at all
+    assert lone.ready.wait(timeout=10) and len(calls) == 3
