@@ -147,3 +147,37 @@ def test_other_ranks_of_a_node_compile_after_the_leader(tmp_path):
     assert follower.ready.wait(timeout=10) and len(calls) == 2
     lone = started(False, tmp_path / "never", follow_timeout=0.5)  # no leader at all
     assert lone.ready.wait(timeout=10) and len(calls) == 3
+
+
+def test_ranks_switch_together_or_not_at_all():
+    """A rank whose compile is done waits for the others (ZeRO-2's buckets need the same gradient order on
+    every rank); a failure on any rank keeps every rank eager."""
+    from dstrain.compiler import RegionalCompile, blocks_of
+
+    others = {"ready": 0.0, "failed": 0.0}  # the other rank of a world of 2, as the collective would sum it
+
+    def count(values):
+        return [values[0] + others["ready"], values[1] + others["failed"]]
+
+    model = _model()
+    regional = RegionalCompile(blocks_of(model), wait=False, count=count, world=2)
+    regional.compiled = list(regional.eager)  # the switch logic only: "compiled" = the eager forward
+    _step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 96, (2, 16)))
+    said = []
+    regional.poll(1, said.append)
+    assert regional.ready.wait(timeout=30) and regional.error is None
+    regional.poll(2, said.append)
+    assert not regional.active and regional.switched_at is None, "switched before the other rank was ready"
+    others["ready"] = 1.0
+    regional.poll(3, said.append)
+    assert regional.active and regional.switched_at == 4 and "steps from 4" in said[-1]
+
+    model = _model()
+    regional = RegionalCompile(blocks_of(model), wait=False, count=count, world=2)
+    regional.compiled = list(regional.eager)
+    others["failed"] = 1.0
+    _step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(0, 96, (2, 16)))
+    regional.poll(1, said.append)
+    regional.ready.wait(timeout=30)
+    regional.poll(2, said.append)
+    assert not regional.active and "1 other rank" in said[-1] and "eager" in said[-1]
