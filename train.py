@@ -183,7 +183,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
                      time.perf_counter() - began, counter.wire_bytes - sent if counter else None)
         watchdog.progress()
         if compiled:
-            compiled.poll(step, metrics.message)  # the background compile is done: later steps use it
+            compiled.poll(step, metrics.message)  # starts the background compile; switches all ranks when done
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, evaluate(engine, val, layout.data_parallel))
             watchdog.progress()

@@ -23,6 +23,7 @@ model, compiled on the first step.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ class RegionalCompile:
     def __init__(self, blocks: list[torch.nn.Module], wait: bool, leader: bool = True, marker: Path | None = None,
                  follow_timeout: float = 900.0, count: Callable[[list[float]], list[float]] = lambda v: v,
                  world: int = 1):
-        self.blocks, self.wait, self.leader, self.marker = blocks, wait, leader, marker
+        self.blocks, self.leader, self.marker = blocks, leader, marker
         self.count, self.world = count, world  # sums [ready, failed] over the ranks
         self.follow_timeout = follow_timeout
         self.eager = [block.forward for block in blocks]
@@ -159,7 +160,6 @@ class RegionalCompile:
 def node_marker() -> Path:
     """A file in inductor's cache folder (shared by the node's ranks) naming this launch: the ranks of one
     launch share their launcher (parent process) and master port. Old markers are removed."""
-    import os
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     folder = Path(cache_dir()) / "dstrain_compiled"

@@ -144,8 +144,7 @@ def test_export_round_trip(tmp_path, cache, tiny_llama):
 def test_compiled_model_matches_reference_and_exports(tmp_path, cache, tiny_llama, monkeypatch, mode):
     """train.compile=true under ZeRO-2 on 2 ranks: decoder blocks compiled (inductor) in a background thread
     while training runs eager, switched in at a step boundary (`wait`: compiled in step 1, every step). The
-    plain loop's losses either way (the thread's own forward/backward must not touch DeepSpeed's gradients;
-    ranks switched at different steps fail this: ZeRO-2 then reduces mismatched gradient buckets),
+    plain loop's losses either way (the thread's own forward/backward must not touch DeepSpeed's gradients),
     inductor really generated kernels, and the export has the uncompiled model's names."""
     import re
     import torch
@@ -153,8 +152,9 @@ def test_compiled_model_matches_reference_and_exports(tmp_path, cache, tiny_llam
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     extra = ["--train.compile=true"]
-    if mode == "background":  # steps take milliseconds here: 4 s steps let the compile (~15 s) finish mid-run,
-        # local rank 1 a step or so after rank 0 -- they must still switch together (ZeRO-2's bucket order)
+    if mode == "background":  # steps take milliseconds here: 4 s steps let the compile (~15 s) finish mid-run.
+        # Ranks switching at different steps is NOT reliably caught here (both usually get ready within one
+        # step); test_compiler.py::test_ranks_switch_together_or_not_at_all covers that agreement.
         monkeypatch.setenv("DSTRAIN_FAULT", "step:slow:seconds=4")
     else:
         extra.append("--train.compile_wait=true")
