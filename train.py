@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
     import deepspeed
-    from dstrain import (checkpoint, compiler, compression, data, dist, ds_config, faults, flops, memory, model as models,
-                         pipeline, preempt, schedule)
+    from dstrain import (checkpoint, compiler, compression, data, dist, ds_config, faults, flops, loss, memory,
+                         model as models, pipeline, preempt, schedule)
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -107,6 +107,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     layout = ds_config.layout_of(raw_ds, ctx.world_size)
     if train.compile and layout.pipeline_stages > 1:
         raise UserError("train.compile is not supported with pipeline stages; set train.compile=false")
+    if train.loss_chunk_tokens and (layout.pipeline_stages > 1 or layout.tensor_parallel > 1):
+        raise UserError("train.loss_chunk_tokens is not supported with pipeline stages or tensor parallelism "
+                        "(their heads are split or staged); set train.loss_chunk_tokens=0")
     if resume:  # same global batch on a new world size (grad_accum_steps re-derived), universal conversion
         checkpoint.adapt_to_world(resume, train, layout.data_parallel,
                                   layout.pipeline_stages > 1 or layout.tensor_parallel > 1, log)
@@ -122,6 +125,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
     baseline_memory = memory.current_bytes()  # everything after this is the model and its training
     model, _hf_ds_config = models.build(recipe.model, train, ds_cfg, tokenizer)
+    if train.loss_chunk_tokens:
+        loss.install(model, train.loss_chunk_tokens, ds_config.precision(ds_cfg))
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
     flops_per_token = flops.flops_per_token(model_config, params_total, train.seq_len)
     if recipe.log.flops_profile_step:  # DeepSpeed's profiler, for one step, on rank 0

@@ -73,6 +73,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile the decoder blocks, in the background while the first steps run eager
     compile_wait: bool = False  # with compile: compile in step 1 instead (every step compiled: reproducible runs)
+    loss_chunk_tokens: int = 0  # >0: LM head + cross-entropy fused, this many label tokens at a time (big vocabularies)
     seed: int = 42
     exit_at_step: Optional[int] = None  # checkpoint and exit after this step; --resume auto continues later
 
@@ -88,6 +89,9 @@ class TrainConfig:
             raise UserError(f"train.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
         if self.exit_at_step is not None and not 0 < self.exit_at_step <= self.max_steps:
             raise UserError(f"train.exit_at_step={self.exit_at_step} must be between 1 and train.max_steps")
+        if self.loss_chunk_tokens < 0:
+            raise UserError(f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be 0 (off) or a token count, "
+                            f"e.g. 4096")
         if self.compile_wait and not self.compile:
             raise UserError("train.compile_wait=true only applies with train.compile=true; set both or neither")
         _one_of("train.lr_schedule", self.lr_schedule, ("cosine", "linear", "constant"))

@@ -17,7 +17,9 @@ Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, v
   each decoder layer keeps about s*b*(8h + 4f) elements for backward (inputs of the norms, q/k/v,
   attention output, MLP projections; fused/flash attention keeps no s x s matrix); with activation
   checkpointing a layer keeps only its input s*b*h, plus one layer recomputed at a time;
-  the LM head keeps logits s*b*V in w bytes plus 12 bytes of fp32 softmax/loss state per logit.
+  the LM head keeps logits s*b*V in w bytes plus 12 bytes of fp32 softmax/loss state per logit; with
+  train.loss_chunk_tokens=c (dstrain/loss.py) only c*V logits exist at a time (w-byte matmul output, fp32
+  copy, w-byte gradient) plus the gradients it keeps for backward: s*b*h for the hidden states, V*h weight.
 """
 from __future__ import annotations
 
@@ -119,6 +121,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
     layers_here = -(-layers // layout.pipeline_stages)
     per_layer = tokens * (8 * hidden + 4 * ffn) * w // layout.tensor_parallel
     head = tokens * vocab * (w + 12)
+    if train.loss_chunk_tokens:
+        head = min(tokens, train.loss_chunk_tokens) * vocab * (2 * w + 4) + (tokens + vocab) * hidden * w
     full = layers_here * per_layer + head + tokens * hidden * w
     checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w
     est = Estimate(parameters, psi, device, host, checkpointed, full)

@@ -21,6 +21,8 @@ def label_count(batch: dict[str, torch.Tensor]) -> int:
 def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's label tokens (fp32 logits)."""
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    if getattr(getattr(model, "module", model), "dstrain_loss_chunk_tokens", 0):  # dstrain/loss.py: no full logits
+        return model(**inputs, use_cache=False, sum_loss_labels=batch["labels"]).loss
     logits = model(**inputs, use_cache=False).logits
     shift_logits = logits[:, :-1].float().reshape(-1, logits.size(-1))
     shift_labels = batch["labels"][:, 1:].reshape(-1)
