@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps train test test-fast bench bench-memory bench-compression lint assets clean
+.PHONY: setup system-deps test-deps train test test-fast bench bench-memory bench-loss bench-compression lint assets clean
 
 setup: system-deps $(VENV)/.installed
 
@@ -66,6 +66,10 @@ bench: setup
 
 bench-memory: setup
 	$(PY) bench/memory.py --write $(BENCH_ARGS)
+
+# train.loss_chunk_tokens on a 128k vocabulary: peak memory, tokens/s, losses (about 20 min on 2 cores)
+bench-loss: setup
+	$(PY) bench/loss_chunks.py --repeats 3 --write $(BENCH_ARGS)
 
 # gradient compression: bytes, convergence over 3 data orders, and step time on a tc-limited veth link (needs
 # root for that part); about 85 min on 2 cores

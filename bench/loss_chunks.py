@@ -7,7 +7,7 @@ they do for 1B-class models at long sequences) trains a few steps under the real
 pre-model baseline (run_dir/memory.json); tokens/s is the median over steps after the first. Prints a table
 and, with --write, replaces its section of docs/benchmarks.md.
 
-    python bench/loss_chunks.py [--chunks 0 4096 1024] [--repeats 2] [--steps 4] [--write]
+    python bench/loss_chunks.py [--chunks 0 4096 1024] [--repeats 2] [--steps 4] [--write] [--results F]
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--precision", default="fp32", help="fp32 (fast on CPU) or bf16")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument("--results", type=Path, help="also write every run's figures to this JSON file")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="dstrain-bench-loss-"))
@@ -99,6 +100,11 @@ def main() -> None:
                for a, b in zip(r["losses"], ref["losses"]))
     table += f"\nLargest relative gap of any step's loss to the full-logits run of the same repeat: {gaps:.1e}.\n"
     print(table)
+    if args.results:
+        args.results.write_text(json.dumps({"runs": {str(c): results[c] for c in args.chunks}, "loss_gap": gaps,
+                                            "peak_mib": {str(c): med(c, "peak_mib") for c in args.chunks},
+                                            "tokens_per_s": {str(c): med(c, "tokens_per_s") for c in args.chunks}},
+                                           indent=1))
     if args.write:
         write_section("bench/loss_chunks.py", "Chunked LM head + cross-entropy, large vocabulary", table)
 

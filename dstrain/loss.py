@@ -9,7 +9,8 @@ tokens and grad(weight) in the weight's dtype. The sum is the same as F.cross_en
 over the full logits, up to summation order.
 
 Installed by replacing two instance methods (the state dict, checkpoints and export do not change):
-  model.forward(..., sum_loss_labels=labels) -> CausalLMOutputWithPast, .loss = summed loss, no logits
+  model.forward(..., sum_loss_labels=labels[, label_positions]) -> CausalLMOutputWithPast, .loss = summed
+                                            loss, no logits
   lm_head.forward(hidden, labels=...)       -> the fused loss, called as a module so ZeRO-3 gathers the
                                                weight around it (and again before its backward).
 Any other call (labels absent) takes the model's own code unchanged.
@@ -97,6 +98,11 @@ def check(model: torch.nn.Module) -> str | None:
     return None
 
 
+def label_positions_of(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the next-token targets that carry a loss (computed where `labels` lives)."""
+    return (labels[:, 1:] != IGNORE_INDEX).reshape(-1).nonzero().squeeze(1)
+
+
 def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
     """Route `model(..., sum_loss_labels=labels)` through the fused, chunked head + loss."""
     why = check(model)
@@ -111,14 +117,19 @@ def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
     original = model.forward
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    def forward(self, *args, sum_loss_labels: torch.Tensor | None = None, **kwargs):
+    def forward(self, *args, sum_loss_labels: torch.Tensor | None = None, label_positions: torch.Tensor | None = None,
+                **kwargs):
         if sum_loss_labels is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)
         hidden = base(*args, **kwargs)[0]  # last hidden state, after the final norm
-        mask = sum_loss_labels[:, 1:] != IGNORE_INDEX  # next-token targets; prompts and padding drop out here
-        picked = hidden[:, :-1][mask]
-        loss = head(picked, labels=sum_loss_labels[:, 1:][mask], chunk=chunk_tokens)
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts label t + 1
+        targets = sum_loss_labels[:, 1:].reshape(-1)
+        if label_positions is None:  # found on the device: a host sync (train_step passes them from the host)
+            label_positions = label_positions_of(sum_loss_labels)
+        # prompts and padding drop out here: the head sees label tokens only
+        loss = head(hidden.index_select(0, label_positions), labels=targets.index_select(0, label_positions),
+                    chunk=chunk_tokens)
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = types.MethodType(forward, model)

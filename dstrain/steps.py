@@ -21,12 +21,26 @@ def label_count(batch: dict[str, torch.Tensor]) -> int:
 def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's label tokens (fp32 logits)."""
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-    if getattr(getattr(model, "module", model), "dstrain_loss_chunk_tokens", 0):  # dstrain/loss.py: no full logits
-        return model(**inputs, use_cache=False, sum_loss_labels=batch["labels"]).loss
+    if chunked_loss(model):  # dstrain/loss.py: no full logits
+        return model(**inputs, use_cache=False, sum_loss_labels=batch["labels"],
+                     label_positions=batch.get("label_positions")).loss
     logits = model(**inputs, use_cache=False).logits
     shift_logits = logits[:, :-1].float().reshape(-1, logits.size(-1))
     shift_labels = batch["labels"][:, 1:].reshape(-1)
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_loss(model) -> bool:
+    return bool(getattr(getattr(model, "module", model), "dstrain_loss_chunk_tokens", 0))
+
+
+def to_device(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy a host batch to the engine's device (pinned on GPUs: asynchronous). The chunked loss's label positions
+    are found here, on the host, so the device never has to report how many there are (no sync in the step)."""
+    if chunked_loss(engine):
+        from .loss import label_positions_of
+        batch = dict(batch, label_positions=label_positions_of(batch["labels"]))
+    return {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
 
 
 def _is_pipeline(engine) -> bool:
@@ -64,7 +78,7 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], dp_size: in
     scale = len(micro_batches) * dp_size / global_tokens
     local_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per micro-batch
     for batch in micro_batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned on GPUs (TrainStream)
+        batch = to_device(engine, batch)  # pinned on GPUs (TrainStream)
         summed = loss_sum(engine, batch)
         engine.backward(summed * scale)
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
@@ -85,7 +99,7 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], dp_size: int) -> fl
     engine.eval()
     local_sum, local_count = 0.0, 0
     for batch in batches:
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        batch = to_device(engine, batch)
         local_sum += loss_sum(engine, batch).item()
         local_count += label_count(batch)
     total, count = all_reduce_sum([local_sum, local_count], engine.device)

@@ -85,6 +85,10 @@ def test_model_loss_and_every_gradient_equal_the_plain_path(make):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     want, got = loss_sum(plain, batch), loss_sum(fused, batch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    positions = loss.label_positions_of(labels)  # what train_step passes, found on the host
+    assert positions.numel() == 3 * 19 - 8 - 4
+    torch.testing.assert_close(loss_sum(fused, dict(batch, label_positions=positions)).detach(), want.detach(),
+                               rtol=1e-6, atol=1e-5)
     (want * 0.1).backward()
     (got * 0.1).backward()
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):

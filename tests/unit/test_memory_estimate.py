@@ -52,10 +52,26 @@ def test_preflight_refuses_and_suggests(llama8b, monkeypatch):
 def test_activation_checkpointing_shrinks_activations(llama8b):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(llama8b)
-    r = recipe(llama8b)
+    r = recipe(llama8b, "--train.loss_chunk_tokens=0")  # full logits (the recipe chunks them)
     cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
     est = memory.estimate(config, 8_030_261_248, r, cfg, dsc.layout_of(cfg, 32))
     # 2 x 4096 tokens, 32 layers of 8h+4f = 90112 bf16 elements per token, logits 128256 x 14 bytes
     tokens = 2 * 4096
     assert est.activations_full == 32 * tokens * 90112 * 2 + tokens * 128256 * 14 + tokens * 4096 * 2
     assert est.activations_checkpointed < est.activations_full / 3
+
+
+def test_chunked_loss_replaces_the_logits_term(llama8b):
+    """train.loss_chunk_tokens: only one chunk's logits (bf16 output, fp32 copy, bf16 gradient) plus the kept
+    gradients of the hidden states and head weight, instead of every token's logits and softmax state."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(llama8b)
+    ests = []
+    for chunk in (0, 1024):
+        r = recipe(llama8b, f"--train.loss_chunk_tokens={chunk}")
+        cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
+        ests.append(memory.estimate(config, 8_030_261_248, r, cfg, dsc.layout_of(cfg, 32)))
+    tokens, vocab = 2 * 4096, 128256
+    chunked_head = 1024 * vocab * (2 + 4 + 2) + (tokens + vocab) * 4096 * 2
+    assert ests[0].activations_full - ests[1].activations_full == tokens * vocab * 14 - chunked_head
+    assert ests[1].activations_checkpointed < ests[0].activations_checkpointed - 10 * GiB
