@@ -41,22 +41,23 @@ test-deps:
 	$(call apt_install,$(TEST_PACKAGES))
 
 # A system python that already has torch (a CUDA image) lends it to the venv instead of a reinstall.
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e '.[dev]'
 	@$(PY) -c "import torch, deepspeed, transformers; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>/dev/null
 	@touch $@
 
 train: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --recipe $(RECIPE) $(if $(DS_CONFIG),--ds_config $(DS_CONFIG)) $(ARGS)
 
-test: setup test-deps
+# lint first: a style slip fails in seconds, not after the suite (pyproject.toml prints the 20 slowest tests)
+test: lint
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
-test-fast: setup test-deps
+test-fast: lint
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
 # side-by-side measurements, printed and written to docs/benchmarks.md (BENCH_ARGS="--preset large" for a bigger job)
@@ -78,7 +79,7 @@ bench-compression: setup
 	$(PY) bench/compression.py --seeds 42,1,2 --slow-link --write $(BENCH_ARGS)
 
 lint: setup test-deps
-	$(PY) -m compileall -q train.py dstrain tests bench scripts
+	$(VENV)/bin/ruff check .
 	shellcheck -x launch/*.sh launch/slurm.sbatch
 
 # regenerate the shipped tiny corpus, tokenizer and DeepSpeed configs (deterministic)

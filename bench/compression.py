@@ -106,7 +106,7 @@ class SlowLink:
         self.addr = ["10.231.0.1", "10.231.0.2"]
         self.rate, self.delay, self.shaping = rate, delay, ""
 
-    def __enter__(self) -> "SlowLink":
+    def __enter__(self) -> SlowLink:
         def ip(*args):
             subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
         try:
@@ -122,7 +122,7 @@ class SlowLink:
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
             self.__exit__()
             detail = getattr(e, "stderr", "") or str(e)
-            raise SystemExit(f"cannot build the slow link (needs root and iproute2): {detail.strip()}")
+            raise SystemExit(f"cannot build the slow link (needs root and iproute2): {detail.strip()}") from None
         return self
 
     def _shape(self, ns: str, dev: str) -> str:
@@ -296,8 +296,8 @@ def _seed_table(by_seed: dict) -> str:
     seeds = sorted(by_seed, key=int)
     if len(seeds) < 2:
         return ""
-    text = (f"\nFinal eval loss by data order (train.seed): the same model and steps, only the order of the "
-            f"batches changes.\n\n| method | " + " | ".join(f"seed {s}" for s in seeds) +
+    text = ("\nFinal eval loss by data order (train.seed): the same model and steps, only the order of the "
+            "batches changes.\n\n| method | " + " | ".join(f"seed {s}" for s in seeds) +
             " | mean | mean vs fp32 mean, same seeds |\n|---|" + "---|" * (len(seeds) + 2) + "\n")
     for name in METHODS:
         have = [s for s in seeds if name in by_seed[s]]

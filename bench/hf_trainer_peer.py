@@ -34,8 +34,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import datasets
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
-                              default_data_collator)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        default_data_collator,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     raw = datasets.load_dataset("json", data_files={"train": str(Path(args.data) / "train.jsonl")})["train"]

@@ -20,7 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from . import ds_config
+from .cli import load_inputs
+from .errors import EXIT_OK, EXIT_USER_ERROR, UserError
+from .layout import Layout
+from .model import hidden_size, load_config
 
 HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\[\]-]+)\s+slots=(?P<slots>\S+)$")
 
@@ -79,13 +83,7 @@ def ssh_problems(hosts: list[Host], port: int | None, timeout: int = 10) -> list
 
 def world_report(world: int, train_argv: list[str]) -> str:
     """A line describing how the recipe splits this world; UserError when it cannot."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import train as entry  # the same argument parsing as the run itself
-
-    from . import ds_config
-    from .model import hidden_size, load_config
-
-    args, recipe, ds_overrides = entry.load_inputs(train_argv)
+    args, recipe, ds_overrides = load_inputs(train_argv)  # the same argument parsing as the run itself
     raw = ds_config.load(recipe.ds_config, ds_overrides)
     try:  # only the ZeRO-3 "auto" bucket sizes need the model; they do not change what fits the world
         hidden = hidden_size(load_config(recipe.model, recipe.train.seq_len)[1])
@@ -95,11 +93,11 @@ def world_report(world: int, train_argv: list[str]) -> str:
     # the device type of the nodes is not known here; precision is checked by each rank at start
     caps = ds_config.DeviceCaps(name="cluster", bf16=True, fp16=True)
     cfg = ds_config.resolve(raw, recipe, world, caps, hidden)
-    layout = ds_config.layout_of(cfg, world)
+    layout = Layout.from_ds_config(cfg, world)
     train = recipe.train
     declared = args.world_size or recipe.world_size  # --world_size=N: the user accepts a world of N
     if declared and declared != world:
-        written = train.micro_batch_size * train.grad_accum_steps * ds_config.layout_of(cfg, declared).data_parallel
+        written = train.micro_batch_size * train.grad_accum_steps * Layout.from_ds_config(cfg, declared).data_parallel
         per_step = train.micro_batch_size * layout.data_parallel
         fix = (f"pass --train.grad_accum_steps={written // per_step} to keep it" if written % per_step == 0
                else f"choose train.micro_batch_size x grad_accum_steps x {layout.data_parallel} = {written}")
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = check(args.hostfile, args.ssh_port, args.no_ssh, train_argv)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
-    return 2 if problems else 0
+    return EXIT_USER_ERROR if problems else EXIT_OK
 
 
 if __name__ == "__main__":

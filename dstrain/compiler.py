@@ -26,10 +26,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+from . import env
+from .ds_internals import inductor_cache_dir
 
 
 def _copy(value):
@@ -160,10 +163,8 @@ class RegionalCompile:
 def node_marker() -> Path:
     """A file in inductor's cache folder (shared by the node's ranks) naming this launch: the ranks of one
     launch share their launcher (parent process) and master port. Old markers are removed."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    folder = Path(cache_dir()) / "dstrain_compiled"
-    launch = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}-{os.getppid()}"
+    folder = inductor_cache_dir() / "dstrain_compiled"
+    launch = "-".join(env.master()) + f"-{os.getppid()}"
     if folder.is_dir():
         for old in folder.iterdir():
             try:
@@ -184,6 +185,7 @@ def install(engine, zero_stage: int, tensor_parallel: int, activation_checkpoint
         engine.compile()
         return None
     import torch.distributed as torch_dist
+
     from .dist import all_reduce_sum
 
     world = torch_dist.get_world_size() if torch_dist.is_initialized() else 1

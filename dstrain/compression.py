@@ -25,14 +25,15 @@ bucket lists). ZeRO-2/3 reduce-scatter gradients during backward and are refused
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
+from . import ds_internals
 from .errors import UserError, closest
 
 KEY = "gradient_compression"
@@ -130,7 +131,7 @@ class CommCounter:
         self.wire_bytes = 0.0
         self._active = None
 
-    def start(self) -> "CommCounter":
+    def start(self) -> CommCounter:
         self._active = self.active()
         self._active.__enter__()
         return self
@@ -150,7 +151,7 @@ class CommCounter:
         self.wire_bytes += _wire_bytes(op, nbytes, tdist.get_world_size(group))
 
     @contextmanager
-    def active(self) -> Iterator["CommCounter"]:
+    def active(self) -> Iterator[CommCounter]:
         originals = {op: getattr(tdist, op) for op in self.OPS if hasattr(tdist, op)}
 
         def wrap(op: str, fn: Callable) -> Callable:
@@ -165,7 +166,7 @@ class CommCounter:
                 return fn(*args, **kwargs)
             return counted
 
-        backend = _deepspeed_backend()
+        backend = ds_internals.comm_backend()
         cached = {}
         for op, fn in originals.items():
             setattr(tdist, op, wrap(op, fn))
@@ -182,14 +183,6 @@ class CommCounter:
                 setattr(tdist, op, fn)
             for attr, fn in cached.items():
                 setattr(backend, attr, fn)
-
-
-def _deepspeed_backend():
-    try:
-        from deepspeed.comm import comm
-        return comm.cdb
-    except Exception:  # deepspeed absent or not initialised
-        return None
 
 
 # ----------------------------------------------------------------------------- compressors
@@ -256,7 +249,7 @@ class Reducer:
             else:
                 vectors.append(grad)
         qs = []
-        for ordinal, grad, matrix, r in matrices:
+        for ordinal, _grad, matrix, r in matrices:
             q = self.factors.get(ordinal)
             if q is None or q.shape != (matrix.shape[1], r):
                 generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + ordinal)
@@ -361,28 +354,20 @@ def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the DeepSpeed seam
 
-def install(engine, config: CompressionConfig) -> Optional[Reducer]:
+def install(engine, config: CompressionConfig) -> Reducer | None:
     """Route the engine's data-parallel gradient averaging through a Reducer; None when not needed."""
     if not config.enabled:
         return None
-    from deepspeed.utils import groups
-    group = groups._get_data_parallel_group()
+    group = engine.data_parallel_group
     if tdist.get_world_size(group) <= 1:
         return None
     exempt = frozenset() if config.compress_embeddings else embedding_shapes(engine.module)
     reducer = Reducer(config, group, step=lambda: engine.global_steps, exempt_shapes=exempt)
     stage = engine.zero_optimization_stage()
     if stage == 0:
-        def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):
-            reducer.average_(list(small_bucket))
-        engine.allreduce_and_copy = allreduce_and_copy
+        ds_internals.replace_zero0_allreduce(engine, reducer.average_)
     elif stage == 1:
-        optimizer = engine.optimizer
-
-        def gradient_reduction_w_predivide(tensor, communication_data_type):
-            reducer.average_(_bucket_views(optimizer, tensor, communication_data_type))
-            return tensor
-        optimizer.gradient_reduction_w_predivide = gradient_reduction_w_predivide
+        ds_internals.replace_zero1_reduction(engine.optimizer, reducer.average_)
     else:
         raise UserError(f"{KEY} works with ZeRO stage 0 or 1, not {stage}")
     return reducer
@@ -399,21 +384,3 @@ def embedding_shapes(model) -> frozenset:
         if weight is not None and weight.dim() == 2:
             shapes.add(tuple(getattr(weight, "ds_shape", weight.shape)))
     return frozenset(shapes)
-
-
-def _bucket_views(optimizer, flat: torch.Tensor, dtype) -> list[torch.Tensor]:
-    """The per-parameter views of a ZeRO-1 reduction bucket (laid out in the order the bucket lists)."""
-    params = []
-    large = getattr(optimizer, "extra_large_param_to_reduce", {}).get(dtype)
-    if large is not None and large.numel() == flat.numel():
-        params = [large]
-    else:
-        for group_idx, param_idx, _ in optimizer.ipg_buckets[dtype].params:
-            params.append(optimizer.bit16_groups[group_idx][param_idx])
-    if sum(p.numel() for p in params) != flat.numel():
-        raise RuntimeError(f"ZeRO-1 bucket of {flat.numel()} elements does not match its parameters")
-    views, offset = [], 0
-    for p in params:
-        views.append(flat.narrow(0, offset, p.numel()).view(p.shape))
-        offset += p.numel()
-    return views

@@ -9,7 +9,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -24,10 +24,10 @@ DEFAULT_RECIPE = RECIPES_DIR / "tiny" / "pretrain.yaml"
 class ModelConfig:
     name_or_path: str = "recipes/tiny/model"  # hub id or local directory
     from_scratch: str = "auto"  # auto: random init when the directory holds a config but no weights
-    tokenizer: Optional[str] = None  # defaults to name_or_path
+    tokenizer: str | None = None  # defaults to name_or_path
     config_overrides: dict = field(default_factory=dict)  # e.g. {num_hidden_layers: 2} on top of config.json
     trust_remote_code: bool = False
-    attn_implementation: Optional[str] = None  # e.g. sdpa, eager, flash_attention_2
+    attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2
 
     def __post_init__(self) -> None:
         self.from_scratch = str(self.from_scratch).lower()
@@ -37,16 +37,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "data/tiny"  # hub id, local file (json/jsonl/csv/parquet/txt), directory, or saved dataset
-    name: Optional[str] = None  # hub dataset configuration name
+    name: str | None = None  # hub dataset configuration name
     format: str = "text"  # text (packed pretraining) | prompt_response | chat (SFT, loss on responses)
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
     train_split: str = "train"
-    val_split: Optional[str] = "validation"  # used when the dataset has it; else val_fraction is carved out
+    val_split: str | None = "validation"  # used when the dataset has it; else val_fraction is carved out
     val_fraction: float = 0.05
-    cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/dstrain/tokenized
+    cache_dir: str | None = None  # tokenized-data cache; default ~/.cache/dstrain/tokenized
     num_proc: int = 1
 
     def __post_init__(self) -> None:
@@ -75,7 +75,7 @@ class TrainConfig:
     compile_wait: bool = False  # with compile: compile in step 1 instead (every step compiled: reproducible runs)
     loss_chunk_tokens: int = 0  # >0: LM head + cross-entropy fused, this many label tokens at a time (big vocabularies)
     seed: int = 42
-    exit_at_step: Optional[int] = None  # checkpoint and exit after this step; --resume auto continues later
+    exit_at_step: int | None = None  # checkpoint and exit after this step; --resume auto continues later
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
@@ -101,7 +101,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 50  # optimizer steps between evaluations; 0 evaluates only at the end
-    max_batches: Optional[int] = None  # cap on validation batches per rank; None = the whole split
+    max_batches: int | None = None  # cap on validation batches per rank; None = the whole split
 
 
 @dataclass
@@ -134,11 +134,11 @@ class FaultConfig:
 class LogConfig:
     wandb: bool = True  # offline when no WANDB_API_KEY is set
     wandb_project: str = "dstrain"
-    run_name: Optional[str] = None
+    run_name: str | None = None
     progress_bar: bool = True
     plot: bool = True  # loss curve PNG at the end
     comm_bytes: bool = False  # log the bytes each rank sends in collectives per step (ring-algorithm count)
-    flops_profile_step: Optional[int] = None  # run DeepSpeed's flops profiler on this step -> flops_profile.txt
+    flops_profile_step: int | None = None  # run DeepSpeed's flops profiler on this step -> flops_profile.txt
 
     def __post_init__(self) -> None:
         if self.flops_profile_step is not None and self.flops_profile_step < 1:
@@ -157,7 +157,7 @@ class Recipe:
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     # Real recipes name the cluster they were written for; used to check their batch arithmetic.
-    world_size: Optional[int] = None
+    world_size: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

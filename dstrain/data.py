@@ -12,13 +12,16 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
+from . import env
 from .config import DataConfig, local_or_hub
+from .ds_internals import dataset_fingerprint
 from .errors import UserError
+from .layout import Layout
 
 IGNORE_INDEX = -100
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
@@ -129,7 +132,7 @@ def _segments_plain(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
     return pieces
 
 
-def sft_example(messages: list[dict], tokenizer, seq_len: int) -> Optional[dict]:
+def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
     """input_ids / labels / attention_mask of one conversation, padded to seq_len; labels only on replies.
 
     None when truncation leaves no reply token to learn from."""
@@ -204,7 +207,7 @@ def cache_key(cfg: DataConfig, seq_len: int, seed: int, tokenizer, raw_fingerpri
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("DSTRAIN_CACHE", Path.home() / ".cache" / "dstrain")) / "tokenized"
+    return env.cache_root() / "tokenized"
 
 
 @dataclass
@@ -222,7 +225,7 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, is_local_main: 
     raw = load_raw(cfg)
     train_raw, val_raw = split_train_val(raw, cfg, seed)
     check_fields(train_raw, cfg)  # on every rank, so a bad field fails everywhere instead of hanging a barrier
-    fingerprints = [train_raw._fingerprint] + ([val_raw._fingerprint] if val_raw is not None else [])
+    fingerprints = [dataset_fingerprint(d) for d in (train_raw, val_raw) if d is not None]
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     path = root / cache_key(cfg, seq_len, seed, tokenizer, fingerprints)
     hit = (path / "done").exists()
@@ -262,11 +265,13 @@ class TrainStream:
     """Global batch `step` holds stream samples [step*G, (step+1)*G); sample k is element k % n of a
     permutation seeded by (seed, k // n), so each epoch is reshuffled and any step can be re-created."""
 
-    def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
-                 seed: int, pin_memory: bool = False):
+    def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, layout: Layout, seed: int,
+                 pin_memory: bool = False):
         self.dataset, self.seed, self.pin_memory = dataset, seed, pin_memory  # pinned: asynchronous copies to GPU
-        self.micro, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum_steps, dp_rank, dp_size
-        self.global_batch = micro_batch_size * grad_accum_steps * dp_size
+        # ranks of one model replica (pipeline stages, tensor-parallel peers) read the same samples
+        self.micro, self.accum = micro_batch_size, grad_accum_steps
+        self.dp_rank, self.dp_size = layout.data_parallel_rank, layout.data_parallel
+        self.global_batch = micro_batch_size * grad_accum_steps * self.dp_size
         self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
         self._perm: tuple[int, np.ndarray] | None = None
 
@@ -298,9 +303,10 @@ class TrainStream:
         return out
 
 
-def eval_batches(dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 max_batches: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+def eval_batches(dataset, micro_batch_size: int, layout: Layout,
+                 max_batches: int | None = None) -> list[dict[str, torch.Tensor]]:
     """This rank's strided share of the validation split; every rank gets the same number of batches."""
+    dp_rank, dp_size = layout.data_parallel_rank, layout.data_parallel
     per_rank = len(dataset) // dp_size
     idx = list(range(dp_rank, per_rank * dp_size, dp_size))
     batches = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]

@@ -1,4 +1,4 @@
-"""The only module that reads RANK / LOCAL_RANK / WORLD_SIZE; works under deepspeed, torchrun,
+"""Process groups and rank facts (read through dstrain.env); works under deepspeed, torchrun,
 accelerate launch and plain `python` (one process)."""
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
 import torch
+
+from . import env
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,10 @@ class DistContext:
 
 def env_context() -> DistContext:
     """Rank layout from the launcher's environment, before any process group exists."""
-    return DistContext(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                       world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    return DistContext(rank=env.rank(), local_rank=env.local_rank(), world_size=env.world_size())
 
 
-def ranks_per_node() -> int:
-    """Ranks on this node (torchrun: LOCAL_WORLD_SIZE, the deepspeed launcher: LOCAL_SIZE)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+ranks_per_node = env.ranks_per_node
 
 
 def _free_port() -> int:
@@ -50,7 +48,7 @@ def init() -> DistContext:
     """Start the process group (gloo on CPU, nccl on CUDA: DeepSpeed's accelerator decides)."""
     import deepspeed
 
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+    if not env.launched():  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -91,7 +89,7 @@ def leave(code: int) -> NoReturn:
 def clear_stale_build_locks(max_age_s: float = 1800) -> None:
     """torch's JIT builder (DeepSpeed's ops) waits forever on a `lock` file that a killed build left
     behind: every later run hangs at start. No build of ours takes half an hour, so older locks go."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    root = env.torch_extensions_dir()
     now = time.time()
     for lock in list(root.glob("*/lock")) + list(root.glob("*/*/lock")):
         try:
@@ -104,8 +102,8 @@ def clear_stale_build_locks(max_age_s: float = 1800) -> None:
 
 def shm_buffer_path(rank: int) -> str:
     """Where DeepSpeed's CPU shared-memory allreduce keeps this rank's 64 MiB workspace."""
-    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    addr, port = env.master()
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 def _unlink_shm_buffer(ctx: DistContext) -> None:
@@ -155,22 +153,3 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def data_parallel_rank(engine) -> int:
-    """This rank's index among data-parallel replicas (tensor/pipeline peers share one)."""
-    if engine.mpu is not None:
-        return engine.mpu.get_data_parallel_rank()
-    from deepspeed.utils import groups
-    return groups._get_data_parallel_rank()
-
-
-def tensor_parallel_groups(layout):
-    """DeepSpeed's process-group registry with tensor-parallel groups made, for AutoTP runs (else None).
-
-    Passed to deepspeed.initialize as `mpu` so its batch arithmetic counts data-parallel replicas, not ranks."""
-    if layout.tensor_parallel <= 1:
-        return None
-    from deepspeed.utils import groups
-    groups._init_tp_mesh_device(tensor_model_parallel_size=layout.tensor_parallel)
-    return groups

@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import REPO_ROOT, Recipe, find_file, merge
 from .errors import UserError, closest
+from .layout import Layout
 
 DS_CONFIGS_DIR = REPO_ROOT / "ds_configs"
 
@@ -42,8 +43,10 @@ def _section_models() -> dict[str, Any]:
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
     return {
         "zero_optimization": DeepSpeedZeroConfig,
         "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
@@ -116,32 +119,11 @@ class DeviceCaps:
     fp16: bool = False
 
     @classmethod
-    def detect(cls) -> "DeviceCaps":
+    def detect(cls) -> DeviceCaps:
         from deepspeed.accelerator import get_accelerator
 
         acc = get_accelerator()
         return cls(name=acc.device_name(), bf16=bool(acc.is_bf16_supported()), fp16=bool(acc.is_fp16_supported()))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the world is split: data-parallel x pipeline stages x tensor-parallel."""
-    world_size: int
-    pipeline_stages: int = 1
-    tensor_parallel: int = 1
-
-    @property
-    def data_parallel(self) -> int:
-        return self.world_size // (self.pipeline_stages * self.tensor_parallel)
-
-
-def layout_of(cfg: dict, world_size: int) -> Layout:
-    stages = int((cfg.get("pipeline") or {}).get("stages", 1) or 1)
-    tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-    if world_size % (stages * tp):
-        raise UserError(f"world size {world_size} is not divisible by pipeline stages ({stages}) x "
-                        f"tensor-parallel size ({tp}); launch a multiple of {stages * tp} ranks")
-    return Layout(world_size, stages, tp)
 
 
 def _is_auto(value: Any) -> bool:
@@ -256,7 +238,7 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
     cfg = copy.deepcopy(raw)
     validate_keys(cfg)
     train = recipe.train
-    layout = layout_of(cfg, world_size)
+    layout = Layout.from_ds_config(cfg, world_size)
     from .pipeline import check_combination
     check_combination(cfg)
     from . import compression

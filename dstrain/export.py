@@ -1,5 +1,114 @@
 """`python -m dstrain.export RUN_DIR|CHECKPOINT [--out DIR]`: a Hugging Face model from any checkpoint."""
-from .checkpoint import export_main
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import COMPLETE, CONSOLIDATED, PIPELINE_NAMES, complete_checkpoints
+from .errors import EXIT_USER_ERROR, UserError
+
+
+def export_dtype(ds_cfg: dict) -> torch.dtype:
+    """Export in the precision the engine computed in, so the exported logits are the engine's."""
+    from .ds_config import precision
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision(ds_cfg), torch.float32)
+
+
+def _pipeline_state_dict(ckpt: Path, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    from .pipeline import strip_wrapper
+
+    state = {}
+    for index, prefix in names.items():
+        files = sorted(ckpt.glob(f"layer_{int(index):02d}-*model_states.pt"))
+        if not files:
+            raise UserError(f"{ckpt} lacks pipeline layer {index}; the checkpoint is incomplete")
+        layer = torch.load(files[0], map_location="cpu", weights_only=False)
+        for key, value in layer.items():
+            state[prefix + strip_wrapper(key)] = value
+    return state
+
+
+def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
+    stage), or for pipeline checkpoints the per-layer module states (the engine's own weights)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if (ckpt / CONSOLIDATED).exists():
+        return torch.load(ckpt / CONSOLIDATED, map_location="cpu", weights_only=False)
+    names_file = ckpt.parent.parent / "model_config" / PIPELINE_NAMES
+    if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
+        return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
+    if list(ckpt.glob("*optim_states.pt")):
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights
+    states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return {k: v.float() for k, v in states["module"].items()}
+
+
+def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a Hugging Face model directory (safetensors) from a checkpoint; replaces out_dir atomically."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # called after training: build a plain model, not a ZeRO-3-partitioned one
+    model_files = ckpt.parent.parent / "model_config"
+    if not (ckpt / COMPLETE).exists():
+        raise UserError(f"{ckpt} is not a complete checkpoint; pass a checkpoints/step_* directory")
+    if not model_files.is_dir():
+        raise UserError(f"{model_files} is missing; export needs the run directory written by train.py")
+    config = AutoConfig.from_pretrained(model_files)
+    state = consolidated_state_dict(ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {still_meta}, "
+                           f"unexpected {unexpected}")
+    model.to(dtype)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(model_files).save_pretrained(tmp)
+    if (model_files / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(model_files).save_pretrained(tmp)
+    old = out_dir.with_name(f".old-{out_dir.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dstrain.export",
+                                     description="Export a checkpoint to a Hugging Face model directory.")
+    parser.add_argument("checkpoint", type=Path, help="a run dir (newest complete checkpoint) or checkpoints/step_*")
+    parser.add_argument("--out", type=Path, default=None, help="output dir (default: <run dir>/hf)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    args = parser.parse_args(argv)
+    try:
+        ckpt = args.checkpoint
+        if not (ckpt / COMPLETE).exists():
+            found = complete_checkpoints(ckpt / "checkpoints") or complete_checkpoints(ckpt)
+            if not found:
+                raise UserError(f"no complete checkpoint in {ckpt}")
+            ckpt = found[-1]
+        out = args.out or ckpt.parent.parent / "hf"
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        print(f"exported {ckpt} -> {export_hf(ckpt, out, dtype)}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
 
 if __name__ == "__main__":
-    export_main()
+    main()

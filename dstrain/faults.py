@@ -19,7 +19,9 @@ import os
 import signal
 import time
 
-_SPEC = os.environ.get("DSTRAIN_FAULT", "")
+from . import env
+
+_SPEC = env.fault_spec()
 
 
 def _parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:

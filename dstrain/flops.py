@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ds_internals import engine_config
+
 # Dense (no sparsity) bf16 = fp16 tensor peak per device, FLOP/s, from the vendors' data sheets.
 # Matched as substrings of the device name, longest first ("H100 PCIe" before "H100", "A100" before "A10").
 GPU_PEAK_BF16 = {
@@ -99,7 +101,7 @@ def profile_one_step(engine, wall_clock_breakdown: bool = False) -> None:
     the profiled step, turn both back to what the config asked so the rest of the run is as fast and quiet."""
     from deepspeed.runtime.engine import EngineTimers
 
-    config, step = engine._config, engine.step
+    config, step = engine_config(engine), engine.step
 
     def step_then_maybe_stop(*args, **kwargs):
         result = step(*args, **kwargs)

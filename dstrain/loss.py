@@ -98,6 +98,19 @@ def check(model: torch.nn.Module) -> str | None:
     return None
 
 
+def check_precision(chunk_tokens: int, precision: str) -> None:
+    if precision == "fp16":  # the gradients are formed in forward, before fp16 loss scaling could protect them
+        raise UserError(f"train.loss_chunk_tokens={chunk_tokens} needs bf16 or fp32, not fp16 (its gradients would "
+                        f"underflow unscaled); use train.precision=bf16 or set train.loss_chunk_tokens=0")
+
+
+def check_model(model: torch.nn.Module, chunk_tokens: int) -> None:
+    why = check(model)
+    if why:
+        raise UserError(f"train.loss_chunk_tokens={chunk_tokens} cannot be used with {type(model).__name__}: "
+                        f"{why}; set train.loss_chunk_tokens=0")
+
+
 def label_positions_of(labels: torch.Tensor) -> torch.Tensor:
     """Flat indices of the next-token targets that carry a loss (computed where `labels` lives)."""
     return (labels[:, 1:] != IGNORE_INDEX).reshape(-1).nonzero().squeeze(1)
@@ -105,13 +118,8 @@ def label_positions_of(labels: torch.Tensor) -> torch.Tensor:
 
 def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
     """Route `model(..., sum_loss_labels=labels)` through the fused, chunked head + loss."""
-    why = check(model)
-    if precision == "fp16":  # the gradients are formed in forward, before fp16 loss scaling could protect them
-        raise UserError(f"train.loss_chunk_tokens={chunk_tokens} needs bf16 or fp32, not fp16 (its gradients would "
-                        f"underflow unscaled); use train.precision=bf16 or set train.loss_chunk_tokens=0")
-    if why:
-        raise UserError(f"train.loss_chunk_tokens={chunk_tokens} cannot be used with {type(model).__name__}: "
-                        f"{why}; set train.loss_chunk_tokens=0")
+    check_precision(chunk_tokens, precision)
+    check_model(model, chunk_tokens)
     head, base = model.get_output_embeddings(), model.base_model
     head.forward = types.MethodType(_head_forward, head)
     original = model.forward

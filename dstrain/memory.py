@@ -26,13 +26,12 @@ from __future__ import annotations
 import json
 import os
 import resource
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from .errors import UserError
+from .layout import Layout
 
 GiB = 1024 ** 3
 BACKWARD = ("activations", "buffers")        # alive during forward/backward only
@@ -64,8 +63,8 @@ class Estimate:
 
 
 def _dims(config) -> tuple[int, int, int, int]:
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     return hidden, layers, ffn, config.vocab_size
 
@@ -170,7 +169,7 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     parameters = count_parameters(config)
     h = hidden_size(config)
     resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h)
-    layout = ds_config.layout_of(resolved, world_size)
+    layout = Layout.from_ds_config(resolved, world_size)
     capacity, capacity_name = device_memory(caps.name, ranks_per_node)
     est = estimate(config, parameters, recipe, resolved, layout)
     text = report(est, recipe, ds_name, layout, capacity, capacity_name)
@@ -180,7 +179,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         for checkpointing in (recipe.train.activation_checkpointing, True):
             trial = _with(recipe, checkpointing)
             cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps, h)
-            if estimate(config, parameters, trial, cfg, ds_config.layout_of(cfg, world_size)).device_total <= capacity:
+            trial_layout = Layout.from_ds_config(cfg, world_size)
+            if estimate(config, parameters, trial, cfg, trial_layout).device_total <= capacity:
                 fix = candidate + (" with --train.activation_checkpointing=true" if checkpointing and
                                    not recipe.train.activation_checkpointing else "")
                 return False, text + f"\ndoes not fit; {fix} would (or lower train.micro_batch_size)"
@@ -211,7 +211,7 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def write_measurement(path: Path, baseline: int, extra: Optional[dict] = None) -> None:
+def write_measurement(path: Path, baseline: int, extra: dict | None = None) -> None:
     peak = peak_bytes()
     record = {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline,
               "device": "cuda" if torch.cuda.is_available() else "cpu", **(extra or {})}

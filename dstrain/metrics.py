@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
 
+from . import env
 from .config import LogConfig
 from .dist import DistContext
 
@@ -49,7 +48,7 @@ class Metrics:
         id_file = self.run_dir / "wandb_id"
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex[:12])
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode = "online" if env.wandb_online() else "offline"
         self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.run_name or self.run_dir.name,
                                 id=id_file.read_text().strip(), resume="allow", dir=str(self.run_dir),
                                 config=resolved_config, mode=mode)
@@ -59,8 +58,8 @@ class Metrics:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: Optional[float], tokens: int,
-             seconds: float, comm_bytes: Optional[float] = None) -> None:
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
+             seconds: float, comm_bytes: float | None = None) -> None:
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
@@ -96,8 +95,8 @@ class Metrics:
             self.bar.close()
         if len(self.rates) > 1:  # the first step of a run carries warm-up costs
             median = statistics.median(self.rates[1:])
-            self.message(f"median {median:,.0f} tokens/s" + (f", MFU {median * self.flops_per_token / self.peak_flops:.1%}"
-                                                             if self.peak_flops else ""))
+            mfu = f", MFU {median * self.flops_per_token / self.peak_flops:.1%}" if self.peak_flops else ""
+            self.message(f"median {median:,.0f} tokens/s{mfu}")
         self.file.close()
         if self.cfg.plot:
             plot_losses(self.path, self.run_dir / "loss.png")

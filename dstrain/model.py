@@ -26,7 +26,7 @@ def _unreachable(name: str, error: Exception) -> UserError:
 
 
 def load_config(cfg: ModelConfig, seq_len: int):
-    from transformers import AutoConfig, MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     location = local_or_hub(cfg.name_or_path)
     try:

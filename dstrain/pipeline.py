@@ -10,7 +10,7 @@ attend to the padding after them, and padding carries no label. Tied input/outpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ class Existing(nn.Module):
 class DecoderPipe(nn.Module):
     """One decoder layer, taking and returning hidden states only."""
 
-    def __init__(self, layer: nn.Module, config: Any, rotary: Optional[nn.Module] = None):
+    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None = None):
         super().__init__()
         self.layer = layer
         self.config = config
@@ -99,7 +99,7 @@ def _specs(model: nn.Module) -> tuple[list, dict[int, str]]:
     tied = bool(getattr(config, "tie_word_embeddings", False))
     specs, names = [], {}
 
-    def add(spec, prefix: Optional[str]):
+    def add(spec, prefix: str | None):
         if prefix is not None:
             names[len(specs)] = prefix
         specs.append(spec)

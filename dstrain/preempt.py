@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Optional
 
 import psutil
 
 from .dist import DistContext, all_reduce_sum
+from .errors import EXIT_STOPPED
 
-EXIT_CODE = 75
+EXIT_CODE = EXIT_STOPPED
 STOP_FILE = "STOP"
 
 
@@ -28,8 +28,8 @@ class StopRequest:
     def __init__(self, run_dir: Path, ctx: DistContext):
         self.path = run_dir / STOP_FILE
         self.ctx = ctx
-        self.reason: Optional[str] = None
-        self.stopped_at: Optional[int] = None
+        self.reason: str | None = None
+        self.stopped_at: int | None = None
         started = psutil.Process().create_time()
         if ctx.is_main and self.path.exists() and self.path.stat().st_mtime < started:
             self.path.unlink()  # left from an earlier run that finished before it saw the file

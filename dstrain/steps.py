@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .data import IGNORE_INDEX
 from .dist import all_reduce_sum
+from .layout import Layout
 
 
 def label_count(batch: dict[str, torch.Tensor]) -> int:
@@ -43,22 +44,16 @@ def to_device(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
 
 
-def _is_pipeline(engine) -> bool:
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    return isinstance(engine, PipelineEngine)
-
-
 def _pipe_items(batches: list[dict[str, torch.Tensor]]):
     return iter([(b["input_ids"], b["labels"]) for b in batches])
 
 
-def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], dp_size: int, train: bool) -> tuple[float, int]:
+def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, train: bool) -> tuple[float, int]:
     """The pipeline engine runs the whole schedule itself; the loss function carries the token scaling.
     Stages of one replica see the same batches, so counts are summed over the world and divided by stages."""
-    world = torch.distributed.get_world_size()
     (counted,) = all_reduce_sum([sum(label_count(b) for b in batches)], engine.device)
-    global_tokens = max(counted / (world // dp_size), 1.0)
-    engine.module.loss_fn.scale = len(batches) * dp_size / global_tokens
+    global_tokens = max(counted / layout.samples_shared_by, 1.0)
+    engine.module.loss_fn.scale = len(batches) * layout.data_parallel / global_tokens
     if train:
         loss = engine.train_batch(data_iter=_pipe_items(batches))
     else:
@@ -66,16 +61,15 @@ def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], dp_size: int, tra
     return float(loss), int(global_tokens)
 
 
-def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], dp_size: int) -> tuple[float, int]:
+def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout) -> tuple[float, int]:
     """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, label tokens)."""
-    if _is_pipeline(engine):
-        return _pipe_step(engine, micro_batches, dp_size, train=True)
+    if layout.is_pipeline:
+        return _pipe_step(engine, micro_batches, layout, train=True)
     device = engine.device
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    replicas = world // dp_size  # tensor-parallel peers see the same samples; count them once
+    replicas = layout.samples_shared_by  # tensor-parallel peers see the same samples; count them once
     (counted,) = all_reduce_sum([sum(label_count(b) for b in micro_batches)], device)  # CPU counts: no GPU wait
     global_tokens = max(counted / replicas, 1.0)
-    scale = len(micro_batches) * dp_size / global_tokens
+    scale = len(micro_batches) * layout.data_parallel / global_tokens
     local_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per micro-batch
     for batch in micro_batches:
         batch = to_device(engine, batch)  # pinned on GPUs (TrainStream)
@@ -89,12 +83,12 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], dp_size: in
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[dict[str, torch.Tensor]], dp_size: int) -> float:
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], layout: Layout) -> float:
     """Mean next-token loss over all ranks' validation batches."""
-    if _is_pipeline(engine):
+    if layout.is_pipeline:
         size = batches[0]["input_ids"].shape[0] if batches else 0
         full = [b for b in batches if b["input_ids"].shape[0] == size]  # the pipe schedule needs fixed shapes
-        return _pipe_step(engine, full, dp_size, train=False)[0]
+        return _pipe_step(engine, full, layout, train=False)[0]
     was_training = engine.module.training
     engine.eval()
     local_sum, local_count = 0.0, 0

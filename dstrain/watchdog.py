@@ -25,14 +25,16 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 import psutil
 
+from . import env
 from .config import FaultConfig
 from .dist import DistContext, looks_like_comm_failure
+from .errors import EXIT_FAILED
 
-EXIT_CODE = 1  # a peer died or the run stalled: worth retrying (launch/ scripts do)
+EXIT_CODE = EXIT_FAILED  # a peer died or the run stalled: worth retrying (launch/ scripts do)
 
 
 def _machine_identity() -> str:
@@ -56,21 +58,21 @@ class Watchdog:
         self.cfg, self.ctx = cfg, ctx
         self.stacks_dir = run_dir / "stacks"
         self.host = socket.gethostname()
-        self.prefix = f"dstrain/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun's store outlives restarts
+        self.prefix = f"dstrain/{env.restart_count()}"  # torchrun's store outlives restarts
         self.store = None
         self._stop = threading.Event()
         self._exiting = threading.Lock()
         self._lock = threading.RLock()  # one TCPStore client, used by the main thread and the watchdog thread
         self._armed = False
         self._last_progress = time.monotonic()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ main-thread API
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.ctx.world_size > 1:
             import torch.distributed as dist
 
-            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            self.store = dist.TCPStore(env.master()[0], int(env.master()[1]), is_master=False,
                                        timeout=timedelta(seconds=max(self.cfg.heartbeat_interval, 5.0)),
                                        wait_for_workers=False)
             self.store.set(self._key("proc", self.ctx.rank), f"{self.host}\t{_machine_identity()}\t{os.getpid()}")
@@ -156,8 +158,8 @@ class Watchdog:
         interval = self.cfg.heartbeat_interval
         beats, store_ok = 0, time.monotonic()
         peer = (self.ctx.rank + 1) % self.ctx.world_size
-        peer_info: Optional[list[str]] = None
-        rank0_info: Optional[list[str]] = None
+        peer_info: list[str] | None = None
+        rank0_info: list[str] | None = None
         peer_beat, peer_seen = None, time.monotonic()
         while not self._stop.wait(interval):
             now = time.monotonic()
@@ -198,8 +200,8 @@ class Watchdog:
                 if rank0_info is not None and rank0_info[1] == _machine_identity() and not _alive(int(rank0_info[2])):
                     self._exit(f"rank 0 on {rank0_info[0]} (pid {rank0_info[2]}) died", EXIT_CODE)
                 if now - store_ok > self.cfg.peer_timeout - interval:
-                    self._exit(f"lost the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
-                               f"{os.environ.get('MASTER_PORT')} for {now - store_ok:.0f} s: rank 0 (which hosts it) "
+                    self._exit(f"lost the rendezvous store at {env.master()[0]}:"
+                               f"{env.master()[1]} for {now - store_ok:.0f} s: rank 0 (which hosts it) "
                                f"or its node is gone ({_one_line(error)})", EXIT_CODE)
 
 

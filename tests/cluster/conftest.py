@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port
+from tests.helpers import free_port
 
 
 def need(*programs: str) -> None:

@@ -7,11 +7,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
-
 from conftest import need
-from helpers import ROOT
+
+from tests.helpers import ROOT
 
 BASE = "localhost/dstrain-test-base:bookworm"
 IMAGE = "localhost/dstrain-test:latest"

@@ -2,13 +2,12 @@
 in the per-node --no_ssh mode; per-step losses must equal the single-node 2-rank run's."""
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, env, free_port, launch, metrics
+from tests.helpers import ROOT, env, free_port, launch, metrics
 
 ARGS = ["--train.max_steps=6", "--train.warmup_steps=2", "--train.micro_batch_size=4", "--train.grad_accum_steps=2",
         "--train.seq_len=64", "--eval.max_batches=2", "--log.wandb=false", "--log.progress_bar=false",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, env, launch, metrics
+from tests.helpers import ROOT, env, launch, metrics
 
 ARGS = ["--train.warmup_steps=2", "--train.micro_batch_size=4", "--train.grad_accum_steps=2",
         "--train.seq_len=64", "--eval.max_batches=2", "--eval.every=0", "--log.wandb=false",

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from helpers import ROOT
+from tests.helpers import ROOT
 
 
 def test_chunked_loss_bench_same_losses_less_memory(tmp_path):

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from helpers import ROOT
+from tests.helpers import ROOT
 
 
 def test_speed_bench_runs_both_sides_on_the_same_job(tmp_path):

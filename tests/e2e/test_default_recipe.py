@@ -5,7 +5,7 @@ import json
 import pytest
 from PIL import Image
 
-from helpers import launch, metrics
+from tests.helpers import launch, metrics
 
 
 def test_default_recipe_learns_and_reports(tmp_path, cache):

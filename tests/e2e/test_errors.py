@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, launch
+from tests.helpers import launch
 
 QUICK = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.micro_batch_size=2", "--train.seq_len=32",
          "--eval.max_batches=1", "--log.wandb=false", "--log.progress_bar=false"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, env, free_port, launch, metrics
+from tests.helpers import ROOT, env, free_port, launch, metrics
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
@@ -95,7 +95,7 @@ def test_kill9_of_a_rank_is_retried_by_launch_script_and_matches_uninterrupted(t
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-5000:]
     assert "restart 1 of 2" in err and "restart 2" not in err
-    assert f"died" in err, err[-5000:]  # the surviving rank named the dead one before it left
+    assert "died" in err, err[-5000:]  # the surviving rank named the dead one before it left
     resumed = [line for line in err.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "step_000000" in resumed[0]
     got, want = losses(run), losses(uninterrupted)

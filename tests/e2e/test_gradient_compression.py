@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import launch, metrics
+from tests.helpers import launch, metrics
 
 STEPS, WARMUP, STOP = 30, 10, 16
 ARGS = [f"--train.max_steps={STEPS}", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",

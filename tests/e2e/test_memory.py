@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from helpers import launch
+from tests.helpers import launch
 
 # Measured / estimated (23.5M params, fp32, micro 4 x 128 tokens, glibc mmap threshold fixed as the
 # Makefile sets it): ZeRO-0 0.92, ZeRO-1 0.87, ZeRO-2 0.94, ZeRO-3 1.24. ZeRO-3 holds ~90 MiB more than the

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-
-from helpers import assert_resume_exact, launch, metrics
 from test_vs_reference import STEPS, run_and_compare
+
+from tests.helpers import assert_resume_exact, launch, metrics
 
 
 def exported_eval_loss(run_dir, rows_used):

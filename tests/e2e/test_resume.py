@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from helpers import launch, metrics
+from tests.helpers import launch, metrics
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=4",
@@ -69,7 +69,7 @@ def test_sigterm_to_one_rank_checkpoints_exits_75_and_resumes_exactly(tmp_path, 
 
     import psutil
 
-    from helpers import BIN, ROOT, env, free_port
+    from tests.helpers import BIN, ROOT, env, free_port
 
     steps = 100  # long enough that the signal lands mid-run (a step takes tens of ms)
     args = ARGS + [f"--model.name_or_path={tiny_llama}", f"--train.max_steps={steps}", "--eval.every=0",

@@ -2,10 +2,10 @@
 with ZeRO 0/1/2 beside it, exports a model that reproduces its eval loss, and resumes exactly."""
 import pytest
 import torch
-
-from helpers import assert_resume_exact, metrics
 from test_pipeline import exported_eval_loss
 from test_vs_reference import STEPS, run_and_compare
+
+from tests.helpers import assert_resume_exact, metrics
 
 
 @pytest.mark.parametrize("zero_stage", [1, 0, 2])

@@ -10,7 +10,7 @@ shows a 1% lr change alone exceeds RTOL.
 """
 import pytest
 
-from helpers import launch, metrics, reference_losses
+from tests.helpers import launch, metrics, reference_losses
 
 STEPS, LR, WARMUP, MIN_LR = 8, 3e-3, 2, 0.1
 RTOL = 2e-6
@@ -112,7 +112,8 @@ def test_export_round_trip(tmp_path, cache, tiny_llama):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from helpers import ROOT, metrics as read_metrics
+    from tests.helpers import ROOT
+    from tests.helpers import metrics as read_metrics
     run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "zero3.json", extra=["--eval.max_batches=4"])
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "hf")
@@ -147,6 +148,7 @@ def test_compiled_model_matches_reference_and_exports(tmp_path, cache, tiny_llam
     plain loop's losses either way (the thread's own forward/backward must not touch DeepSpeed's gradients),
     inductor really generated kernels, and the export has the uncompiled model's names."""
     import re
+
     import torch
     from transformers import AutoModelForCausalLM
 

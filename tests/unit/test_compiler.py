@@ -40,6 +40,7 @@ def inductor_dir(tmp_path, monkeypatch):
 
 def test_background_compile_switches_at_a_step_boundary_and_matches_eager(inductor_dir):
     from torch._dynamo.utils import counters
+
     from dstrain.compiler import RegionalCompile, blocks_of
 
     eager, model = _model(), _model()

@@ -207,9 +207,11 @@ def test_zeropp_on_cpu_is_refused_before_anything_starts():
 def test_checkpointed_state_on_the_same_and_on_another_world(tmp_path):
     """Same data-parallel world: this rank's residuals and the factors come back. Another world: the factors
     only (residuals belong to ranks that no longer exist), with a warning."""
-    from dstrain.checkpoint import Checkpointer, Resume
+    from dstrain.checkpoint import Checkpointer
+    from dstrain.components.compression import GradientCompression
     from dstrain.config import CheckpointConfig
     from dstrain.dist import DistContext
+    from dstrain.resume import Resume
 
     saved = {"method": "powersgd", "errors": {0: torch.ones(2, 2)}, "factors": {0: torch.full((2, 1), 3.0)}}
     torch.save(saved, tmp_path / "compression_rank0.pt")
@@ -218,8 +220,11 @@ def test_checkpointed_state_on_the_same_and_on_another_world(tmp_path):
     def restored(world: int, rank: int, manifest_world: int) -> C.Reducer:
         reducer = C.Reducer.__new__(C.Reducer)
         reducer.config, reducer.errors, reducer.factors = C.CompressionConfig("powersgd"), {}, {}
-        ckpt = Checkpointer(tmp_path, CheckpointConfig(), DistContext(rank, rank, world), compression=reducer)
-        ckpt._load_compression(Resume(tmp_path, {"world_size": manifest_world}))
+        component = GradientCompression(reducer.config)
+        component.reducer = reducer
+        ckpt = Checkpointer(tmp_path, CheckpointConfig(), DistContext(rank, rank, world),
+                            extras={"compression": component})
+        ckpt._load_extra(Resume(tmp_path, {"world_size": manifest_world}), "compression", component)
         return reducer
 
     same = restored(2, 1, 2)

@@ -1,5 +1,4 @@
 """Recipe loading, precedence, overrides and validation messages; every shipped recipe loads."""
-from pathlib import Path
 
 import pytest
 import yaml

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dstrain import data
-from dstrain.config import DataConfig
+from dstrain.config import DataConfig, ModelConfig
 from dstrain.errors import UserError
+from dstrain.layout import Layout
 from dstrain.model import load_tokenizer
-from dstrain.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_packing_has_no_padding_and_separates_documents_with_eos(tok):
 
 
 def _trained_text(example, tok):
-    ids = [i for i, l in zip(example["input_ids"], example["labels"]) if l != data.IGNORE_INDEX]
+    ids = [i for i, label in zip(example["input_ids"], example["labels"]) if label != data.IGNORE_INDEX]
     return tok.decode(ids)
 
 
@@ -68,15 +68,13 @@ def test_truncated_away_reply_is_dropped(tok):
 
 
 def _stream(n, micro, accum, dp, seed=0):
-    ds = torch.utils.data.TensorDataset(torch.arange(n))
-
     class Indexable:
         def __len__(self):
             return n
 
         def __getitem__(self, idx):
             return {"input_ids": torch.tensor(idx).view(-1, 1)}
-    return [data.TrainStream(Indexable(), micro, accum, r, dp, seed) for r in range(dp)]
+    return [data.TrainStream(Indexable(), micro, accum, Layout(dp, rank=r), seed) for r in range(dp)]
 
 
 def test_ranks_split_each_global_batch_into_distinct_samples():
@@ -113,7 +111,7 @@ def test_eval_batches_equal_count_per_rank_and_disjoint():
 
         def __getitem__(self, idx):
             return {"input_ids": ds["input_ids"][idx]}
-    shards = [data.eval_batches(Indexable(), 4, r, 2) for r in range(2)]
+    shards = [data.eval_batches(Indexable(), 4, Layout(2, rank=r)) for r in range(2)]
     assert len(shards[0]) == len(shards[1]) == 3
     ids = [set(int(x) for b in s for x in b["input_ids"].flatten()) for s in shards]
     assert not ids[0] & ids[1] and len(ids[0] | ids[1]) == 22

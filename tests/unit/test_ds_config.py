@@ -7,6 +7,7 @@ import pytest
 from dstrain import ds_config as dsc
 from dstrain.config import RECIPES_DIR, load_recipe, parse_overrides
 from dstrain.errors import UserError
+from dstrain.layout import Layout
 
 CPU = dsc.DeviceCaps("cpu", bf16=True, fp16=False)
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
@@ -51,7 +52,7 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     r = recipe("--train.grad_accum_steps=3")
     cfg = dsc.resolve(raw, r, world_size=4, caps=GPU, hidden_size=128)
     assert dsc._find_auto(cfg) is None
-    dp = dsc.layout_of(cfg, 4).data_parallel
+    dp = Layout.from_ds_config(cfg, 4).data_parallel
     assert dp == (2 if ("pipe2" in name or "tp2" in name) else 4)
     parsed = deepspeed_accepts(cfg, dp)
     assert parsed.train_batch_size == 8 * 3 * dp

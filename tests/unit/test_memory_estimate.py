@@ -1,8 +1,10 @@
 """Preflight arithmetic on an 8B-shaped Llama (built on the meta device, nothing downloaded)."""
 import pytest
 
-from dstrain import ds_config as dsc, memory
+from dstrain import ds_config as dsc
+from dstrain import memory
 from dstrain.config import load_recipe, parse_overrides
+from dstrain.layout import Layout
 
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
 GiB = 1024 ** 3
@@ -31,7 +33,7 @@ def test_zero_paper_model_states(llama8b):
     per = {}
     for stage in (1, 2, 3):
         cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU, hidden_size=4096)
-        est = memory.estimate(config, psi, r, cfg, dsc.layout_of(cfg, 32))
+        est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32))
         per[stage] = (est.device["parameters"] + est.device["gradients"] + est.device["optimizer_states"]) / psi
     # the persistent model states are the ZeRO paper's, bf16 + Adam, N=32: 4 + 12/N, 2 + 14/N, 16/N
     assert per[1] == pytest.approx(4 + 12 / 32, rel=1e-3)
@@ -54,7 +56,7 @@ def test_activation_checkpointing_shrinks_activations(llama8b):
     config = AutoConfig.from_pretrained(llama8b)
     r = recipe(llama8b, "--train.loss_chunk_tokens=0")  # full logits (the recipe chunks them)
     cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
-    est = memory.estimate(config, 8_030_261_248, r, cfg, dsc.layout_of(cfg, 32))
+    est = memory.estimate(config, 8_030_261_248, r, cfg, Layout.from_ds_config(cfg, 32))
     # 2 x 4096 tokens, 32 layers of 8h+4f = 90112 bf16 elements per token, logits 128256 x 14 bytes
     tokens = 2 * 4096
     assert est.activations_full == 32 * tokens * 90112 * 2 + tokens * 128256 * 14 + tokens * 4096 * 2
@@ -70,7 +72,7 @@ def test_chunked_loss_replaces_the_logits_term(llama8b):
     for chunk in (0, 1024):
         r = recipe(llama8b, f"--train.loss_chunk_tokens={chunk}")
         cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
-        ests.append(memory.estimate(config, 8_030_261_248, r, cfg, dsc.layout_of(cfg, 32)))
+        ests.append(memory.estimate(config, 8_030_261_248, r, cfg, Layout.from_ds_config(cfg, 32)))
     tokens, vocab = 2 * 4096, 128256
     chunked_head = 1024 * vocab * (2 + 4 + 2) + (tokens + vocab) * 4096 * 2
     assert ests[0].activations_full - ests[1].activations_full == tokens * vocab * 14 - chunked_head

@@ -1,6 +1,5 @@
 """Pipeline conversion errors that need no process group."""
 import pytest
-import torch
 
 from dstrain import pipeline
 from dstrain.errors import UserError
@@ -45,6 +44,7 @@ def test_zero2_with_pipeline_rejected():
 
 def test_tensor_parallel_size_must_divide_heads():
     from transformers import LlamaConfig
+
     from dstrain.model import check_tensor_parallel
     config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2)
     check_tensor_parallel(config, 2)

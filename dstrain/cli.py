@@ -1,0 +1,84 @@
+"""Command-line arguments and recipe loading, shared by train.py and the cluster check; the process's exit."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from . import env
+from .config import DEFAULT_RECIPE, RECIPES_DIR, Recipe, load_recipe, parse_overrides, resolve_recipe_path
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
+
+DESCRIPTION = "Train a Hugging Face causal LM with DeepSpeed."
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    parser = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False,
+                                     epilog="Any recipe key can be overridden: --train.max_steps=20 "
+                                            "--model.name_or_path=/path/to/model; any DeepSpeed key with "
+                                            "--ds.: --ds.zero_optimization.stage=3")
+    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="YAML in recipes/ or a path")
+    parser.add_argument("--ds_config", default=None, help="JSON in ds_configs/ or a path (default: the recipe's)")
+    parser.add_argument("--output_dir", default=None, help="run directory (default: runs/<recipe name>)")
+    parser.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), never, or a path")
+    parser.add_argument("--preflight", action="store_true",
+                        help="estimate per-rank memory for this recipe, config and --world_size, then exit")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="with --preflight: ranks of the real run (default: WORLD_SIZE, the recipe's, or 1)")
+    parser.add_argument("--ranks_per_node", type=int, default=None,
+                        help="with --preflight: ranks sharing one node's GPUs or RAM (default: all on one node)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    args, rest = parser.parse_known_args(argv)
+    return args, parse_overrides(rest)
+
+
+def default_run_dir(recipe_arg: str) -> Path:
+    path = resolve_recipe_path(recipe_arg).resolve()
+    name = path.relative_to(RECIPES_DIR).with_suffix("") if path.is_relative_to(RECIPES_DIR) else Path(path.stem)
+    return Path("runs") / str(name).replace(os.sep, "-")
+
+
+def run_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe)
+
+
+def prepare_run_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to output_dir {path}: {e.strerror}; choose a writable --output_dir") from None
+    return path
+
+
+def load_inputs(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe, dict]:
+    """(arguments, recipe with its DeepSpeed config chosen, --ds.* overrides)."""
+    args, overrides = parse_args(argv)
+    ds_overrides = overrides.pop("ds", {})  # --ds.zero_optimization.stage=3 edits the DeepSpeed JSON
+    recipe: Recipe = load_recipe(args.recipe, overrides)
+    recipe.ds_config = args.ds_config or env.accelerate_ds_config() or recipe.ds_config
+    return args, recipe, ds_overrides
+
+
+def exit_with(main: Callable[[], int]) -> NoReturn:
+    """Run main and end the process with its exit code: a UserError is one line (said once, by rank 0) and
+    EXIT_USER_ERROR; a rank with a process group leaves through dist.leave (see there for why)."""
+    try:
+        code = main()
+    except UserError as error:
+        if env.rank() == 0:  # every rank hits the same input error; say it once
+            print(f"error: {error}", file=sys.stderr)
+        code = EXIT_USER_ERROR
+    except SystemExit as stop:  # preflight's verdict, argparse, or a stop decided inside the run
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+        code = stop.code if isinstance(stop.code, int) else (EXIT_OK if stop.code is None else EXIT_FAILED)
+    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        from . import dist
+        dist.leave(code)
+    sys.exit(code)

@@ -1,0 +1,81 @@
+"""Optional features, all the same shape, so train() needs no feature-specific branch.
+
+A component is built from the recipe and the raw DeepSpeed JSON when it is turned on, and offers hooks that
+train() calls in order for every component:
+  validate(setup)            every check, in one pass before anything is built, converted or written:
+                             raises UserError naming the conflict and the fix
+  configure(ds_cfg, setup)   edits to the resolved DeepSpeed config before the engine exists
+  convert(model, setup)      the model before deepspeed.initialize (returns the model to train)
+  attach(engine, setup)      after the engine exists
+  after_step(step, say)      at each step boundary
+A component with per-rank state for checkpoints sets `stateful = True` and offers
+state_dict() / load_state_dict(state, same_world); the checkpointer takes a dict of them by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import Recipe
+from ..dist import DistContext
+from ..layout import Layout
+
+
+@dataclass
+class Setup:
+    """What the components see: everything resolved, nothing built."""
+    recipe: Recipe
+    layout: Layout
+    ds_cfg: dict  # the resolved DeepSpeed config (components may edit it in configure)
+    precision: str  # fp32, bf16 or fp16
+    model_config: Any  # the Hugging Face config of the model to train
+    run_dir: Path
+    ctx: DistContext
+    log: Callable[[str], None]
+
+
+class Component:
+    name = "component"
+    stateful = False
+
+    def validate(self, setup: Setup) -> None:
+        pass
+
+    def configure(self, ds_cfg: dict, setup: Setup) -> None:
+        pass
+
+    def convert(self, model, setup: Setup):
+        return model
+
+    def attach(self, engine, setup: Setup) -> None:
+        pass
+
+    def after_step(self, step: int, say: Callable[[str], None]) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict, same_world: bool) -> None:
+        raise NotImplementedError
+
+
+def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
+    """The components this recipe and DeepSpeed JSON turn on, in the order their hooks run."""
+    from . import chunked_loss, compile, compression, flops_profile, pipeline
+
+    found = [pipeline.make(raw_ds), chunked_loss.make(recipe), compression.make(raw_ds),
+             flops_profile.make(recipe), compile.make(recipe)]
+    return [c for c in found if c is not None]
+
+
+def validate_all(components: list[Component], setup: Setup) -> None:
+    for component in components:
+        component.validate(setup)
+
+
+def stateful(components: list[Component]) -> dict[str, Component]:
+    """The components whose state goes into checkpoints, by the name their files carry."""
+    return {c.name: c for c in components if c.stateful}

@@ -1,0 +1,27 @@
+"""Pipeline stages (the DeepSpeed JSON's pipeline.stages): the same HF modules regrouped into stages."""
+from __future__ import annotations
+
+from .. import pipeline
+from ..checkpoint import write_pipeline_names
+from . import Component, Setup
+
+
+class Pipeline(Component):
+    name = "pipeline"
+
+    def __init__(self, stages: int):
+        self.stages = stages
+
+    def validate(self, setup: Setup) -> None:
+        pipeline.check_combination(setup.ds_cfg)
+
+    def convert(self, model, setup: Setup):
+        piped = pipeline.convert(model, self.stages, setup.ds_cfg["pipeline"].get("partition_method", "parameters"),
+                                 setup.recipe.train.activation_checkpointing)
+        write_pipeline_names(setup.run_dir, piped.hf_names, setup.ctx)
+        return piped.module
+
+
+def make(raw_ds: dict) -> Pipeline | None:
+    stages = int((raw_ds.get("pipeline") or {}).get("stages", 1) or 1)
+    return Pipeline(stages) if stages > 1 else None

@@ -1,0 +1,122 @@
+"""Every use of a private (underscore or undocumented) DeepSpeed, torch or datasets API, in one place.
+
+Each function names what it reaches into; tests/unit/test_ds_internals.py checks each against the installed
+versions and fails with a sentence naming the version when an internal moved. Public APIs are used
+wherever one exists (engine.data_parallel_group for the data-parallel group, for example).
+Supported range: deepspeed 0.19.8 - 0.19.x, torch 2.4 - 2.13, datasets 5.x (requirements.txt).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def consolidated_16bit_state_dict(engine) -> dict:
+    """The full 16-bit weights, gathered: every rank must call it; rank 0 receives the dict. No public API
+    returns it (save_16bit_model writes a file instead). DeepSpeedEngine._consolidated_16bit_state_dict."""
+    return engine._consolidated_16bit_state_dict()
+
+
+def init_tensor_parallel_groups(tensor_parallel: int):
+    """DeepSpeed's process-group registry with AutoTP groups made, passed to deepspeed.initialize as `mpu` so
+    its batch arithmetic counts data-parallel replicas. deepspeed.utils.groups._init_tp_mesh_device: the
+    mesh (data_parallel, tensor_parallel), row-major, which dstrain.layout's rank formula follows."""
+    from deepspeed.utils import groups
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel)
+    return groups
+
+
+def data_parallel_rank(engine) -> int:
+    """DeepSpeed's own idea of this rank's data-parallel index (public: the engine's group)."""
+    return torch.distributed.get_rank(group=engine.data_parallel_group) if torch.distributed.is_initialized() else 0
+
+
+def check_layout(engine, layout) -> None:
+    """A bug, not a user error, when dstrain.layout's rank arithmetic and DeepSpeed's groups disagree: the
+    data would then be split differently from the gradients."""
+    theirs = data_parallel_rank(engine)
+    if theirs != layout.data_parallel_rank:
+        raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
+                           f"computed {layout.data_parallel_rank} for {layout.describe()}")
+
+
+def engine_config(engine):
+    """The parsed DeepSpeedConfig the engine runs with (flops profiler switches). DeepSpeedEngine._config."""
+    return engine._config
+
+
+def replace_zero0_allreduce(engine, average_: Callable[[list[torch.Tensor]], None]) -> None:
+    """ZeRO-0's data-parallel gradient averaging goes through engine.allreduce_and_copy(small_bucket, group)."""
+    def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):
+        average_(list(small_bucket))
+    engine.allreduce_and_copy = allreduce_and_copy
+
+
+def replace_zero1_reduction(optimizer, average_: Callable[[list[torch.Tensor]], None]) -> None:
+    """ZeRO-1's bucket reduction: DeepSpeedZeroOptimizer.gradient_reduction_w_predivide(flat, dtype), whose
+    flat bucket is laid out as ipg_buckets[dtype].params lists (indices into bit16_groups)."""
+    def gradient_reduction_w_predivide(tensor, communication_data_type):
+        average_(_zero1_bucket_views(optimizer, tensor, communication_data_type))
+        return tensor
+    optimizer.gradient_reduction_w_predivide = gradient_reduction_w_predivide
+
+
+def _zero1_bucket_views(optimizer, flat: torch.Tensor, dtype) -> list[torch.Tensor]:
+    params = []
+    large = getattr(optimizer, "extra_large_param_to_reduce", {}).get(dtype)
+    if large is not None and large.numel() == flat.numel():
+        params = [large]
+    else:
+        for group_idx, param_idx, _ in optimizer.ipg_buckets[dtype].params:
+            params.append(optimizer.bit16_groups[group_idx][param_idx])
+    if sum(p.numel() for p in params) != flat.numel():
+        raise RuntimeError(f"ZeRO-1 bucket of {flat.numel()} elements does not match its parameters")
+    views, offset = [], 0
+    for p in params:
+        views.append(flat.narrow(0, offset, p.numel()).view(p.shape))
+        offset += p.numel()
+    return views
+
+
+def comm_backend():
+    """DeepSpeed's communication backend object (deepspeed.comm.comm.cdb), which keeps its own references to
+    all_gather_into_tensor / reduce_scatter_tensor; None before init or without deepspeed."""
+    try:
+        from deepspeed.comm import comm
+        return comm.cdb
+    except Exception:
+        return None
+
+
+@contextmanager
+def universal_load_repairs(engine, universal: bool) -> Iterator[None]:
+    """Around engine.load_checkpoint of a universal checkpoint, mend two slips of DeepSpeed's ZeRO-3
+    universal loader: every param group gets group 0's hyperparameters (weight decay restored here), and one
+    `step` tensor is shared by all sub-groups, each adding 1 (cloned here)."""
+    groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
+    decays = [group.get("weight_decay") for group in groups]
+    yield
+    if not universal:
+        return
+    for group, decay in zip(groups, decays):
+        group["weight_decay"] = decay
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def inductor_cache_dir() -> Path:
+    """The folder inductor caches compiled kernels in (shared by a node's ranks). No public API names it:
+    torch._inductor.runtime.cache_dir_utils.cache_dir."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return Path(cache_dir())
+
+
+def dataset_fingerprint(dataset) -> str:
+    """The datasets library's content fingerprint of a Dataset (changes when its files or transforms do):
+    Dataset._fingerprint; no public accessor exists."""
+    return dataset._fingerprint

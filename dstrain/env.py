@@ -1,0 +1,82 @@
+"""Every environment variable dstrain reads, read here and nowhere else (README, "Environment variables").
+
+Launchers (deepspeed, torchrun, srun via launch/, accelerate) set the rank variables; users set the rest.
+Writing os.environ elsewhere is fine (dist.init fills in a world of one for plain `python train.py`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# name -> what it means; README's table is checked against this list by tests/unit/test_package.py
+DOCUMENTED = {
+    "RANK": "this process's global rank (set by the launcher; 0 when absent)",
+    "LOCAL_RANK": "this process's rank on its node (set by the launcher)",
+    "WORLD_SIZE": "number of ranks (set by the launcher; 1 when absent)",
+    "LOCAL_WORLD_SIZE": "ranks on this node (torchrun); LOCAL_SIZE is the deepspeed launcher's name for it",
+    "LOCAL_SIZE": "ranks on this node (the deepspeed launcher)",
+    "MASTER_ADDR": "address of the rendezvous store (rank 0's host)",
+    "MASTER_PORT": "port of the rendezvous store",
+    "TORCHELASTIC_RESTART_COUNT": "torchrun's restart counter: keeps the watchdog's keys apart across restarts",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE": "the DeepSpeed JSON under `accelerate launch` (when --ds_config is absent)",
+    "DSTRAIN_CACHE": "where tokenized datasets are cached (default ~/.cache/dstrain)",
+    "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/faults.py); unset in real runs",
+    "WANDB_API_KEY": "with log.wandb=true: log online; without it wandb writes offline runs into the run dir",
+    "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live (stale build locks there are cleared)",
+}
+
+
+def _get(name: str, default: str = "") -> str:
+    assert name in DOCUMENTED, f"{name} is read but not documented in dstrain/env.py"
+    return os.environ.get(name, default)
+
+
+def rank() -> int:
+    return int(_get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(_get("LOCAL_RANK", "0"))
+
+
+def world_size(default: int = 1) -> int:
+    return int(_get("WORLD_SIZE") or default)
+
+
+def launched() -> bool:
+    """True under a launcher (RANK set); False for a plain `python train.py`."""
+    return "RANK" in os.environ
+
+
+def ranks_per_node() -> int:
+    """Ranks on this node (torchrun: LOCAL_WORLD_SIZE, the deepspeed launcher: LOCAL_SIZE)."""
+    return int(_get("LOCAL_WORLD_SIZE") or _get("LOCAL_SIZE") or 1)
+
+
+def master() -> tuple[str, str]:
+    """(MASTER_ADDR, MASTER_PORT) as strings, '' where unset."""
+    return _get("MASTER_ADDR"), _get("MASTER_PORT")
+
+
+def restart_count() -> str:
+    return _get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def accelerate_ds_config() -> str | None:
+    return _get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+
+
+def cache_root() -> Path:
+    return Path(_get("DSTRAIN_CACHE") or Path.home() / ".cache" / "dstrain")
+
+
+def fault_spec() -> str:
+    return _get("DSTRAIN_FAULT")
+
+
+def wandb_online() -> bool:
+    return bool(_get("WANDB_API_KEY"))
+
+
+def torch_extensions_dir() -> Path:
+    return Path(_get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")

@@ -1,0 +1,84 @@
+"""ONE object for how the ranks are split, in the spirit of torchtitan's ParallelDims.
+
+world = data-parallel x pipeline stages x tensor-parallel x sequence-parallel (the last reserved for Ulysses).
+Built once from the DeepSpeed JSON and the world size, it answers every question other modules used to derive
+on their own: sizes, this rank's coordinates, how many ranks see the same samples, whether the engine is a
+pipeline. Rank order follows DeepSpeed's own groups, so no module has to ask the engine:
+  - pipeline (deepspeed.pipe's PipeDataParallelTopology, axes [pipe, data]): rank = stage * dp + dp_rank
+  - AutoTP (deepspeed.utils.groups' device mesh (data_parallel, tensor_parallel)): rank = dp_rank * tp + tp_rank
+ds_internals.check_data_parallel_rank compares the formula with DeepSpeed's groups once the engine exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    pipeline_stages: int = 1
+    tensor_parallel: int = 1
+    sequence_parallel: int = 1  # reserved: Ulysses (issue 19); 1 until then
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel) < 1:
+            raise UserError(f"parallel sizes must be positive (pipeline {self.pipeline_stages}, tensor "
+                            f"{self.tensor_parallel}, sequence {self.sequence_parallel})")
+        if self.world_size % self.model_parallel:
+            raise UserError(f"world size {self.world_size} is not divisible by pipeline stages ({self.pipeline_stages})"
+                            f" x tensor-parallel size ({self.tensor_parallel}) x sequence-parallel size "
+                            f"({self.sequence_parallel}); launch a multiple of {self.model_parallel} ranks")
+
+    @classmethod
+    def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0) -> Layout:
+        stages = int((cfg.get("pipeline") or {}).get("stages", 1) or 1)
+        tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+        return cls(world_size, stages, tp, 1, rank)
+
+    def for_world(self, world_size: int, rank: int = 0) -> Layout:
+        """The same split on another number of ranks (e.g. the world a checkpoint was written on)."""
+        return Layout(world_size, self.pipeline_stages, self.tensor_parallel, self.sequence_parallel, rank)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold parts of one model replica: they read the same samples."""
+        return self.pipeline_stages * self.tensor_parallel * self.sequence_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.model_parallel
+
+    @property
+    def samples_shared_by(self) -> int:
+        """How many ranks see each sample (count a batch's tokens once per this many ranks)."""
+        return self.model_parallel
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.pipeline_stages > 1
+
+    @property
+    def splits_model(self) -> bool:
+        """Pipeline stages or tensor-parallel shards: heads and checkpoints are split by layout."""
+        return self.pipeline_stages > 1 or self.tensor_parallel > 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        if self.pipeline_stages > 1:
+            return self.rank % self.data_parallel
+        return self.rank // (self.tensor_parallel * self.sequence_parallel)
+
+    @property
+    def pipeline_stage(self) -> int:
+        return self.rank // self.data_parallel if self.pipeline_stages > 1 else 0
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.rank % self.tensor_parallel
+
+    def describe(self) -> str:
+        return (f"world {self.world_size} = data-parallel {self.data_parallel} x pipeline {self.pipeline_stages} x "
+                f"tensor-parallel {self.tensor_parallel}")

@@ -1,0 +1,154 @@
+"""Choosing where to resume, adapting to another world size, and DeepSpeed's universal conversion.
+
+A checkpoint from another data-parallel size is converted once by DeepSpeed's universal-checkpoint tool into
+checkpoints/step_N.universal/ (beside the checkpoint, never inside it) and loaded from there; the global batch
+is kept (grad_accum_steps is re-derived) and the data position is the sample count in the manifest, so no
+sample is skipped or seen twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import psutil
+
+from .checkpoint import COMPLETE, complete_checkpoints, verify, write_atomic
+from .config import TrainConfig
+from .dist import DistContext, barrier
+from .errors import UserError
+from .layout import Layout
+
+UNIVERSAL_SUFFIX = ".universal"
+
+
+def resolve_resume(mode: str, root: Path) -> Path | None:
+    """The checkpoint to resume from for --resume {auto,never,PATH}, decided before anything is built."""
+    existing = complete_checkpoints(root)
+    if mode == "auto":
+        return existing[-1] if existing else None
+    if mode == "never":
+        if existing:
+            raise UserError(f"{root} already holds checkpoints and --resume never would overwrite them; use "
+                            f"--resume auto to continue, or choose a new --output_dir")
+        return None
+    path = Path(mode)
+    if path.is_dir() and not (path / COMPLETE).exists() and complete_checkpoints(path):
+        path = complete_checkpoints(path)[-1]  # a checkpoints/ directory: take its newest
+    if not (path / COMPLETE).is_file():
+        raise UserError(f"--resume {mode}: not a complete checkpoint (no {COMPLETE}); pass a "
+                        f"checkpoints/step_* directory, or --resume auto")
+    return path
+
+
+@dataclass
+class Resume:
+    path: Path  # checkpoints/step_N
+    manifest: dict
+    universal: bool = False  # load from universal_dir (converted for another data-parallel size)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
+
+    @property
+    def universal_dir(self) -> Path:
+        """checkpoints/step_N.universal: beside the checkpoint, never inside it, so the original stays as saved."""
+        return self.path.with_name(self.path.name + UNIVERSAL_SUFFIX)
+
+
+def choose(mode: str, root: Path, ctx: DistContext, check: bool) -> Resume | None:
+    """The newest verified checkpoint to resume from, touching nothing: damaged newer ones are listed in
+    Resume.damaged (set_aside moves them once every input has been checked); an explicit path that is
+    damaged is refused."""
+    first = resolve_resume(mode, root)
+    if first is None:
+        return None
+    candidates = list(reversed(complete_checkpoints(root))) if mode == "auto" else [first]
+    damaged: list[tuple[Path, str]] = []
+    for path in candidates:
+        problems = verify(path, ctx) if check else []
+        if not problems:
+            return Resume(path, json.loads((path / COMPLETE).read_text()), damaged=damaged)
+        detail = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        if mode != "auto":
+            raise UserError(f"checkpoint {path} is damaged: {detail}; resume from another one, or pass "
+                            f"--checkpoint.verify=false to load it anyway")
+        damaged.append((path, detail))
+    raise UserError(f"every checkpoint in {root} is damaged ({damaged[0][0].name}: {damaged[0][1]}); start a new "
+                    f"--output_dir")
+
+
+def set_aside(resume: Resume | None, ctx: DistContext, log=print) -> None:
+    """Rename the damaged checkpoints newer than the chosen one to step_N.corrupt, so later runs skip them."""
+    for path, detail in resume.damaged if resume else []:
+        if ctx.is_main:
+            aside = path.with_name(path.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            log(f"warning: checkpoint {path} is damaged ({detail}); moved it to {aside.name} and resumed from "
+                f"{resume.path.name}")
+    if resume and resume.damaged:
+        barrier()
+
+
+def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print) -> tuple[TrainConfig, Resume]:
+    """The checkpoint's global batch kept on a different data-parallel size: a new TrainConfig with
+    grad_accum_steps re-derived, and the Resume marked universal when its optimizer shards need converting."""
+    manifest = resume.manifest
+    global_batch = manifest.get("global_batch")
+    saved_dp = manifest.get("data_parallel", manifest.get("world_size"))
+    data_parallel = layout.data_parallel
+    ours = train.micro_batch_size * train.grad_accum_steps * data_parallel
+    if saved_dp == data_parallel:
+        if global_batch != ours:
+            raise UserError(f"checkpoint {resume.path} was trained with a global batch of {global_batch} samples, "
+                            f"this run has {ours}; keep micro_batch_size x grad_accum_steps x data-parallel size "
+                            f"unchanged to resume exactly, or start a new --output_dir")
+        return train, resume
+    if layout.splits_model:
+        raise UserError(f"checkpoint {resume.path} was saved with {saved_dp} data-parallel replicas and this run "
+                        f"has {data_parallel}; pipeline and tensor-parallel checkpoints resume only on the same "
+                        f"layout, so launch {manifest.get('world_size')} ranks")
+    per_step = train.micro_batch_size * data_parallel
+    if global_batch % per_step:
+        divisor = global_batch // data_parallel if global_batch % data_parallel == 0 else global_batch
+        raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
+                        f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
+                        f"choose a micro_batch_size that divides {divisor}")
+    log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
+        f"{train.grad_accum_steps} -> {global_batch // per_step} keeps the global batch at {global_batch}")
+    universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
+    return replace(train, grad_accum_steps=global_batch // per_step), replace(resume, universal=universal)
+
+
+def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
+    """Convert a partitioned checkpoint once (on rank 0) into checkpoints/step_N.universal/; the others wait.
+    Called only after every input was checked, so a run that fails on bad input converts nothing."""
+    out = resume.universal_dir
+    failed = out.with_name(out.name + ".failed")
+    started = psutil.Process().create_time()
+    if ctx.is_main and not out.is_dir():
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        failed.unlink(missing_ok=True)
+        log(f"converting {resume.path} to a universal checkpoint for the new world size")
+        began = time.time()
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(resume.path), "--output_folder", str(tmp), "--inject_missing_state",
+                               "--num_extract_workers", str(min(4, os.cpu_count() or 1))],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_atomic(failed, f"DeepSpeed's universal-checkpoint conversion of {resume.path} failed: "
+                                  f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}; resume on "
+                                  f"{resume.manifest.get('world_size')} ranks instead")
+        else:
+            os.rename(tmp, out)
+            log(f"converted in {time.time() - began:.1f} s")
+    while not out.is_dir():  # no barrier: a big conversion may outlast the collective timeout
+        if failed.is_file() and failed.stat().st_mtime >= started:  # not one from an earlier run
+            raise UserError(failed.read_text())  # every rank reports the same failure and leaves
+        time.sleep(0.5)
