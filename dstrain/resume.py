@@ -146,6 +146,9 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
                                   f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}; resume on "
                                   f"{resume.manifest.get('world_size')} ranks instead")
         else:
+            # the tool also names its output in a `latest_universal` file beside it; the tag is passed
+            # explicitly on load, so that file (naming the temporary folder) only misleads
+            (tmp.parent / "latest_universal").unlink(missing_ok=True)
             os.rename(tmp, out)
             log(f"converted in {time.time() - began:.1f} s")
     while not out.is_dir():  # no barrier: a big conversion may outlast the collective timeout

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from conftest import need
 
+from tests.cluster.conftest import need
 from tests.helpers import ROOT
 
 BASE = "localhost/dstrain-test-base:bookworm"

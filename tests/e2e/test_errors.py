@@ -59,6 +59,11 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_simple_mistakes(name, cache, tmp_path):
     args, expected = CASES[name]
+    if name == "fp16 on cpu":
+        from dstrain.ds_config import DeviceCaps
+        if DeviceCaps.detect().fp16:  # DeepSpeed's CPU accelerator says yes where oneDNN has fp16 (AVX512-FP16/AMX)
+            pytest.skip("this CPU runs fp16 (DeepSpeed's accelerator reports it), so fp16 is no mistake here; "
+                        "tests/unit/test_ds_config.py checks the refusal on a CPU without it")
     fails(args, cache, tmp_path, expected)
 
 
@@ -86,3 +91,25 @@ def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_pat
     fails(["--train.seq_len=4096"], cache, tmp_path, "exceeds the model's maximum positions")
     fails(["--train.micro_batch_size=4"], cache, tmp_path, "trained with a global batch of 2 samples, this run has 4")
     assert _digest(run) == before
+
+
+def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, data_files, t5_dir):
+    """Issue 15's bug: on a 2-rank run's directory, a 1-rank run with bad input first wrote a universal
+    conversion (~150 files) into checkpoints/step_N/, then failed. Every input is now checked first, and a
+    conversion, when one happens, goes beside the checkpoint (step_N.universal), never into it."""
+    run = tmp_path / "run"
+    launch(QUICK + ["--output_dir", str(run)], cache)  # 2 ranks, ZeRO partitions: another world needs conversion
+    before = _digest(run)
+    for args, expected in (([f"--data.path={data_files / 'body.jsonl'}"], "has no field 'text'"),
+                           ([f"--data.path={data_files / 'empty.jsonl'}"], "is empty"),
+                           ([f"--data.path={data_files / 'missing.jsonl'}"], "missing.jsonl"),
+                           (["--train.seq_len=4096"], "exceeds the model's maximum positions"),
+                           ([f"--model.name_or_path={t5_dir}"], "has no causal-LM head"),
+                           (["--model.name_or_path=some-org/not-cached-model"], "cannot load")):
+        fails(args, cache, tmp_path, expected)
+        assert _digest(run) == before, f"{args} changed the run directory"
+    proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="python")  # good input: converts, resumes
+    assert "converting" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[-3000:]
+    after = _digest(run)
+    assert {k: v for k, v in after.items() if ".universal/" not in k} == before
+    assert any(".universal/" in k for k in after)

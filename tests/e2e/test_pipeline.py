@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from test_vs_reference import STEPS, run_and_compare
 
+from tests.e2e.test_vs_reference import STEPS, run_and_compare
 from tests.helpers import assert_resume_exact, launch, metrics
 
 

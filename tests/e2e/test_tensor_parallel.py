@@ -2,9 +2,9 @@
 with ZeRO 0/1/2 beside it, exports a model that reproduces its eval loss, and resumes exactly."""
 import pytest
 import torch
-from test_pipeline import exported_eval_loss
-from test_vs_reference import STEPS, run_and_compare
 
+from tests.e2e.test_pipeline import exported_eval_loss
+from tests.e2e.test_vs_reference import STEPS, run_and_compare
 from tests.helpers import assert_resume_exact, metrics
 
 
