@@ -1,0 +1,175 @@
+"""Every private DeepSpeed / torch / datasets touch point of dstrain/ds_internals.py, checked against the
+installed versions. A failure names the internal and the installed version: the place to look when a new
+release moves it."""
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+
+import datasets
+import deepspeed
+import pytest
+import torch
+
+from dstrain import ds_internals
+from tests.helpers import ROOT, env, free_port
+
+VERSIONS = f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, datasets {datasets.__version__}"
+
+
+def moved(what: str) -> str:
+    return f"{what} is not what dstrain/ds_internals.py expects under {VERSIONS}; update that module"
+
+
+# A one-rank gloo world in a child process, so no process group outlives it in the pytest process.
+ENGINE_CHECKS = r"""
+import json, sys, torch
+import deepspeed
+from dstrain import ds_internals
+from dstrain.layout import Layout
+
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+out = {}
+def engine(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10**9}
+    return model, deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+def check(name, fn):  # one moved internal must not hide the others
+    try:
+        out[name] = fn()
+    except Exception as error:
+        out[name] = "error: " + repr(error)
+
+model3, e3 = engine(3)
+def consolidated():
+    full = ds_internals.consolidated_16bit_state_dict(e3)  # ZeRO-3: the weights are partitioned
+    return sorted(full) == sorted(model3.state_dict()) and all(t.numel() > 0 for t in full.values())
+check("consolidated", consolidated)
+model, e1 = engine(1)
+check("dp_rank", lambda: (ds_internals.check_layout(e1, Layout(1)), ds_internals.data_parallel_rank(e1))[1])
+def engine_config():
+    cfg = ds_internals.engine_config(e1)
+    return hasattr(cfg.flops_profiler_config, "profile_step") and hasattr(cfg, "wall_clock_breakdown")
+check("engine_config", engine_config)
+opt = e1.optimizer
+out["zero1_buckets"] = hasattr(opt, "ipg_buckets") and hasattr(opt, "bit16_groups") and \
+    callable(getattr(opt, "gradient_reduction_w_predivide", None))
+seen = []
+ds_internals.replace_zero1_reduction(opt, lambda grads: seen.append([tuple(g.shape) for g in grads]))
+flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+try:
+    for dtype in opt.ipg_buckets:  # the bucket lists parameters once reduce_ipg_grads has run; fill it as it does
+        bucket = opt.ipg_buckets[dtype]
+        bucket.params = [(0, i, 0) for i in range(len(opt.bit16_groups[0]))]
+        opt.gradient_reduction_w_predivide(flat.to(dtype), dtype)
+    out["zero1_views"] = seen[0] if seen else None
+except Exception as error:
+    out["zero1_views"] = "error: " + repr(error)
+_, e0 = engine(0)
+calls = []
+ds_internals.replace_zero0_allreduce(e0, lambda grads: calls.append(len(grads)))
+check("zero0", lambda: (e0.allreduce_and_copy([torch.zeros(3), torch.zeros(2)], None), calls)[1])
+backend = ds_internals.comm_backend()
+out["comm_backend"] = backend is not None and all(hasattr(backend, a) for a in ("all_gather_function",
+                                                                                 "reduce_scatter_function"))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory) -> dict:
+    cache = tmp_path_factory.mktemp("cache")
+    extra = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", ENGINE_CHECKS], cwd=ROOT, env=env(cache, **extra),
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, moved("a DeepSpeed engine internal") + "\n" + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_consolidated_16bit_state_dict(engine_results):
+    assert engine_results["consolidated"], moved("DeepSpeedEngine._consolidated_16bit_state_dict")
+
+
+def test_data_parallel_group_and_layout_check(engine_results):
+    assert engine_results["dp_rank"] == 0, moved("DeepSpeedEngine.data_parallel_group")
+
+
+def test_engine_config(engine_results):
+    assert engine_results["engine_config"], moved("DeepSpeedEngine._config (flops_profiler_config, "
+                                                  "wall_clock_breakdown)")
+
+
+def test_zero1_reduction_seam(engine_results):
+    assert engine_results["zero1_buckets"], moved("DeepSpeedZeroOptimizer's ipg_buckets / bit16_groups / "
+                                                  "gradient_reduction_w_predivide")
+    assert engine_results["zero1_views"] == [[16, 8], [16], [4, 16], [4]], moved(
+        "the ZeRO-1 bucket layout (ipg_buckets[dtype].params -> bit16_groups)") + f": {engine_results['zero1_views']}"
+
+
+def test_zero0_allreduce_seam(engine_results):
+    assert engine_results["zero0"] == [2], moved("DeepSpeedEngine.allreduce_and_copy")
+    params = list(inspect.signature(deepspeed.DeepSpeedEngine.allreduce_and_copy).parameters)
+    assert params[1:3] == ["small_bucket", "dp_group"], moved("DeepSpeedEngine.allreduce_and_copy's signature")
+
+
+def test_comm_backend_keeps_its_collectives(engine_results):
+    assert engine_results["comm_backend"], moved("deepspeed.comm.comm.cdb (all_gather_function, "
+                                                 "reduce_scatter_function)")
+
+
+def test_tensor_parallel_mesh_init():
+    from deepspeed.utils import groups
+    fn = getattr(groups, "_init_tp_mesh_device", None)
+    assert fn is not None and "tensor_model_parallel_size" in inspect.signature(fn).parameters, \
+        moved("deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size=)")
+    source = inspect.getsource(fn)
+    assert '("data_parallel", "tensor_parallel")' in source, moved(
+        "the AutoTP mesh order (data_parallel, tensor_parallel) that dstrain.layout's rank formula follows")
+
+
+def test_universal_conversion_tool_and_load_repairs():
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    for flag in ("--input_folder", "--output_folder", "--inject_missing_state", "--num_extract_workers"):
+        assert flag in proc.stdout, moved(f"deepspeed.checkpoint.ds_to_universal's {flag}")
+
+    class Inner:  # what the repairs touch: param_groups and per-parameter state with a `step` tensor
+        def __init__(self):
+            self.param_groups = [{"weight_decay": 0.1}, {"weight_decay": 0.0}]
+            shared = torch.tensor(3.0)
+            self.state = {0: {"step": shared}, 1: {"step": shared}}
+
+    engine = type("Engine", (), {})()
+    engine.optimizer = type("Wrapper", (), {})()
+    engine.optimizer.optimizer = inner = Inner()
+    with ds_internals.universal_load_repairs(engine, universal=True):
+        for group in inner.param_groups:  # the loader's slip: group 0's hyperparameters everywhere
+            group["weight_decay"] = 0.1
+    assert [g["weight_decay"] for g in inner.param_groups] == [0.1, 0.0]
+    assert inner.state[0]["step"] is not inner.state[1]["step"]
+
+
+def test_inductor_cache_dir():
+    try:
+        folder = ds_internals.inductor_cache_dir()
+    except (ImportError, AttributeError) as error:
+        pytest.fail(moved("torch._inductor.runtime.cache_dir_utils.cache_dir") + f": {error}")
+    assert folder.is_absolute()
+
+
+def test_dataset_fingerprint():
+    ds = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    try:
+        first = ds_internals.dataset_fingerprint(ds)
+    except AttributeError as error:
+        pytest.fail(moved("datasets.Dataset._fingerprint") + f": {error}")
+    assert isinstance(first, str) and first
+    assert ds_internals.dataset_fingerprint(ds.map(lambda row: {"text": row["text"] + "!"})) != first, \
+        moved("datasets.Dataset._fingerprint (it no longer changes with the content)")
