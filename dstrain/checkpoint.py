@@ -60,10 +60,6 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(TAG_RE.match(p.name).group(1)))
 
 
-def checkpoint_step(path: Path) -> int:
-    return json.loads((path / COMPLETE).read_text())["step"]
-
-
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     with open(tmp, "w") as f:

@@ -38,10 +38,6 @@ class Layout:
         tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
         return cls(world_size, stages, tp, 1, rank)
 
-    def for_world(self, world_size: int, rank: int = 0) -> Layout:
-        """The same split on another number of ranks (e.g. the world a checkpoint was written on)."""
-        return Layout(world_size, self.pipeline_stages, self.tensor_parallel, self.sequence_parallel, rank)
-
     @property
     def model_parallel(self) -> int:
         """Ranks that hold parts of one model replica: they read the same samples."""

@@ -57,10 +57,6 @@ class Estimate:
         step = sum(self.device.get(k, 0) for k in STEP)
         return persistent + max(backward, step)
 
-    @property
-    def host_total(self) -> int:
-        return sum(self.host.values())
-
 
 def _dims(config) -> tuple[int, int, int, int]:
     hidden = getattr(config, "hidden_size", None) or config.n_embd
