@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
+    # imported here, not at the top: deepspeed and transformers take seconds, and bad input or --preflight
+    # should answer without them
     import deepspeed
 
     from dstrain import (
@@ -58,6 +60,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         dist,
         ds_config,
         ds_internals,
+        export,
         faults,
         flops,
         memory,
@@ -172,15 +175,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
                         f"run again with --resume auto to continue")
     elif last < train.max_steps:
         metrics.message(f"stopped at step {last} (train.exit_at_step); run again with --resume auto to continue")
-    elif recipe.checkpoint.export_hf and ctx.is_main and not (start == last and (run_dir / "hf").exists()):
-        from dstrain.export import export_dtype, export_hf
-        export_hf(final, run_dir / "hf", export_dtype(ds_cfg))
-        metrics.message(f"exported {run_dir / 'hf'}")
-    if ctx.is_main:
-        estimate = memory.estimate(model_config, params_total, recipe, ds_cfg, layout)
-        memory.write_measurement(run_dir / "memory.json", baseline_memory,
-                                 {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
-                                  "setup_peak_above_baseline_bytes": setup_peak - baseline_memory})
+    elif recipe.checkpoint.export_hf and not (start == last and (run_dir / "hf").exists()):
+        export.at_end(final, run_dir / "hf", ds_cfg, ctx, metrics.message)
+    memory.record(run_dir / "memory.json", ctx, baseline_memory, setup_peak,
+                  memory.estimate(model_config, params_total, recipe, ds_cfg, layout))
     metrics.close()
     return preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
 

@@ -34,6 +34,13 @@ def _pipeline_state_dict(ckpt: Path, names: dict[str, str]) -> dict[str, torch.T
     return state
 
 
+def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
+    """The end of a finished run: rank 0 exports the final checkpoint in the training precision."""
+    if ctx.is_main:
+        export_hf(ckpt, out_dir, export_dtype(ds_cfg))
+        say(f"exported {out_dir}")
+
+
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
     stage), or for pipeline checkpoints the per-layer module states (the engine's own weights)."""

@@ -207,6 +207,14 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def record(path: Path, ctx, baseline: int, setup_peak: int, estimate: Estimate) -> None:
+    """Rank 0 writes memory.json: the measured peak next to the estimate (bench/memory.py reads it)."""
+    if ctx.is_main:
+        write_measurement(path, baseline, {"estimated_device_bytes": estimate.device_total,
+                                           "estimate": estimate.device,
+                                           "setup_peak_above_baseline_bytes": setup_peak - baseline})
+
+
 def write_measurement(path: Path, baseline: int, extra: dict | None = None) -> None:
     peak = peak_bytes()
     record = {"baseline_bytes": baseline, "peak_bytes": peak, "peak_above_baseline_bytes": peak - baseline,
