@@ -115,7 +115,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     mpu = ds_internals.init_tensor_parallel_groups(layout.tensor_parallel) if layout.tensor_parallel > 1 else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg, mpu=mpu)
-    ds_internals.check_layout(engine, layout)
+    layout = ds_internals.bind_groups(engine, layout)  # checks our rank arithmetic against DeepSpeed's groups
+    setup.layout = layout
     for feature in features:
         feature.attach(engine, setup)
     peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores

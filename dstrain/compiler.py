@@ -33,6 +33,7 @@ import torch
 
 from . import env
 from .ds_internals import inductor_cache_dir
+from .layout import Layout
 
 
 def _copy(value):
@@ -175,22 +176,20 @@ def node_marker() -> Path:
     return folder / launch
 
 
-def install(engine, zero_stage: int, tensor_parallel: int, activation_checkpointing: bool, wait: bool,
+def install(engine, zero_stage: int, layout: Layout, activation_checkpointing: bool, wait: bool,
             local_rank: int, say: Callable[[str], None]) -> RegionalCompile | None:
     """train.compile=true: regional compile where it is safe, else DeepSpeed's engine.compile() (returns None)."""
     blocks = blocks_of(engine.module)
-    reason = whole_model_reason(zero_stage, tensor_parallel, activation_checkpointing, blocks)
+    reason = whole_model_reason(zero_stage, layout.tensor_parallel, activation_checkpointing, blocks)
     if reason:
         say(f"train.compile: the whole model, compiled on the first step ({reason})")
         engine.compile()
         return None
-    import torch.distributed as torch_dist
-
     from .dist import all_reduce_sum
 
-    world = torch_dist.get_world_size() if torch_dist.is_initialized() else 1
+    # every rank must switch at the same step: the agreement counts all ranks of the world
     regional = RegionalCompile(blocks, wait, leader=local_rank == 0, marker=None if wait else node_marker(),
-                               count=lambda values: all_reduce_sum(values, engine.device), world=world)
+                               count=lambda values: all_reduce_sum(values, engine.device), world=layout.world_size)
     say(f"train.compile: {len(blocks)} x {type(blocks[0]).__name__} compiled "
         f"{'on the first step' if wait else 'in the background while the first steps run eager'}")
     return regional

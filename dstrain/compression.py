@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from . import ds_internals
 from .errors import UserError, closest
+from .layout import Layout
 
 KEY = "gradient_compression"
 SIGN_BLOCK = 128  # sign: elements sharing one scale (1/8 + 4/128 bytes per element: 25.6x less than fp32)
@@ -354,11 +355,11 @@ def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the DeepSpeed seam
 
-def install(engine, config: CompressionConfig) -> Reducer | None:
+def install(engine, config: CompressionConfig, layout: Layout) -> Reducer | None:
     """Route the engine's data-parallel gradient averaging through a Reducer; None when not needed."""
     if not config.enabled:
         return None
-    group = engine.data_parallel_group
+    group = layout.data_parallel_group
     if tdist.get_world_size(group) <= 1:
         return None
     exempt = frozenset() if config.compress_embeddings else embedding_shapes(engine.module)

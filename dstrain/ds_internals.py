@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,18 +35,38 @@ def data_parallel_rank(engine) -> int:
     return torch.distributed.get_rank(group=engine.data_parallel_group) if torch.distributed.is_initialized() else 0
 
 
-def check_layout(engine, layout) -> None:
-    """A bug, not a user error, when dstrain.layout's rank arithmetic and DeepSpeed's groups disagree: the
-    data would then be split differently from the gradients."""
+def bind_groups(engine, layout):
+    """The layout with DeepSpeed's data-parallel group bound. A bug, not a user error, when dstrain.layout's
+    rank arithmetic and DeepSpeed's groups disagree: the data would be split differently from the gradients."""
     theirs = data_parallel_rank(engine)
     if theirs != layout.data_parallel_rank:
         raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
                            f"computed {layout.data_parallel_rank} for {layout.describe()}")
+    return replace(layout, data_parallel_group=engine.data_parallel_group)
 
 
 def engine_config(engine):
     """The parsed DeepSpeedConfig the engine runs with (flops profiler switches). DeepSpeedEngine._config."""
     return engine._config
+
+
+def profile_one_step(engine, wall_clock_breakdown: bool = False) -> None:
+    """Once on, DeepSpeed's flops profiler also turns on wall_clock_breakdown (step timers printed every step);
+    after the profiled step, turn both back to what the config asked so the rest of the run is as fast and
+    quiet. No public switch exists: the engine's _config and its EngineTimers are replaced after that step."""
+    from deepspeed.runtime.engine import EngineTimers
+
+    config, step = engine_config(engine), engine.step
+
+    def step_then_maybe_stop(*args, **kwargs):
+        result = step(*args, **kwargs)
+        if config.flops_profiler_config.enabled and engine.global_steps > config.flops_profiler_config.profile_step:
+            config.flops_profiler_config.enabled = False
+            config.wall_clock_breakdown = wall_clock_breakdown
+            engine.engine_timers = EngineTimers(wall_clock_breakdown, wall_clock_breakdown)
+        return result
+
+    engine.step = step_then_maybe_stop
 
 
 def replace_zero0_allreduce(engine, average_: Callable[[list[torch.Tensor]], None]) -> None:

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .ds_internals import engine_config
-
 # Dense (no sparsity) bf16 = fp16 tensor peak per device, FLOP/s, from the vendors' data sheets.
 # Matched as substrings of the device name, longest first ("H100 PCIe" before "H100", "A100" before "A10").
 GPU_PEAK_BF16 = {
@@ -94,21 +92,3 @@ def profiler_config(step: int, output_file: str) -> dict:
     # DeepSpeed profiles the forward passes run while engine.global_steps == profile_step, i.e. our step + 1
     return {"enabled": True, "profile_step": step - 1, "module_depth": -1, "top_modules": 3, "detailed": True,
             "output_file": output_file}
-
-
-def profile_one_step(engine, wall_clock_breakdown: bool = False) -> None:
-    """Once on, DeepSpeed's profiler also turns on wall_clock_breakdown (step timers printed every step); after
-    the profiled step, turn both back to what the config asked so the rest of the run is as fast and quiet."""
-    from deepspeed.runtime.engine import EngineTimers
-
-    config, step = engine_config(engine), engine.step
-
-    def step_then_maybe_stop(*args, **kwargs):
-        result = step(*args, **kwargs)
-        if config.flops_profiler_config.enabled and engine.global_steps > config.flops_profiler_config.profile_step:
-            config.flops_profiler_config.enabled = False
-            config.wall_clock_breakdown = wall_clock_breakdown
-            engine.engine_timers = EngineTimers(wall_clock_breakdown, wall_clock_breakdown)
-        return result
-
-    engine.step = step_then_maybe_stop

@@ -10,7 +10,8 @@ ds_internals.check_data_parallel_rank compares the formula with DeepSpeed's grou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import UserError
 
@@ -22,6 +23,8 @@ class Layout:
     tensor_parallel: int = 1
     sequence_parallel: int = 1  # reserved: Ulysses (issue 19); 1 until then
     rank: int = 0
+    # DeepSpeed's data-parallel process group, bound once the engine exists (ds_internals.bind_groups)
+    data_parallel_group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel) < 1:

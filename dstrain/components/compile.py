@@ -22,7 +22,7 @@ class Compile(Component):
             raise UserError("train.compile is not supported with pipeline stages; set train.compile=false")
 
     def attach(self, engine, setup: Setup) -> None:
-        self.regional = compiler.install(engine, zero_stage(setup.ds_cfg), setup.layout.tensor_parallel,
+        self.regional = compiler.install(engine, zero_stage(setup.ds_cfg), setup.layout,
                                          setup.recipe.train.activation_checkpointing, self.wait,
                                          setup.ctx.local_rank, setup.log)
 

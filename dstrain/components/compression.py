@@ -24,7 +24,7 @@ class GradientCompression(Component):
         compression.check_combination(copy.deepcopy(setup.ds_cfg), self.config)
 
     def attach(self, engine, setup: Setup) -> None:
-        self.reducer = compression.install(engine, self.config)
+        self.reducer = compression.install(engine, self.config, setup.layout)
         self.is_main = setup.ctx.is_main
 
     def state_dict(self) -> dict:

@@ -1,7 +1,7 @@
 """log.flops_profile_step: DeepSpeed's flops profiler for one step, on rank 0 (dstrain/flops.py)."""
 from __future__ import annotations
 
-from .. import flops
+from .. import ds_internals, flops
 from ..config import Recipe
 from . import Component, Setup
 
@@ -16,7 +16,7 @@ class FlopsProfile(Component):
         ds_cfg["flops_profiler"] = flops.profiler_config(self.step, str(setup.run_dir / "flops_profile.txt"))
 
     def attach(self, engine, setup: Setup) -> None:
-        flops.profile_one_step(engine, bool(setup.ds_cfg.get("wall_clock_breakdown", False)))
+        ds_internals.profile_one_step(engine, bool(setup.ds_cfg.get("wall_clock_breakdown", False)))
 
 
 def make(recipe: Recipe) -> FlopsProfile | None:
