@@ -128,7 +128,8 @@ def slurm():
     conf.write_text("\n".join([
         "ClusterName=dstraintest", f"SlurmctldHost={socket.gethostname()}(127.0.0.1)", f"SlurmctldPort={ctld_port}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
-        f"AuthInfo=socket={socket_path}", f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
+        # cred_expire (default 120 s) is also how long a requeued job waits before it may start again
+        f"AuthInfo=socket={socket_path},cred_expire=10", f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd-%n.pid",
         f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",

@@ -50,8 +50,7 @@ CASES = {
                       "zero_optimization.zero_quantized_gradients) needs CUDA GPUs; this device is cpu"),
     "compression with zero2": (["--ds_config", "zero1_powersgd.json", "--ds.zero_optimization.stage=2"],
                                "gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
-    "seq_len too long": (["--train.seq_len=4096"], "train.seq_len=4096 exceeds the model's maximum positions (512)"),
-    "hub unreachable": (["--model.name_or_path=some-org/not-cached-model"], "cannot load 'some-org/not-cached-model'"),
+    # seq_len too long, an unreachable hub id, data and model mistakes: on an existing run, further down
     "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),
 }
 
@@ -67,11 +66,9 @@ def test_simple_mistakes(name, cache, tmp_path):
     fails(args, cache, tmp_path, expected)
 
 
-def test_data_and_model_mistakes(cache, tmp_path, data_files, t5_dir):
-    fails([f"--data.path={data_files / 'body.jsonl'}"], cache, tmp_path,
-          "has no field 'text' (columns: body); set data.text_field to one of them")
-    fails([f"--data.path={data_files / 'empty.jsonl'}"], cache, tmp_path, "is empty")
-    fails([f"--model.name_or_path={t5_dir}"], cache, tmp_path, "is a t5 model, which has no causal-LM head")
+def test_data_and_model_mistakes(cache, tmp_path, data_files):
+    """The data and model mistakes that need an existing run to matter are in
+    test_a_failed_run_on_another_world_size_converts_nothing; these two need no run."""
     fails(["--ds_config", str(data_files / "bad_batch.json")], cache, tmp_path,
           "train_batch_size=64 but micro_batch_size 2 x grad_accum_steps 1 x data-parallel world 1 = 2")
     fails(["--output_dir", str(data_files / "a_file" / "run")], cache, tmp_path, "cannot write to output_dir")
@@ -82,31 +79,42 @@ def _digest(run: Path) -> dict:
             for sub in ("checkpoints", "hf") for p in sorted((run / sub).rglob("*")) if p.is_file()}
 
 
-def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_path):
-    run = tmp_path / "run"
-    launch(QUICK + ["--output_dir", str(run)], cache, launcher="python")
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory, cache) -> Path:
+    """A finished 2-rank run (ZeRO-2 partitions: another world size needs a universal conversion), with hf/."""
+    run = tmp_path_factory.mktemp("existing") / "run"
+    launch(QUICK + ["--output_dir", str(run)], cache)
+    return run
+
+
+def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_path, two_rank_run):
+    run = two_rank_run
     before = _digest(run)
     assert any(k.startswith("hf/") for k in before) and any(k.startswith("checkpoints/") for k in before)
-    fails(["--resume", "never"], cache, tmp_path, "already holds checkpoints and --resume never would overwrite")
-    fails(["--train.seq_len=4096"], cache, tmp_path, "exceeds the model's maximum positions")
-    fails(["--train.micro_batch_size=4"], cache, tmp_path, "trained with a global batch of 2 samples, this run has 4")
+    fails(["--resume", "never", "--output_dir", str(run)], cache, tmp_path,
+          "already holds checkpoints and --resume never would overwrite")
+    proc = launch(QUICK + ["--output_dir", str(run), "--train.micro_batch_size=4"], cache, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "trained with a global batch of 4 samples, this run has 8" in errors[0]
     assert _digest(run) == before
 
 
-def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, data_files, t5_dir):
+def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, data_files, t5_dir, two_rank_run):
     """Issue 15's bug: on a 2-rank run's directory, a 1-rank run with bad input first wrote a universal
     conversion (~150 files) into checkpoints/step_N/, then failed. Every input is now checked first, and a
     conversion, when one happens, goes beside the checkpoint (step_N.universal), never into it."""
-    run = tmp_path / "run"
-    launch(QUICK + ["--output_dir", str(run)], cache)  # 2 ranks, ZeRO partitions: another world needs conversion
+    run = two_rank_run
     before = _digest(run)
-    for args, expected in (([f"--data.path={data_files / 'body.jsonl'}"], "has no field 'text'"),
-                           ([f"--data.path={data_files / 'empty.jsonl'}"], "is empty"),
-                           ([f"--data.path={data_files / 'missing.jsonl'}"], "missing.jsonl"),
-                           (["--train.seq_len=4096"], "exceeds the model's maximum positions"),
-                           ([f"--model.name_or_path={t5_dir}"], "has no causal-LM head"),
-                           (["--model.name_or_path=some-org/not-cached-model"], "cannot load")):
-        fails(args, cache, tmp_path, expected)
+    for args, expected in (
+            ([f"--data.path={data_files / 'body.jsonl'}"],
+             "has no field 'text' (columns: body); set data.text_field to one of them"),
+            ([f"--data.path={data_files / 'empty.jsonl'}"], "is empty"),
+            ([f"--data.path={data_files / 'missing.jsonl'}"], "missing.jsonl"),
+            (["--train.seq_len=4096"], "train.seq_len=4096 exceeds the model's maximum positions (512)"),
+            ([f"--model.name_or_path={t5_dir}"], "is a t5 model, which has no causal-LM head"),
+            (["--model.name_or_path=some-org/not-cached-model"], "cannot load 'some-org/not-cached-model'")):
+        fails(args + ["--output_dir", str(run)], cache, tmp_path, expected)
         assert _digest(run) == before, f"{args} changed the run directory"
     proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="python")  # good input: converts, resumes
     assert "converting" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[-3000:]

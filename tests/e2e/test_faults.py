@@ -229,6 +229,7 @@ def small_disk(tmp_path, tiny_llama):
 def test_full_disk_stops_with_clear_error_and_earlier_checkpoint_intact(tmp_path, cache, tiny_llama, small_disk):
     from dstrain import checkpoint
     from dstrain.dist import DistContext
+    from dstrain.errors import EXIT_SAVE_FAILED
 
     mount, fault = small_disk
     run = mount / "run"
@@ -237,7 +238,7 @@ def test_full_disk_stops_with_clear_error_and_earlier_checkpoint_intact(tmp_path
     proc = subprocess.run(["launch/single_node.sh", *ARGS, f"--model.name_or_path={tiny_llama}",
                            "--checkpoint.every=2", "--checkpoint.keep_last=3", "--checkpoint.export_hf=false"],
                           cwd=ROOT, env=script_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == checkpoint.SAVE_FAILED_EXIT, proc.stderr[-4000:]
+    assert proc.returncode == EXIT_SAVE_FAILED, proc.stderr[-4000:]
     assert "restart" not in proc.stderr  # a full disk stays full: not retried
     line = next(ln for ln in proc.stderr.splitlines() if "could not save checkpoint" in ln)
     assert ("the file system is full" in line or "No space left on device" in line) and "is intact" in line, line

@@ -36,16 +36,30 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed",
     return run_dir, ref_model
 
 
+# Runs that several tests only read: launched (and compared with the reference) once per session.
+# zero3 evaluates 4 batches because test_export_round_trip recomputes its eval loss from 32 rows.
+SHARED_EXTRA = {"zero3.json": ["--eval.max_batches=4"]}
+_shared: dict[str, tuple] = {}
+
+
+def shared_run(tmp_path_factory, cache, tiny_llama, ds_config):
+    if ds_config not in _shared:
+        _shared[ds_config] = run_and_compare(tmp_path_factory.mktemp(ds_config.removesuffix(".json")), cache,
+                                             tiny_llama, ds_config, extra=SHARED_EXTRA.get(ds_config, []))
+    return _shared[ds_config]
+
+
 @pytest.mark.parametrize("ds_config", ["zero0.json", "zero1.json", "zero2.json", "zero3.json",
                                        "zero2_offload.json", "zero3_offload.json", "zero3_nvme.json"])
-def test_zero_stage_matches_reference(tmp_path, cache, tiny_llama, ds_config):
+def test_zero_stage_matches_reference(tmp_path, tmp_path_factory, cache, tiny_llama, ds_config):
     import json
-    extra = []
     if "nvme" in ds_config:  # ZeRO-Infinity: parameters and optimizer states swapped through files here
         nvme = tmp_path / "nvme"
         extra = [f"--ds.zero_optimization.offload_param.nvme_path={nvme}",
                  f"--ds.zero_optimization.offload_optimizer.nvme_path={nvme}"]
-    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config, extra=extra)
+        run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config, extra=extra)
+    else:
+        run_dir, ref_model = shared_run(tmp_path_factory, cache, tiny_llama, ds_config)
     if "nvme" in ds_config:  # DeepSpeed deletes its swap files at exit but leaves the per-rank folders
         swap = tmp_path / "nvme" / "zero_stage_3"
         for kind in ("float32params", "optimizer"):
@@ -92,9 +106,9 @@ def test_bf16_trains_close_to_fp32_reference(tmp_path, cache, tiny_llama):
     run_and_compare(tmp_path, cache, tiny_llama, "zero2.json", extra=["--train.precision=bf16"], rtol=2e-2)
 
 
-def test_tolerance_is_meaningful(tmp_path, cache, tiny_llama):
+def test_tolerance_is_meaningful(tmp_path_factory, cache, tiny_llama):
     """A 1% lr error must be caught by RTOL, or the comparisons above prove nothing."""
-    run_dir, _ = run_and_compare(tmp_path, cache, tiny_llama, "zero1.json")
+    run_dir, _ = shared_run(tmp_path_factory, cache, tiny_llama, "zero1.json")
     got, _ = metrics(run_dir)
     off, _ = reference_losses(tiny_llama, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1, lr_scale=1.01)
     worst = max(abs(g - w) / w for g, w in zip(got, off))
@@ -102,7 +116,7 @@ def test_tolerance_is_meaningful(tmp_path, cache, tiny_llama):
     assert worst > 10 * RTOL
 
 
-def test_export_round_trip(tmp_path, cache, tiny_llama):
+def test_export_round_trip(tmp_path, tmp_path_factory, cache, tiny_llama):
     """hf/ from a ZeRO-3 run loads with from_pretrained, gives the reference model's logits, and reproduces
     the run's own final eval loss; `python -m dstrain.export` gives the same weights."""
     import subprocess
@@ -114,7 +128,7 @@ def test_export_round_trip(tmp_path, cache, tiny_llama):
 
     from tests.helpers import ROOT
     from tests.helpers import metrics as read_metrics
-    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "zero3.json", extra=["--eval.max_batches=4"])
+    run_dir, ref_model = shared_run(tmp_path_factory, cache, tiny_llama, "zero3.json")
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "hf")
     assert (run_dir / "hf" / "model.safetensors").exists() and (run_dir / "hf" / "generation_config.json").exists()
