@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps train test test-fast bench bench-memory bench-loss bench-compression lint assets clean
+.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression lint assets clean
 
 setup: system-deps $(VENV)/.installed
 
@@ -53,8 +53,17 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 train: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --recipe $(RECIPE) $(if $(DS_CONFIG),--ds_config $(DS_CONFIG)) $(ARGS)
 
+# DeepSpeed's JIT-built ops that the tests load (CPU shared-memory collectives, CPU Adam for offload, async I/O
+# for NVMe), compiled while apt installs the cluster packages: the first tests needing them waited ~2 min of gcc.
+PREBUILD_OPS ?= ShareMemCommBuilder CPUAdamBuilder AsyncIOBuilder
+prebuild-ops: setup
+	@$(PY) scripts/prebuild_ops.py $(PREBUILD_OPS) > $(VENV)/prebuild_ops.log 2>&1 || \
+	  { tail -20 $(VENV)/prebuild_ops.log; exit 1; }
+
 # lint first: a style slip fails in seconds, not after the suite (pyproject.toml prints the 20 slowest tests)
-test: lint
+test: setup
+	@$(MAKE) --no-print-directory -j2 test-deps prebuild-ops
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
 test-fast: lint
