@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from dstrain import cli
@@ -107,14 +107,13 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []),
-        "components": [f.name for f in features], "flops_per_token": flops_per_token,
-        "gradient_compression": asdict(compression.parse(raw_ds))})
+        "components": {f.name: f.describe() for f in features}, "flops_per_token": flops_per_token})
     for feature in features:
         model = feature.convert(model, setup)
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
-    mpu = ds_internals.init_tensor_parallel_groups(layout.tensor_parallel) if layout.tensor_parallel > 1 else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
-                                      lr_scheduler=scheduler, config=ds_cfg, mpu=mpu)
+                                      lr_scheduler=scheduler, config=ds_cfg,
+                                      mpu=ds_internals.model_parallel_unit(layout))
     layout = ds_internals.bind_groups(engine, layout)  # checks our rank arithmetic against DeepSpeed's groups
     setup.layout = layout
     for feature in features:

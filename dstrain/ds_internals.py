@@ -21,6 +21,12 @@ def consolidated_16bit_state_dict(engine) -> dict:
     return engine._consolidated_16bit_state_dict()
 
 
+def model_parallel_unit(layout):
+    """What deepspeed.initialize takes as `mpu`: DeepSpeed's group registry for AutoTP runs, else None (the
+    pipeline engine brings its own topology)."""
+    return init_tensor_parallel_groups(layout.tensor_parallel) if layout.tensor_parallel > 1 else None
+
+
 def init_tensor_parallel_groups(tensor_parallel: int):
     """DeepSpeed's process-group registry with AutoTP groups made, passed to deepspeed.initialize as `mpu` so
     its batch arithmetic counts data-parallel replicas. deepspeed.utils.groups._init_tp_mesh_device: the

@@ -8,6 +8,7 @@ train() calls in order for every component:
   convert(model, setup)      the model before deepspeed.initialize (returns the model to train)
   attach(engine, setup)      after the engine exists
   after_step(step, say)      at each step boundary
+  describe()                 what run_info.json records about it
 A component with per-rank state for checkpoints sets `stateful = True` and offers
 state_dict() / load_state_dict(state, same_world); the checkpointer takes a dict of them by name.
 """
@@ -54,6 +55,10 @@ class Component:
 
     def after_step(self, step: int, say: Callable[[str], None]) -> None:
         pass
+
+    def describe(self) -> dict:
+        """What run_info.json records about this component."""
+        return {}
 
     def state_dict(self) -> dict:
         raise NotImplementedError

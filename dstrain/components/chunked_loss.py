@@ -25,6 +25,9 @@ class ChunkedLoss(Component):
             shape = AutoModelForCausalLM.from_config(setup.model_config)
         loss.check_model(shape, self.tokens)
 
+    def describe(self) -> dict:
+        return {"tokens": self.tokens}
+
     def convert(self, model, setup: Setup):
         loss.install(model, self.tokens, setup.precision)
         return model

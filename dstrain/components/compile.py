@@ -26,6 +26,9 @@ class Compile(Component):
                                          setup.recipe.train.activation_checkpointing, self.wait,
                                          setup.ctx.local_rank, setup.log)
 
+    def describe(self) -> dict:
+        return {"wait": self.wait}
+
     def after_step(self, step: int, say: Callable[[str], None]) -> None:
         if self.regional is not None:  # starts the background compile; switches all ranks when it is done
             self.regional.poll(step, say)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 
 from .. import compression
@@ -26,6 +27,9 @@ class GradientCompression(Component):
     def attach(self, engine, setup: Setup) -> None:
         self.reducer = compression.install(engine, self.config, setup.layout)
         self.is_main = setup.ctx.is_main
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self.config)
 
     def state_dict(self) -> dict:
         return self.reducer.state_dict()

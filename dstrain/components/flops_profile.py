@@ -12,6 +12,9 @@ class FlopsProfile(Component):
     def __init__(self, step: int):
         self.step = step
 
+    def describe(self) -> dict:
+        return {"step": self.step}
+
     def configure(self, ds_cfg: dict, setup: Setup) -> None:
         ds_cfg["flops_profiler"] = flops.profiler_config(self.step, str(setup.run_dir / "flops_profile.txt"))
 

@@ -15,6 +15,9 @@ class Pipeline(Component):
     def validate(self, setup: Setup) -> None:
         pipeline.check_combination(setup.ds_cfg)
 
+    def describe(self) -> dict:
+        return {"stages": self.stages}
+
     def convert(self, model, setup: Setup):
         piped = pipeline.convert(model, self.stages, setup.ds_cfg["pipeline"].get("partition_method", "parameters"),
                                  setup.recipe.train.activation_checkpointing)
