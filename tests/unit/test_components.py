@@ -1,0 +1,67 @@
+"""Optional features as components: one validation pass refuses every conflict with one line, before
+anything is built (a meta-device model stands in where the check needs the model's shape)."""
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from dstrain import components
+from dstrain.components.compression import GradientCompression
+from dstrain.config import load_recipe, parse_overrides
+from dstrain.dist import DistContext
+from dstrain.ds_config import load
+from dstrain.errors import UserError
+from dstrain.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def setup_for(overrides: list[str], ds: str, world: int = 2, precision: str = "fp32", model_config=None):
+    recipe = load_recipe("tiny/pretrain", parse_overrides(overrides))
+    raw = load(ds)
+    config = model_config or AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    setup = components.Setup(recipe, Layout.from_ds_config(raw, world), raw, precision, config, Path("/nonexistent"),
+                             DistContext(0, 0, world), print)
+    return components.build(recipe, raw), setup
+
+
+@pytest.mark.parametrize("overrides,ds,precision,message", [
+    (["--train.compile=true"], "pipe2_zero1.json", "fp32", "train.compile is not supported with pipeline stages"),
+    (["--train.loss_chunk_tokens=64"], "tp2_zero1.json", "fp32",
+     "train.loss_chunk_tokens is not supported with pipeline stages or tensor parallelism"),
+    (["--train.loss_chunk_tokens=64"], "zero2.json", "fp16", "needs bf16 or fp32, not fp16"),
+])
+def test_conflicts_are_refused_in_the_validation_pass(overrides, ds, precision, message):
+    features, setup = setup_for(overrides, ds, precision=precision)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        components.validate_all(features, setup)
+
+
+def test_chunked_loss_checks_the_model_shape_without_building_it():
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.logit_scale = 0.5  # Cohere-style logits scaled after the head: the fused loss would be wrong
+    features, setup = setup_for(["--train.loss_chunk_tokens=64"], "zero2.json", model_config=config)
+    with pytest.raises(UserError, match="its logits are transformed after the head"):
+        components.validate_all(features, setup)
+    features, setup = setup_for(["--train.loss_chunk_tokens=64"], "zero2.json")
+    components.validate_all(features, setup)  # the plain Llama passes
+
+
+def test_compression_conflicts_and_state():
+    raw = load("zero1_powersgd.json")
+    raw["zero_optimization"]["stage"] = 2
+    recipe = load_recipe("tiny/pretrain")
+    feature = components.build(recipe, raw)
+    assert [f.name for f in feature] == ["compression"]
+    setup = components.Setup(recipe, Layout(2), raw, "fp32", None, Path("/nonexistent"), DistContext(0, 0, 2), print)
+    with pytest.raises(UserError, match="works with ZeRO stage 0 or 1, but this config uses ZeRO-2"):
+        components.validate_all(feature, setup)
+    # state only once a reducer exists (a data-parallel world of one has none): the checkpointer's extras
+    component = GradientCompression(feature[0].config)
+    assert components.stateful([component]) == {}
+    component.reducer = object()
+    assert components.stateful([component]) == {"compression": component}
+
+
+def test_nothing_is_on_unless_asked():
+    assert components.build(load_recipe("tiny/pretrain"), load("zero3.json")) == []
