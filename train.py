@@ -60,6 +60,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         dist,
         ds_config,
         ds_internals,
+        env,
         export,
         faults,
         flops,
@@ -84,7 +85,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     train = recipe.train
     model_config = models.load_config(recipe.model, train.seq_len)[1]
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
-                               models.hidden_size(model_config), dist.ranks_per_node())
+                               models.hidden_size(model_config), env.ranks_per_node())
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log)
     features = components.build(recipe, raw_ds)
     components.validate_all(features, setup)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .resume import Resume
 
 COMPLETE = "complete.json"
+UNIVERSAL_SUFFIX = ".universal"  # checkpoints/step_N.universal/: a conversion beside step_N (dstrain/resume.py)
 
 
 class SaveError(Exception):
@@ -145,7 +146,11 @@ class Checkpointer:
                 faults.point("save:prune", rank, step)
                 for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
                     shutil.rmtree(old, ignore_errors=True)
-                    shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
+                    for derived in self.root.glob(old.name + UNIVERSAL_SUFFIX + "*"):  # its conversion, a failure mark
+                        if derived.is_dir():
+                            shutil.rmtree(derived, ignore_errors=True)
+                        else:
+                            derived.unlink(missing_ok=True)
         except Exception as error:  # torch.save reports a full disk as e.g. "unexpected pos 876224 vs 876112"
             if looks_like_comm_failure(error):
                 raise  # a peer died mid-save: the watchdog names it

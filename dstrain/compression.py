@@ -359,9 +359,9 @@ def install(engine, config: CompressionConfig, layout: Layout) -> Reducer | None
     """Route the engine's data-parallel gradient averaging through a Reducer; None when not needed."""
     if not config.enabled:
         return None
-    group = layout.data_parallel_group
-    if tdist.get_world_size(group) <= 1:
+    if layout.data_parallel <= 1:
         return None
+    group = layout.data_parallel_group
     exempt = frozenset() if config.compress_embeddings else embedding_shapes(engine.module)
     reducer = Reducer(config, group, step=lambda: engine.global_steps, exempt_shapes=exempt)
     stage = engine.zero_optimization_stage()

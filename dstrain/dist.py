@@ -35,8 +35,6 @@ def env_context() -> DistContext:
     return DistContext(rank=env.rank(), local_rank=env.local_rank(), world_size=env.world_size())
 
 
-ranks_per_node = env.ranks_per_node
-
 
 def _free_port() -> int:
     with socket.socket() as s:

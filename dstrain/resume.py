@@ -18,13 +18,11 @@ from pathlib import Path
 
 import psutil
 
-from .checkpoint import COMPLETE, complete_checkpoints, verify, write_atomic
+from .checkpoint import COMPLETE, UNIVERSAL_SUFFIX, complete_checkpoints, verify, write_atomic
 from .config import TrainConfig
 from .dist import DistContext, barrier
 from .errors import UserError
 from .layout import Layout
-
-UNIVERSAL_SUFFIX = ".universal"
 
 
 def resolve_resume(mode: str, root: Path) -> Path | None:

@@ -3,7 +3,9 @@
 A component is built from the recipe and the raw DeepSpeed JSON when it is turned on, and offers hooks that
 train() calls in order for every component:
   validate(setup)            every check, in one pass before anything is built, converted or written:
-                             raises UserError naming the conflict and the fix
+                             raises UserError naming the conflict and the fix. Checks of the DeepSpeed JSON
+                             alone (pipeline with ZeRO-2/3, compression with ZeRO-2/3 or offload) run once in
+                             ds_config.resolve, which the preflight and the cluster check share
   configure(ds_cfg, setup)   edits to the resolved DeepSpeed config before the engine exists
   convert(model, setup)      the model before deepspeed.initialize (returns the model to train)
   attach(engine, setup)      after the engine exists

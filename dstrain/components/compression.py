@@ -1,7 +1,6 @@
 """Gradient compression (PowerSGD, block-sign) chosen by the DeepSpeed JSON's gradient_compression key."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 
@@ -20,9 +19,6 @@ class GradientCompression(Component):
     @property
     def stateful(self) -> bool:  # no reducer on a data-parallel world of one: nothing to save
         return self.reducer is not None
-
-    def validate(self, setup: Setup) -> None:
-        compression.check_combination(copy.deepcopy(setup.ds_cfg), self.config)
 
     def attach(self, engine, setup: Setup) -> None:
         self.reducer = compression.install(engine, self.config, setup.layout)

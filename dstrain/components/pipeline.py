@@ -12,9 +12,6 @@ class Pipeline(Component):
     def __init__(self, stages: int):
         self.stages = stages
 
-    def validate(self, setup: Setup) -> None:
-        pipeline.check_combination(setup.ds_cfg)
-
     def describe(self) -> dict:
         return {"stages": self.stages}
 

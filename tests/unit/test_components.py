@@ -48,14 +48,15 @@ def test_chunked_loss_checks_the_model_shape_without_building_it():
 
 
 def test_compression_conflicts_and_state():
+    from dstrain.ds_config import DeviceCaps, resolve
     raw = load("zero1_powersgd.json")
     raw["zero_optimization"]["stage"] = 2
     recipe = load_recipe("tiny/pretrain")
     feature = components.build(recipe, raw)
     assert [f.name for f in feature] == ["compression"]
-    setup = components.Setup(recipe, Layout(2), raw, "fp32", None, Path("/nonexistent"), DistContext(0, 0, 2), print)
+    # a conflict within the DeepSpeed JSON alone is refused where the JSON is resolved, before any component runs
     with pytest.raises(UserError, match="works with ZeRO stage 0 or 1, but this config uses ZeRO-2"):
-        components.validate_all(feature, setup)
+        resolve(raw, recipe, 2, DeviceCaps("cpu", True, False))
     # state only once a reducer exists (a data-parallel world of one has none): the checkpointer's extras
     component = GradientCompression(feature[0].config)
     assert components.stateful([component]) == {}
