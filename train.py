@@ -31,11 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.watchdog import Watchdog
 
     resume.resolve_resume(args.resume, run_dir / "checkpoints")  # a bad --resume fails before anything starts
+    init_from = resume.resolve_init_from(args.init_from)
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
     ctx = dist.init()
     watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang
     try:
-        code = train(args, recipe, raw_ds, run_dir, ctx, watchdog)
+        code = train(args, recipe, raw_ds, run_dir, ctx, watchdog, init_from)
     except (UserError, SystemExit):  # the same bad input on every rank: each says so and leaves
         watchdog.close()
         raise
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> int:
+def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init_from: Path | None) -> int:
     # imported here, not at the top: deepspeed and transformers take seconds, and bad input or --preflight
     # should answer without them
     import deepspeed
@@ -79,11 +80,19 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     # ---- every input resolved and checked; nothing is built, converted or written before this block ends
     layout = Layout.from_ds_config(raw_ds, ctx.world_size, ctx.rank)
     start_from = resume.choose(args.resume, run_dir / "checkpoints", ctx, recipe.checkpoint.verify)
+    identity = resume.run_identity(recipe.to_dict())
+    if start_from:
+        resume.check_same_run(start_from, identity, run_dir)  # a run directory holds one run
+    if start_from and init_from:
+        log(f"note: {run_dir} already holds this run's checkpoints; resuming it (--init_from only starts a run)")
+        init_from = None
     if start_from:  # same global batch on a new world size: grad_accum_steps re-derived, universal conversion
         train_cfg, start_from = resume.adapt_to_world(start_from, recipe.train, layout, log)
         recipe = replace(recipe, train=train_cfg)
     train = recipe.train
     model_config = models.load_config(recipe.model, train.seq_len)[1]
+    if init_from:
+        resume.check_init_from(init_from, model_config)
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
                                models.hidden_size(model_config), env.ranks_per_node())
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log)
@@ -100,7 +109,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
     for feature in features:
         feature.configure(ds_cfg, setup)
     baseline_memory = memory.current_bytes()  # everything after this is the model and its training
-    model, _hf_ds_config = models.build(recipe.model, train, ds_cfg, tokenizer)
+    model_source = recipe.model if not init_from else replace(  # the other run's weights, as transformers loads
+        recipe.model, name_or_path=str(resume.materialize_init_from(init_from, run_dir, ctx, log)),
+        from_scratch="false")
+    model, _hf_ds_config = models.build(model_source, train, ds_cfg, tokenizer)
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
     flops_per_token = flops.flops_per_token(model_config, params_total, train.seq_len)
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
@@ -108,7 +120,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []),
-        "components": {f.name: f.describe() for f in features}, "flops_per_token": flops_per_token})
+        "components": {f.name: f.describe() for f in features}, "flops_per_token": flops_per_token,
+        "init_from": str(init_from) if init_from else None})
     for feature in features:
         model = feature.convert(model, setup)
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
@@ -139,7 +152,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog) -> i
 
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
         return {"global_batch": stream.global_batch, "samples": step * stream.global_batch + stream.offset,
-                "data_parallel": layout.data_parallel}
+                "data_parallel": layout.data_parallel, "run": identity}
 
     # ---- the loop
     if start == 0 and val:

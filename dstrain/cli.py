@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     parser.add_argument("--ds_config", default=None, help="JSON in ds_configs/ or a path (default: the recipe's)")
     parser.add_argument("--output_dir", default=None, help="run directory (default: runs/<recipe name>)")
     parser.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), never, or a path")
+    parser.add_argument("--init_from", default=None,
+                        help="start a new run from the weights of another run's checkpoint (a run directory or "
+                             "checkpoints/step_*): fresh optimizer, step 0; e.g. SFT after pretraining")
     parser.add_argument("--preflight", action="store_true",
                         help="estimate per-rank memory for this recipe, config and --world_size, then exit")
     parser.add_argument("--world_size", type=int, default=None,

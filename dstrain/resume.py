@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from .checkpoint import COMPLETE, UNIVERSAL_SUFFIX, complete_checkpoints, verify, write_atomic
-from .config import TrainConfig
+from .config import TrainConfig, local_or_hub
 from .dist import DistContext, barrier
 from .errors import UserError
 from .layout import Layout
@@ -42,6 +42,107 @@ def resolve_resume(mode: str, root: Path) -> Path | None:
         raise UserError(f"--resume {mode}: not a complete checkpoint (no {COMPLETE}); pass a "
                         f"checkpoints/step_* directory, or --resume auto")
     return path
+
+
+# What makes a run directory one run: a checkpoint trained on other weights, data or sequence layout cannot be
+# continued by this recipe (its optimizer state, data position and loss curve belong to the other run)
+_FORMAT_FIELDS = {"text": ("text_field",), "prompt_response": ("prompt_field", "response_field"),
+                  "chat": ("messages_field",)}
+
+
+def run_identity(recipe: dict) -> dict:
+    """The recipe keys a run directory is bound to, from Recipe.to_dict() or a saved recipe.yaml."""
+    model, data = recipe.get("model") or {}, recipe.get("data") or {}
+
+    def where(name):
+        return None if name is None else os.path.realpath(local_or_hub(name)) if Path(
+            local_or_hub(name)).exists() else name
+
+    fmt = data.get("format", "text")
+    out = {"model.name_or_path": where(model.get("name_or_path")),
+           "model.tokenizer": where(model.get("tokenizer") or model.get("name_or_path")),
+           "model.config_overrides": model.get("config_overrides") or {},
+           "data.format": fmt, "data.path": where(data.get("path")), "data.name": data.get("name"),
+           "train.seq_len": (recipe.get("train") or {}).get("seq_len")}
+    for key in _FORMAT_FIELDS.get(fmt, ()):
+        out[f"data.{key}"] = data.get(key)
+    if "chat_template" in data:
+        out["data.chat_template"] = data.get("chat_template")
+    return out
+
+
+def check_same_run(resume: Resume, identity: dict, run_dir: Path) -> None:
+    """Refuse, before anything is written, to continue a checkpoint of another run (other model, data,
+    format or seq_len): its optimizer state, data position and loss curve belong to that run."""
+    saved = resume.manifest.get("run")
+    if saved is None and (run_dir / "recipe.yaml").is_file():  # checkpoints from before the manifest kept it
+        import yaml
+        saved = run_identity(yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {})
+    if not saved:
+        return
+    differ = [key for key in identity if key in saved and saved[key] != identity[key]]
+    if differ:
+        key = differ[0]
+        changes = f"{key} {_short(saved[key])} -> {_short(identity[key])}" + (
+            f" and {len(differ) - 1} more" if len(differ) > 1 else "")
+        raise UserError(f"{run_dir} holds another run ({changes}); use a new --output_dir, adding "
+                        f"--init_from {run_dir} to start from its weights")
+
+
+def _short(value) -> str:
+    text = str(value)
+    return ".../" + "/".join(Path(text).parts[-2:]) if text.startswith("/") and len(Path(text).parts) > 3 else text
+
+
+def resolve_init_from(path: str | None) -> Path | None:
+    """--init_from: the newest complete checkpoint of a run directory, a checkpoints/ folder, or a step_N."""
+    if path is None:
+        return None
+    given = Path(path)
+    found = [given] if (given / COMPLETE).is_file() else (complete_checkpoints(given / "checkpoints")
+                                                           or complete_checkpoints(given))
+    if not found:
+        raise UserError(f"--init_from {path}: no complete checkpoint there; pass a run directory or a "
+                        f"checkpoints/step_* directory")
+    ckpt = found[-1]
+    if not (ckpt.parent.parent / "model_config" / "config.json").is_file():
+        raise UserError(f"--init_from {path}: {ckpt.parent.parent / 'model_config'} is missing; pass a checkpoint "
+                        f"inside a run directory written by train.py")
+    return ckpt
+
+
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head",
+               "n_inner", "tie_word_embeddings")
+
+
+def check_init_from(ckpt: Path, config) -> None:
+    """The checkpoint's model must have the recipe model's shapes (its weights are loaded into it)."""
+    from transformers import AutoConfig
+
+    theirs = AutoConfig.from_pretrained(ckpt.parent.parent / "model_config").to_dict()
+    ours = config.to_dict()
+    differ = [k for k in _SHAPE_KEYS if theirs.get(k) != ours.get(k)]
+    if differ:
+        changes = ", ".join(f"{k} {theirs.get(k)} -> {ours.get(k)}" for k in differ[:3])
+        raise UserError(f"--init_from {ckpt}: its model differs from model.name_or_path's ({changes}); point "
+                        f"model.name_or_path at the same architecture")
+
+
+def materialize_init_from(ckpt: Path, run_dir: Path, ctx: DistContext, log=print) -> Path:
+    """The checkpoint's full weights as a Hugging Face directory in run_dir/init_weights (written once, by
+    rank 0; the others wait): transformers then loads it as any model, under every strategy and world size,
+    so a new run starts from exactly what that checkpoint holds."""
+    from .export import export_hf
+
+    out = run_dir / "init_weights"
+    if ctx.is_main and not (out / "config.json").is_file():
+        log(f"writing the weights of {ckpt} to {out} to start from them")
+        import torch
+        export_hf(ckpt, out, torch.float32)  # renamed into place whole: config.json means complete
+    while not (out / "config.json").is_file():  # no barrier: a big export may outlast the collective timeout
+        time.sleep(0.5)
+    return out
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""A run directory holds one run: continuing it with another model, data or format is refused before anything
+is written, and --init_from starts a new run from its weights on purpose (issue 16, defect 1)."""
+from safetensors.torch import load_file
+
+from tests.helpers import launch
+
+COMMON = ["--train.seq_len=32", "--train.micro_batch_size=4", "--eval.every=0", "--log.wandb=false",
+          "--log.progress_bar=false", "--log.plot=false"]
+
+
+def _snapshot(run):
+    return {str(p.relative_to(run)): (p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*")}
+
+
+def test_another_run_in_the_same_directory_is_refused_and_init_from_starts_from_its_weights(tmp_path, cache,
+                                                                                            tiny_llama):
+    pretrain = tmp_path / "pt"
+    launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--train.max_steps=3", "--train.lr=1e-2",
+                     "--output_dir", str(pretrain)], cache, launcher="python")
+    before = _snapshot(pretrain)
+
+    # what the user did: the SFT recipe pointed at the pretraining run's directory
+    for other in (["--recipe", "tiny/chat_sft", f"--model.name_or_path={tiny_llama}"],
+                  ["--model.name_or_path=recipes/tiny/model"]):
+        proc = launch(COMMON + other + ["--train.max_steps=5", "--output_dir", str(pretrain)], cache,
+                      launcher="python", check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(error) == 1 and "holds another run" in error[0] and "--init_from" in error[0], proc.stderr[-3000:]
+        assert len(error[0].replace(str(pretrain), "DIR")) < 200, error[0]
+        assert "Traceback" not in proc.stderr
+        assert _snapshot(pretrain) == before, "a refused run touched the existing run directory"
+
+    # on purpose: SFT from the pretraining checkpoint's weights, 2 ranks under ZeRO-3 (built inside zero.Init);
+    # lr so small that the exported weights must still be the pretraining run's
+    sft = tmp_path / "sft"
+    proc = launch(COMMON + ["--recipe", "tiny/chat_sft", f"--model.name_or_path={tiny_llama}",
+                            "--init_from", str(pretrain), "--train.max_steps=1", "--train.lr=1e-9",
+                            "--train.warmup_steps=0", "--output_dir", str(sft), "--ds_config", "zero3.json"], cache)
+    assert "starting at step 0" in proc.stderr
+    assert _snapshot(pretrain) == before, "--init_from must only read the other run"
+    start = load_file(pretrain / "hf" / "model.safetensors")
+    original = load_file(tiny_llama / "model.safetensors")
+    got = load_file(sft / "hf" / "model.safetensors")
+    assert set(got) == set(start)
+    # the pretraining run moved the weights, so loading model.name_or_path instead would be caught here
+    assert max((start[k].float() - original[k].float()).abs().max().item() for k in start) > 1e-3
+    assert max((got[k].float() - start[k].float()).abs().max().item() for k in start) < 1e-6
