@@ -55,6 +55,9 @@ RUN DS_ACCELERATOR=$(python -c "import torch; print('cuda' if torch.version.cuda
     python scripts/prebuild_ops.py ${DS_PREBUILD_OPS}
 
 COPY . .
+# docker stop sends SIGTERM to the CMD: launch/single_node.sh passes it to the ranks (checkpoint, exit 75);
+# give them time to save with `docker stop -t 120`
+STOPSIGNAL SIGTERM
 CMD ["launch/single_node.sh"]
 
 # Smoke test, run by the build itself: the default recipe to its last step on 2 CPU ranks (or the GPUs),

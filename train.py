@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang
     try:
         code = train(args, recipe, raw_ds, run_dir, ctx, watchdog, init_from)
-    except (UserError, SystemExit):  # the same bad input on every rank: each says so and leaves
+    except (UserError, SystemExit, KeyboardInterrupt):  # the same bad input (or Ctrl-C) on every rank: leave
         watchdog.close()
         raise
     except checkpoint.SaveError as error:  # this rank could not write; the others may wait in a collective
@@ -80,9 +80,6 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     # ---- every input resolved and checked; nothing is built, converted or written before this block ends
     layout = Layout.from_ds_config(raw_ds, ctx.world_size, ctx.rank)
     start_from = resume.choose(args.resume, run_dir / "checkpoints", ctx, recipe.checkpoint.verify)
-    identity = resume.run_identity(recipe.to_dict())
-    if start_from:
-        resume.check_same_run(start_from, identity, run_dir)  # a run directory holds one run
     if start_from and init_from:
         log(f"note: {run_dir} already holds this run's checkpoints; resuming it (--init_from only starts a run)")
         init_from = None
@@ -100,6 +97,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     components.validate_all(features, setup)
     tokenizer = models.load_tokenizer(recipe.model)
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
+    identity = resume.run_identity(recipe.to_dict())
+    if start_from:  # a run directory holds one run; checked last, so a plain input mistake is named first
+        resume.check_same_run(start_from, identity, run_dir)
 
     # ---- build
     resume.set_aside(start_from, ctx, log)  # damaged checkpoints newer than the chosen one
@@ -119,7 +119,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         "parameters": params_total, "parameters_on_rank0_at_build": params_local,
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
-        "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []),
+        "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []), "data": prepared.summary,
         "components": {f.name: f.describe() for f in features}, "flops_per_token": flops_per_token,
         "init_from": str(init_from) if init_from else None})
     for feature in features:
@@ -145,6 +145,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
                       flops_per_token, peak.flops * ctx.world_size)
+    metrics.message(f"data: {prepared.summary}")
     metrics.message(f"{'resumed from ' + str(start_from.path) if start_from else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}; "
                     f"MFU = tokens/s x {flops_per_token / 1e6:,.1f} MFLOP/token / ({ctx.world_size} x "

@@ -10,7 +10,7 @@ from typing import NoReturn
 
 from . import env
 from .config import DEFAULT_RECIPE, RECIPES_DIR, Recipe, load_recipe, parse_overrides, resolve_recipe_path
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR, UserError
 
 DESCRIPTION = "Train a Hugging Face causal LM with DeepSpeed."
 
@@ -77,6 +77,10 @@ def exit_with(main: Callable[[], int]) -> NoReturn:
         if env.rank() == 0:  # every rank hits the same input error; say it once
             print(f"error: {error}", file=sys.stderr)
         code = EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C before the first step (once training runs, it is a graceful stop)
+        if env.rank() == 0:
+            print("interrupted before training started; nothing was saved", file=sys.stderr)
+        code = EXIT_INTERRUPTED
     except SystemExit as stop:  # preflight's verdict, argparse, or a stop decided inside the run
         if not isinstance(stop.code, (int, type(None))):
             print(stop.code, file=sys.stderr)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from .errors import UserError
 from .layout import Layout
 
 IGNORE_INDEX = -100
+STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequences, truncated, dropped
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                  ".text": "text", ".arrow": "arrow"}
 
@@ -132,10 +134,8 @@ def _segments_plain(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
     return pieces
 
 
-def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
-    """input_ids / labels / attention_mask of one conversation, padded to seq_len; labels only on replies.
-
-    None when truncation leaves no reply token to learn from."""
+def _sft_tokens(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    """A whole conversation's ids and labels (IGNORE_INDEX except on assistant replies), untruncated."""
     if tokenizer.chat_template:
         pieces = _segments_with_template(messages, tokenizer)
         ids, labels = [], []
@@ -147,6 +147,11 @@ def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
         labels += piece if trainable else [IGNORE_INDEX] * len(piece)
+    return ids, labels
+
+
+def _fit(ids: list[int], labels: list[int], seq_len: int, tokenizer) -> dict | None:
+    """Truncated (the end of the conversation is cut) and padded to seq_len; None when no reply token is left."""
     ids, labels = ids[:seq_len], labels[:seq_len]
     if all(label == IGNORE_INDEX for label in labels[1:]):
         return None
@@ -154,6 +159,13 @@ def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
     n_pad = seq_len - len(ids)
     return {"input_ids": ids + [pad] * n_pad, "labels": labels + [IGNORE_INDEX] * n_pad,
             "attention_mask": [1] * len(ids) + [0] * n_pad}
+
+
+def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
+    """input_ids / labels / attention_mask of one conversation, padded to seq_len; labels only on replies.
+
+    None when truncation leaves no reply token to learn from."""
+    return _fit(*_sft_tokens(messages, tokenizer), seq_len, tokenizer)
 
 
 def _to_messages(row: dict, cfg: DataConfig) -> list[dict]:
@@ -174,20 +186,51 @@ def check_fields(dataset, cfg: DataConfig) -> None:
         _require_field(dataset, name, key, cfg.path)
 
 
-def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int):
-    """Raw split -> model-ready split (input_ids [+ labels, attention_mask for SFT])."""
+SFT_COLUMNS = ("input_ids", "labels", "attention_mask")
+
+
+def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, dict]:
+    """Raw split -> (model-ready split: input_ids [+ labels, attention_mask for SFT], counts for the report).
+
+    SFT examples longer than seq_len are truncated at seq_len (their end is cut); those left without a reply
+    token are dropped. Both are counted: a user should know what a seq_len costs."""
     check_fields(dataset, cfg)
     if cfg.format == "text":
         def fn(batch):
             return {"input_ids": pack_texts(batch[cfg.text_field], tokenizer, seq_len)}
-    else:
-        def fn(batch):
-            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-            examples = [sft_example(_to_messages(r, cfg), tokenizer, seq_len) for r in rows]
-            examples = [e for e in examples if e is not None]
-            return {k: [e[k] for e in examples] for k in ("input_ids", "labels", "attention_mask")}
-    return dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                       num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenizing")
+        out = dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
+                          num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenizing")
+        return out, {"documents": len(dataset), "sequences": len(out)}
+
+    def fn(batch):
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        out = {k: [] for k in (*SFT_COLUMNS, "full_length")}
+        for row in rows:
+            ids, labels = _sft_tokens(_to_messages(row, cfg), tokenizer)
+            example = _fit(ids, labels, seq_len, tokenizer)
+            for key in SFT_COLUMNS:  # a dropped example stays as an empty row until it is counted
+                out[key].append(example[key] if example else [])
+            out["full_length"].append(len(ids) if example else -len(ids))
+        return out
+    marked = dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
+                         num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenizing")
+    lengths = np.asarray(marked["full_length"], dtype=np.int64)
+    kept = np.flatnonzero(lengths >= 0)
+    out = marked.select(kept).remove_columns("full_length")
+    return out, {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
+                 "dropped": int((lengths < 0).sum())}
+
+
+def report(stats: dict, seq_len: int) -> str:
+    """One line on what tokenization made of the data."""
+    if "documents" in stats:
+        return (f"{stats['documents']:,} documents packed into {stats['sequences']:,} sequences of {seq_len} "
+                f"tokens (the last partial block dropped)")
+    text = f"{stats['examples']:,} examples -> {stats['sequences']:,} sequences of {seq_len} tokens"
+    if stats["truncated"] or stats["dropped"]:
+        text += (f"; {stats['truncated']:,} longer than seq_len were truncated (their end cut), "
+                 f"{stats['dropped']:,} dropped (no reply token within {seq_len}); raise train.seq_len to keep them")
+    return text
 
 
 # ----------------------------------------------------------------------------- cache
@@ -202,7 +245,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(cfg: DataConfig, seq_len: int, seed: int, tokenizer, raw_fingerprints: list[str]) -> str:
     payload = json.dumps({"data": asdict(cfg) | {"cache_dir": None, "num_proc": None}, "seq_len": seq_len,
                           "seed": seed, "tokenizer": _tokenizer_fingerprint(tokenizer), "raw": raw_fingerprints,
-                          "version": 1}, sort_keys=True, default=str)
+                          "version": 2}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
@@ -216,6 +259,7 @@ class Prepared:
     val: Any
     cache_path: Path
     cache_hit: bool
+    summary: str = ""  # what tokenization made of the training split (data.report)
 
 
 def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, is_local_main: bool, barrier) -> Prepared:
@@ -232,24 +276,34 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, is_local_main: 
     if is_local_main and not hit:
         tmp = root / f".tmp-{path.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        splits = {"train": tokenize(train_raw, cfg, tokenizer, seq_len)}
-        if val_raw is not None:
-            splits["validation"] = tokenize(val_raw, cfg, tokenizer, seq_len)
-        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        print(f"tokenizing {cfg.path} ({len(train_raw):,} training rows) into {path}; once, reused by later runs",
+              file=sys.stderr, flush=True)
+        splits, stats = {}, {}
+        for name, split in (("train", train_raw), ("validation", val_raw)):
+            if split is not None:
+                tokenized, stats[name] = tokenize(split, cfg, tokenizer, seq_len)
+                if len(tokenized):  # datasets cannot load back a saved split with no rows (IndexError)
+                    splits[name] = tokenized
+        if splits:
+            datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / STATS).write_text(json.dumps(stats))
         (tmp / "done").write_text("ok\n")
         try:
             tmp.rename(path)
         except OSError:  # another node on a shared filesystem published it first
             shutil.rmtree(tmp, ignore_errors=True)
     barrier()
+    stats = json.loads((path / STATS).read_text())
+    if not stats["train"]["sequences"]:  # every rank reads the same record and gives the same answer
+        hint = "provide longer or more documents, or lower train.seq_len" if cfg.format == "text" else \
+            f"all {stats['train']['examples']:,} examples are longer than train.seq_len (no reply token fits); " \
+            f"raise train.seq_len"
+        raise UserError(f"dataset '{cfg.path}' gives no training sequences of length {seq_len}: {hint}")
     loaded = datasets.load_from_disk(str(path))
     train = loaded["train"].with_format("torch")
     val = loaded["validation"].with_format("torch") if "validation" in loaded else None
-    if len(train) == 0:
-        hint = "provide longer or more documents, or lower train.seq_len" if cfg.format == "text" else \
-            "every example was empty or truncated away; raise train.seq_len"
-        raise UserError(f"dataset '{cfg.path}' gives no training sequences of length {seq_len}: {hint}")
-    return Prepared(train, val if val is not None and len(val) else None, path, hit)
+    return Prepared(train, val, path, hit, report(stats["train"], seq_len))
 
 
 # ----------------------------------------------------------------------------- batching

@@ -6,6 +6,7 @@ Exit codes (launch/common.sh treats 0, 2, 74 and 75 as final and restarts on any
   2   EXIT_USER_ERROR  bad input (recipe, config, data, paths); one line says what to change
   74  EXIT_SAVE_FAILED EX_IOERR: a checkpoint could not be written (a full disk stays full: not retried)
   75  EXIT_STOPPED     EX_TEMPFAIL: stopped on request (signal, STOP file) after a checkpoint (SLURM requeues)
+  130 EXIT_INTERRUPTED Ctrl-C before the first step: nothing to save (during training Ctrl-C is a stop: 75)
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_SAVE_FAILED = 74
 EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 
 class UserError(Exception):

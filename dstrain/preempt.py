@@ -1,24 +1,32 @@
 """Stop cleanly when asked: save a checkpoint at the next step boundary and exit with EXIT_CODE.
 
-Three ways to ask, for three kinds of scheduler:
-  SIGUSR1 or SIGTERM to any rank   SLURM `--signal=USR1@T` on the steps, spot-VM / Kubernetes SIGTERM;
+Ways to ask, for every kind of scheduler and user:
+  SIGUSR1, SIGTERM or SIGINT        SLURM `--signal=USR1@T` on the steps, spot-VM / Kubernetes SIGTERM, Ctrl-C
+    to any rank                     (SIGINT to the whole process group);
+  the launcher going away           `kill <deepspeed launcher pid>`: DeepSpeed's runner has no handler on one node
+                                    and dies alone, leaving the ranks training; each rank watches its launcher
+                                    (deepspeed's launch.py and the runner above it, or torchrun) and stops when
+                                    it is gone. launch/*.sh trap SIGTERM/SIGINT (`docker stop`) and signal the
+                                    ranks themselves (`python -m dstrain.preempt PID`), then wait for exit 75;
   a file named STOP in the run dir  `touch runs/x/STOP`, or launch/slurm.sbatch's trap, which gets the
                                     signal in the batch shell (`--signal=B:USR1@T`) and cannot reach
                                     ranks on other nodes except through the shared file system.
 The ranks agree on stopping with one all-reduce of a flag per step, so all save the same step.
-A second SIGTERM is not caught: it kills as usual.
+A second SIGINT or SIGTERM to a rank is not caught: it kills as usual.
 EXIT_CODE is 75 (EX_TEMPFAIL, "try again"): launch/slurm.sbatch requeues the job on it, and the next
 run resumes from the checkpoint (--resume auto).
 """
 from __future__ import annotations
 
 import signal
+import sys
+import threading
 from pathlib import Path
 
 import psutil
 
 from .dist import DistContext, all_reduce_sum
-from .errors import EXIT_STOPPED
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 
 EXIT_CODE = EXIT_STOPPED
 STOP_FILE = "STOP"
@@ -33,13 +41,24 @@ class StopRequest:
         started = psutil.Process().create_time()
         if ctx.is_main and self.path.exists() and self.path.stat().st_mtime < started:
             self.path.unlink()  # left from an earlier run that finished before it saw the file
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        self._launchers = launchers()
+        if self._launchers:
+            threading.Thread(target=self._watch, name="dstrain-launcher-watch", daemon=True).start()
 
     def _on_signal(self, signum, frame) -> None:
-        self.reason = signal.Signals(signum).name
-        if signum == signal.SIGTERM:  # asked once politely; a second SIGTERM kills
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.reason = self.reason or signal.Signals(signum).name
+        if signum != signal.SIGUSR1:  # asked once politely; a second SIGTERM or SIGINT kills
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    def _watch(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(1.0):
+            gone = [p for p in self._launchers if not _running(p)]
+            if gone:
+                self.reason = self.reason or f"the launcher {gone[0].name()} (pid {gone[0].pid}) exited"
+                return
 
     def agreed(self, step: int, device) -> bool:
         """True on every rank when any rank was signalled or rank 0 sees the STOP file."""
@@ -53,3 +72,61 @@ class StopRequest:
                 self.path.unlink()  # consumed: the resumed run must not stop on it again
         return bool(votes)
 
+
+
+_LAUNCHERS = ("deepspeed.launcher.launch", "torchrun", "torch.distributed.run", "accelerate")
+
+
+def launchers() -> list[psutil.Process]:
+    """The processes that started this rank and whose death should stop it: deepspeed's per-node launch.py and
+    what started it (the runner, or on other nodes pdsh's ssh session), torchrun, accelerate. A plain
+    `python train.py` watches nothing: `nohup python train.py &` must survive its shell."""
+    try:
+        parent = psutil.Process().parent()
+        if parent is None or parent.pid == 1:
+            return []
+        command = " ".join(parent.cmdline())
+        if "deepspeed.launcher.launch" in command:
+            grand = parent.parent()
+            return [parent] + ([grand] if grand is not None and grand.pid != 1 else [])
+        return [parent] if any(name in command for name in _LAUNCHERS) else []
+    except psutil.Error:
+        return []
+
+
+def _running(process: psutil.Process) -> bool:
+    try:  # is_running() also compares the start time, so a reused pid is not taken for the launcher
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def signal_ranks(root: int, signum: int = signal.SIGTERM) -> int:
+    """Send signum to every training rank below process `root` (a launcher): the processes carrying the
+    launcher's RANK/LOCAL_RANK whose parent does not (so not a rank's own helper processes). The launcher
+    itself is not signalled: deepspeed's runner would die at once, launch.py would SIGKILL the ranks 30 s
+    later. Returns how many ranks were signalled."""
+    try:
+        tree = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return 0
+    ranks = []
+    for proc in tree:
+        try:
+            if "LOCAL_RANK" in proc.environ() and "LOCAL_RANK" not in proc.parent().environ():
+                ranks.append(proc)
+        except psutil.Error:
+            continue
+    for proc in ranks:
+        try:
+            proc.send_signal(signum)
+        except psutil.Error:
+            pass
+    return len(ranks)
+
+
+if __name__ == "__main__":  # python -m dstrain.preempt LAUNCHER_PID: what launch/common.sh's trap runs
+    count = signal_ranks(int(sys.argv[1]))
+    print(f"launch: asked {count} rank(s) below pid {sys.argv[1]} to checkpoint and stop (exit 75)",
+          file=sys.stderr)
+    sys.exit(EXIT_OK if count else EXIT_FAILED)

@@ -36,14 +36,43 @@ export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-131072}
 # Retries: a run that fails (a dead rank, a lost node, a hang the watchdog ended) starts again, up to
 # MAX_RESTARTS times, RESTART_DELAY seconds apart; each attempt resumes from the newest complete
 # checkpoint (--resume auto). Not retried: success (0), bad input (2), a checkpoint that could not be
-# written (74: a full disk stays full), a requested stop (75: SIGTERM/SIGUSR1/STOP file).
+# written (74: a full disk stays full), a requested stop (75: SIGTERM/SIGUSR1/STOP file), Ctrl-C before
+# the first step (130).
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RESTART_DELAY=${RESTART_DELAY:-10}
-final_status() { case "$1" in 0|2|74|75) return 0;; *) return 1;; esac; }
+final_status() { case "$1" in 0|2|74|75|130) return 0;; *) return 1;; esac; }
+
+# SIGTERM or SIGINT to this script (`docker stop`, a scheduler, `kill`, Ctrl-C) reaches the training ranks, which
+# checkpoint at the next step and exit 75; the launcher is left alone, since DeepSpeed's runner dies on SIGTERM
+# without passing it on, and its launch.py kills the ranks 30 s after forwarding one.
+LAUNCHER_PID=
+stop_ranks() {
+  # no rank below the launcher (pdsh: they run under sshd on each node): the launcher's own handler passes it on
+  if [[ -n "$LAUNCHER_PID" ]]; then "$PYTHON" -m dstrain.preempt "$LAUNCHER_PID" || kill -TERM "$LAUNCHER_PID" || true; fi
+}
+# Run a launcher in the background (so a trapped signal is handled while it runs) and return its exit status.
+# Its own session: Ctrl-C in a terminal reaches only this script, which passes one SIGTERM to each rank
+# (the terminal's SIGINT to every process would also kill DeepSpeed's runner and make launch.py kill the ranks).
+run_launcher() {
+  local status
+  setsid "$@" &
+  LAUNCHER_PID=$!
+  trap stop_ranks TERM INT
+  while true; do
+    wait "$LAUNCHER_PID" && status=0 || status=$?
+    # wait returns early (128+signal) when a trapped signal arrives; wait again until the launcher is gone
+    if kill -0 "$LAUNCHER_PID" 2>/dev/null; then continue; fi
+    wait "$LAUNCHER_PID" 2>/dev/null && status=0 || status=$?
+    break
+  done
+  trap - TERM INT
+  LAUNCHER_PID=
+  return "$status"
+}
 run_with_retries() {
   local attempt=0 status extra=()
   while true; do
-    "$@" "${extra[@]}" && status=0 || status=$?
+    run_launcher "$@" "${extra[@]}" && status=0 || status=$?
     if final_status "$status"; then return "$status"; fi
     if (( attempt >= MAX_RESTARTS )); then
       echo "launch: exit $status after $attempt restart(s); giving up (MAX_RESTARTS=$MAX_RESTARTS)" >&2

@@ -5,7 +5,6 @@ import glob
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything below it (launch/ scripts start the launcher in its own session, so
+    killing the script's process group would leave the ranks running)."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.Error:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def env(cache: Path, **extra) -> dict:
@@ -54,7 +69,7 @@ def launch(args: list[str], cache: Path, launcher: str = "deepspeed", nproc: int
         try:
             out, err = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
+            kill_tree(popen.pid)
             out, err = popen.communicate()
             raise AssertionError(f"{' '.join(cmd + args)} ran past {timeout}s\n--- stderr\n{err[-6000:]}") from None
     proc = subprocess.CompletedProcess(cmd + args, popen.returncode, out, err)

@@ -52,6 +52,9 @@ CASES = {
                                "gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
     # seq_len too long, an unreachable hub id, data and model mistakes: on an existing run, further down
     "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),
+    # issue 16: crashed with an IndexError inside datasets.load_from_disk
+    "chat data all longer than seq_len": (["--recipe", "tiny/chat_sft", "--train.seq_len=8"],
+                                          "gives no training sequences of length 8: all"),
 }
 
 

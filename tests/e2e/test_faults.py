@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import ROOT, env, free_port, launch, metrics
+from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
@@ -92,7 +92,7 @@ def test_kill9_of_a_rank_is_retried_by_launch_script_and_matches_uninterrupted(t
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     assert proc.returncode == 0, err[-5000:]
     assert "restart 1 of 2" in err and "restart 2" not in err
     assert "died" in err, err[-5000:]  # the surviving rank named the dead one before it left

@@ -180,3 +180,38 @@ def test_unsupported_extension_and_missing_split(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(UserError, match="has no split 'training'"):
         data.load_raw(DataConfig(path=str(tmp_path / "d.jsonl"), train_split="training"))
+
+
+def test_overlong_sft_examples_are_counted_truncated_or_dropped(tok, tmp_path):
+    """Issue 16: examples longer than seq_len were silently cut or lost. Counted against lengths computed here
+    with the tokenizer alone (not with the code under test)."""
+    short = {"prompt": "Q?", "response": "A."}
+    long_reply = {"prompt": "Q?", "response": " ".join(["Mira had two keys."] * 20)}  # reply starts in time
+    long_prompt = {"prompt": " ".join(["Tom ran to the hill."] * 20), "response": "A."}  # reply never fits
+    rows = [short] * 5 + [long_reply] * 3 + [long_prompt] * 2
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seq_len = 32
+    for row in (short, long_reply, long_prompt):  # the premise, measured independently
+        text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]},
+                                        {"role": "assistant", "content": row["response"]}], tokenize=False)
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        assert (n <= seq_len) == (row is short), (row, n)
+    cfg = DataConfig(path=str(path), format="prompt_response", val_fraction=0.0, cache_dir=str(tmp_path / "c"))
+    prepared = data.prepare(cfg, tok, seq_len, 0, True, lambda: None)
+    assert len(prepared.train) == 8
+    assert "10 examples -> 8 sequences" in prepared.summary
+    assert "3 longer than seq_len were truncated" in prepared.summary and "2 dropped" in prepared.summary
+    again = data.prepare(cfg, tok, seq_len, 0, True, lambda: None)  # a cache hit reports the same
+    assert again.cache_hit and again.summary == prepared.summary
+
+
+def test_data_that_tokenizes_to_nothing_is_one_clear_error(tok, tmp_path):
+    """Issue 16: a 3-line text file at seq_len 128 (or chat data all longer than seq_len) crashed with an
+    IndexError inside datasets.load_from_disk."""
+    path = tmp_path / "three.txt"
+    path.write_text("It was a sunny day.\nMira had two keys.\nTom ran.\n")
+    cfg = DataConfig(path=str(path), val_fraction=0.0, cache_dir=str(tmp_path / "c"))
+    for _ in range(2):  # and again from the cache
+        with pytest.raises(UserError, match="gives no training sequences of length 128: provide longer"):
+            data.prepare(cfg, tok, 128, 0, True, lambda: None)
