@@ -30,7 +30,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     parser.add_argument("--preflight", action="store_true",
                         help="estimate per-rank memory for this recipe, config and --world_size, then exit")
     parser.add_argument("--world_size", type=int, default=None,
-                        help="with --preflight: ranks of the real run (default: WORLD_SIZE, the recipe's, or 1)")
+                        help="with --preflight: ranks of the real run (default: WORLD_SIZE, the recipe's, or 1); "
+                             "when training: accept this world for a recipe written for another world_size "
+                             "and train with its batch as written (by default grad_accum_steps is re-derived "
+                             "to keep the recipe's global batch)")
     parser.add_argument("--ranks_per_node", type=int, default=None,
                         help="with --preflight: ranks sharing one node's GPUs or RAM (default: all on one node)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's

@@ -81,3 +81,27 @@ class Layout:
     def describe(self) -> str:
         return (f"world {self.world_size} = data-parallel {self.data_parallel} x pipeline {self.pipeline_stages} x "
                 f"tensor-parallel {self.tensor_parallel}")
+
+
+def batch_hint(global_batch: int, data_parallel: int) -> str:
+    """How to make up global_batch samples per step on data_parallel ranks (micro batch x accumulation)."""
+    if global_batch % data_parallel:
+        fits = [n for n in range(1, min(global_batch, 1024) + 1) if global_batch % n == 0]
+        return (f"{global_batch} samples do not split over {data_parallel} data-parallel ranks; launch a "
+                f"data-parallel size among {', '.join(map(str, fits[-8:]))} (or a divisor of {global_batch})")
+    per_rank = global_batch // data_parallel
+    sizes = [n for n in range(1, per_rank + 1) if per_rank % n == 0]
+    return f"choose train.micro_batch_size among {', '.join(map(str, sizes[:8]))} (divisors of {per_rank})"
+
+
+def keep_global_batch(micro_batch_size: int, grad_accum_steps: int, written_for: Layout, layout: Layout) -> int:
+    """grad_accum_steps that keeps the global batch a recipe was written for (its world_size) on this world: the
+    global batch is a hyper-parameter. UserError when no accumulation can."""
+    global_batch = micro_batch_size * grad_accum_steps * written_for.data_parallel
+    per_step = micro_batch_size * layout.data_parallel
+    if global_batch % per_step:
+        raise UserError(f"the recipe was written for world_size {written_for.world_size} (global batch "
+                        f"{global_batch}); on {layout.world_size} ranks no grad_accum_steps keeps it: "
+                        f"{batch_hint(global_batch, layout.data_parallel)}, or pass --world_size="
+                        f"{layout.world_size} to train with the batch as written")
+    return global_batch // per_step

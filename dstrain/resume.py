@@ -22,7 +22,7 @@ from .checkpoint import COMPLETE, UNIVERSAL_SUFFIX, complete_checkpoints, verify
 from .config import TrainConfig, local_or_hub
 from .dist import DistContext, barrier
 from .errors import UserError
-from .layout import Layout
+from .layout import Layout, batch_hint
 
 
 def resolve_resume(mode: str, root: Path) -> Path | None:
@@ -213,10 +213,9 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
                         f"layout, so launch {manifest.get('world_size')} ranks")
     per_step = train.micro_batch_size * data_parallel
     if global_batch % per_step:
-        divisor = global_batch // data_parallel if global_batch % data_parallel == 0 else global_batch
         raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
                         f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
-                        f"choose a micro_batch_size that divides {divisor}")
+                        f"{batch_hint(global_batch, data_parallel)}")
     log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
         f"{train.grad_accum_steps} -> {global_batch // per_step} keeps the global batch at {global_batch}")
     universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion

@@ -46,3 +46,23 @@ def test_another_run_in_the_same_directory_is_refused_and_init_from_starts_from_
     # the pretraining run moved the weights, so loading model.name_or_path instead would be caught here
     assert max((start[k].float() - original[k].float()).abs().max().item() for k in start) > 1e-3
     assert max((got[k].float() - start[k].float()).abs().max().item() for k in start) < 1e-6
+
+
+def test_a_recipe_written_for_more_ranks_keeps_its_global_batch(tmp_path, cache, tiny_llama):
+    """Issue 16: a recipe written for 8 ranks trained at world 1 with an eighth of its global batch, silently.
+    Now grad_accum_steps is re-derived (and said so); --world_size=1 accepts the batch as written."""
+    import json
+    recipe = tmp_path / "written_for_4.yaml"
+    recipe.write_text(f"world_size: 4\nmodel:\n  name_or_path: {tiny_llama}\n"
+                      "train:\n  micro_batch_size: 2\n  grad_accum_steps: 1\n  max_steps: 1\n")
+    run = tmp_path / "run"
+    proc = launch(COMMON + ["--recipe", str(recipe), "--train.micro_batch_size=2", "--output_dir", str(run)], cache,
+                  launcher="python")
+    assert "written for world_size 4; on 1 grad_accum_steps 1 -> 4 keeps its global batch of 8" in proc.stderr
+    assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 8
+    accepted = tmp_path / "accepted"
+    proc = launch(COMMON + ["--recipe", str(recipe), "--train.micro_batch_size=2", "--world_size", "1",
+                            "--output_dir", str(accepted)], cache,
+                  launcher="python")
+    assert "written for world_size" not in proc.stderr
+    assert json.loads((accepted / "ds_config.json").read_text())["train_batch_size"] == 2

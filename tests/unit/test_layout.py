@@ -35,3 +35,25 @@ def test_tensor_parallel_coordinates_follow_the_autotp_mesh():
 
 def test_data_parallel_only():
     assert [Layout(4, rank=r).data_parallel_rank for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_a_recipe_keeps_its_global_batch_on_another_world_or_is_refused():
+    """Issue 16: `python train.py --recipe llama-3.2-1b/sft` (written for 8 ranks, 8 x 4 x 4 = 128) trained at
+    world 1 with a global batch of 16 without a word."""
+    from dstrain.layout import keep_global_batch
+    eight, one = Layout(8), Layout(1)
+    assert keep_global_batch(4, 4, eight, one) == 32          # 4 x 32 x 1 = 128
+    assert keep_global_batch(4, 4, eight, Layout(16)) == 2    # 4 x 2 x 16 = 128
+    assert keep_global_batch(2, 1, Layout(4, tensor_parallel=2), Layout(2, tensor_parallel=2)) == 2  # dp 2 -> 1
+    with pytest.raises(UserError, match=r"written for world_size 8 \(global batch 128\); on 3 ranks no "
+                                        r"grad_accum_steps keeps it: 128 samples do not split over 3"):
+        keep_global_batch(4, 4, eight, Layout(3))
+    with pytest.raises(UserError, match=r"choose train.micro_batch_size among 1, 2, 4 \(divisors of 4\)"):
+        keep_global_batch(8, 1, Layout(2), Layout(4))         # 16 on 4 ranks: 4 per rank, micro 8 cannot
+
+
+def test_batch_hints_name_only_sizes_that_work():
+    """Issue 16: a global batch of 8 resumed on 3 ranks suggested 'a micro_batch_size that divides 8' (none can)."""
+    from dstrain.layout import batch_hint
+    assert "do not split over 3 data-parallel ranks" in batch_hint(8, 3) and "1, 2, 4, 8" in batch_hint(8, 3)
+    assert batch_hint(24, 3) == "choose train.micro_batch_size among 1, 2, 4, 8 (divisors of 8)"
