@@ -174,8 +174,10 @@ def find_file(name: str | Path, directory: Path, suffix: str, what: str) -> Path
         if candidate.is_file():
             return candidate
     known = sorted(str(p.relative_to(directory)) for p in directory.rglob(f"*{suffix}"))
-    raise UserError(f"{what} '{name}' not found; pass a path or one of: {', '.join(known)}"
-                    f"{closest(str(name), known)}")
+    shown = directory.relative_to(REPO_ROOT) if directory.is_relative_to(REPO_ROOT) else directory
+    # the list stays off the error line (it grows with every shipped file): `ls` shows it
+    raise UserError(f"{what} '{name}' not found{closest(str(name), known)}; pass a path, or a name among the "
+                    f"{len(known)} in {shown}/ (ls {shown})")
 
 
 def resolve_recipe_path(name: str | Path) -> Path:
@@ -245,15 +247,53 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     return value
 
 
+# Names users bring from the HF Trainer, axolotl and LLaMA-Factory: pointed at ours instead of at the nearest
+# spelling (`learning_rate` is not near `lr`). A bare name is in the same section.
+ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_size",
+           "micro_batch": "micro_batch_size", "batch_size": "micro_batch_size",
+           "gradient_accumulation_steps": "grad_accum_steps", "gradient_accumulation": "grad_accum_steps",
+           "max_seq_length": "seq_len", "max_length": "seq_len", "sequence_len": "seq_len", "cutoff_len": "seq_len",
+           "num_train_epochs": "max_steps", "epochs": "max_steps", "num_epochs": "max_steps",
+           "warmup_ratio": "warmup_steps", "lr_scheduler_type": "lr_schedule", "lr_scheduler": "lr_schedule",
+           "gradient_checkpointing": "activation_checkpointing", "bf16": "precision", "fp16": "precision",
+           "model_name_or_path": "name_or_path", "base_model": "name_or_path", "dataset": "path",
+           "datasets": "path", "dataset_path": "path", "save_steps": "checkpoint.every",
+           "eval_steps": "eval.every", "save_total_limit": "checkpoint.keep_last", "report_to": "log.wandb"}
+# Keys of features this repository does not have, with what to do instead of a misleading spelling hint.
+UNSUPPORTED = {"data.streaming": "streaming datasets are not supported: data is tokenized once into a cache; "
+                                 "use a local copy or a subset (data.path, data.train_split=train[:1%])"}
+
+
+def _unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:
+    """Every unknown key in the tree, each with its hint: a recipe with two typos hears about both."""
+    if not isinstance(data, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    found = []
+    for key, value in data.items():
+        if key in names:
+            if dataclasses.is_dataclass(hints[key]):
+                found += _unknown_keys(hints[key], value, f"{prefix}{key}.")
+        elif f"{prefix}{key}" in UNSUPPORTED:
+            found.append(f"'{prefix}{key}': {UNSUPPORTED[prefix + key]}")
+        elif key in ALIASES:
+            target = ALIASES[key] if "." in ALIASES[key] else f"{prefix}{ALIASES[key]}"
+            found.append(f"'{prefix}{key}' (here it is '{target}')")
+        else:
+            found.append(f"'{prefix}{key}'{closest(key, names)}")
+    return found
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise UserError(f"'{prefix.rstrip('.')}' should be a mapping of keys, got {data!r}")
+    unknown = _unknown_keys(cls, data, prefix) if not prefix else []  # checked once, at the top
+    if unknown:
+        raise UserError(f"unknown recipe key{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
-        if key not in names:
-            raise UserError(f"unknown recipe key '{prefix}{key}'{closest(key, names)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value or {}, f"{prefix}{key}.")

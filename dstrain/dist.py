@@ -55,7 +55,15 @@ def init() -> DistContext:
         torch.cuda.set_device(ctx.local_rank)
     if ctx.is_local_main:
         clear_stale_build_locks()
-    deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    try:
+        deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    except Exception as error:  # DistNetworkError's traceback told users nothing they could act on
+        if "address already in use" not in str(error).lower():
+            raise
+        from .errors import UserError
+        addr, port = env.master()
+        raise UserError(f"port {port} on {addr} is already in use (another run, or one still exiting); pass a "
+                        f"free one: deepspeed --master_port N, torchrun --master_port N, or MASTER_PORT=N") from None
     _unlink_shm_buffer(ctx)
     return ctx
 

@@ -237,6 +237,9 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
     hidden_size fills the model-scaled ZeRO-3 sizes, ranks_per_node ZeRO++'s hpZ partition."""
     cfg = copy.deepcopy(raw)
     validate_keys(cfg)
+    if int(cfg.get("sequence_parallel_size", 1) or 1) > 1:  # DeepSpeed asserted inside initialize: a traceback
+        raise UserError(f"sequence_parallel_size={cfg['sequence_parallel_size']} (Ulysses sequence parallelism) is "
+                        f"not supported by dstrain yet; remove it from the DeepSpeed config")
     train = recipe.train
     layout = Layout.from_ds_config(cfg, world_size)
     from .pipeline import check_combination

@@ -18,11 +18,19 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+def looks_local(name: str) -> bool:
+    """A path, not a hub id ("org/name" or "name"): absolute, relative with ./ ../ ~, or several levels deep."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
 def _unreachable(name: str, error: Exception) -> UserError:
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if looks_local(name):
+        return UserError(f"cannot load '{name}': no such directory (it is not a hub id either); check the path "
+                         f"in model.name_or_path / model.tokenizer")
+    first = (str(error).splitlines()[0] if str(error) else type(error).__name__)[:100]
     return UserError(f"cannot load '{name}': not a local directory, and the Hugging Face Hub did not provide it "
-                     f"({first}); download it where the Hub is reachable (huggingface-cli download {name}) and "
-                     f"set model.name_or_path to that directory")
+                     f"({first}); where the Hub is reachable run `hf download {name} --local-dir DIR` and set "
+                     f"model.name_or_path=DIR")
 
 
 def load_config(cfg: ModelConfig, seq_len: int):

@@ -52,6 +52,12 @@ CASES = {
                                "gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
     # seq_len too long, an unreachable hub id, data and model mistakes: on an existing run, further down
     "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),
+    # issue 16: an AssertionError traceback from deepspeed.initialize; a hub hint for a mistyped local path
+    "sequence parallel": (["--ds.sequence_parallel_size=2"], "sequence_parallel_size=2 (Ulysses sequence "
+                          "parallelism) is not supported by dstrain yet"),
+    "missing local model": (["--model.name_or_path=./no/such/model"], "cannot load './no/such/model': no such "
+                            "directory"),
+    "learning_rate": (["--train.learning_rate=1e-4"], "(here it is 'train.lr')"),
     # issue 16: crashed with an IndexError inside datasets.load_from_disk
     "chat data all longer than seq_len": (["--recipe", "tiny/chat_sft", "--train.seq_len=8"],
                                           "gives no training sequences of length 8: all"),
@@ -67,6 +73,17 @@ def test_simple_mistakes(name, cache, tmp_path):
             pytest.skip("this CPU runs fp16 (DeepSpeed's accelerator reports it), so fp16 is no mistake here; "
                         "tests/unit/test_ds_config.py checks the refusal on a CPU without it")
     fails(args, cache, tmp_path, expected)
+
+
+def test_a_busy_master_port_is_one_line(cache, tmp_path):
+    """Issue 16: a busy rendezvous port gave a DistNetworkError traceback."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        fails([], cache, tmp_path, f"port {port} on 127.0.0.1 is already in use", MASTER_ADDR="127.0.0.1",
+              MASTER_PORT=str(port))
 
 
 def test_data_and_model_mistakes(cache, tmp_path, data_files):

@@ -54,6 +54,11 @@ def test_override_values_are_typed():
     (["--train.exit_at_step=999"], "train.exit_at_step=999 must be between 1 and train.max_steps"),
     (["--train.lr"], "override --train.lr has no value"),
     (["--log.flops_profile_step=0"], "log.flops_profile_step=0 must be a step number >= 1"),
+    # issue 16: the names users bring from other trainers, and a feature we lack, get a hint that fits
+    (["--train.learning_rate=1e-4"], "unknown recipe key 'train.learning_rate' (here it is 'train.lr')"),
+    (["--train.gradient_accumulation_steps=4"], "(here it is 'train.grad_accum_steps')"),
+    (["--train.save_steps=100"], "'train.save_steps' (here it is 'checkpoint.every')"),
+    (["--data.streaming=true"], "'data.streaming': streaming datasets are not supported"),
 ])
 def test_validation_messages(args, message):
     with pytest.raises(UserError) as err:
@@ -75,3 +80,24 @@ def test_recipe_must_be_mapping(tmp_path):
     p.write_text("train: {lr: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML"):
         load_recipe(p)
+
+
+def test_every_typo_in_a_recipe_is_reported_at_once(tmp_path):
+    """Issue 16: two typos in a YAML reported only the first."""
+    path = tmp_path / "r.yaml"
+    path.write_text("train:\n  max_step: 3\n  learning_rate: 1e-4\ndata:\n  pth: x\nlogg: {}\n")
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    text = str(err.value)
+    assert text.startswith("unknown recipe keys ") and "\n" not in text
+    for part in ("'train.max_step' (did you mean 'max_steps'?)", "'train.learning_rate' (here it is 'train.lr')",
+                 "'data.pth' (did you mean 'path'?)", "'logg' (did you mean 'log'?)"):
+        assert part in text, text
+
+
+def test_not_found_errors_stay_short():
+    """Issue 16: a missing --ds_config printed every shipped config on the error line (over 300 characters)."""
+    from dstrain.config import REPO_ROOT, find_file
+    with pytest.raises(UserError) as err:
+        find_file("zero9.json", REPO_ROOT / "ds_configs", ".json", "DeepSpeed config")
+    assert len(str(err.value)) < 160 and "(ls ds_configs)" in str(err.value), str(err.value)

@@ -168,3 +168,11 @@ def test_zero3_sizes_scale_with_the_model():
     explicit = dsc.resolve(dsc.load("zero3.json", {"zero_optimization": {"reduce_bucket_size": 123}}), recipe(), 2,
                            CPU, hidden_size=768)
     assert explicit["zero_optimization"]["reduce_bucket_size"] == 123   # a value in the JSON is kept
+
+
+def test_sequence_parallel_size_is_refused_before_deepspeed_asserts():
+    """Issue 16: --ds.sequence_parallel_size=2 was accepted and then failed with DeepSpeed's AssertionError."""
+    raw = dsc.load("zero2.json") | {"sequence_parallel_size": 2}
+    with pytest.raises(UserError, match=r"sequence_parallel_size=2 \(Ulysses sequence parallelism\) is not "
+                                        r"supported by dstrain yet"):
+        dsc.resolve(raw, recipe(), 2, CPU)
