@@ -136,6 +136,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                                       lr_scheduler=scheduler, config=ds_cfg,
                                       mpu=ds_internals.model_parallel_unit(layout))
     layout = ds_internals.bind_groups(engine, layout)  # checks our rank arithmetic against DeepSpeed's groups
+    ds_internals.record_fp32_grad_norm(engine)  # ZeRO-0 in fp32 logs its grad_norm too
     setup.layout = layout
     for feature in features:
         feature.attach(engine, setup)
@@ -171,8 +172,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
         began, lr, sent = time.perf_counter(), engine.get_lr()[0], counter.wire_bytes if counter else 0
-        loss, _ = train_step(engine, stream.micro_batches(step - 1), layout)
-        metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), stream.global_batch * train.seq_len,
+        loss, label_tokens, tokens = train_step(engine, stream.micro_batches(step - 1), layout)
+        metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, label_tokens,
                      time.perf_counter() - began, counter.wire_bytes - sent if counter else None)
         watchdog.progress()
         for feature in features:

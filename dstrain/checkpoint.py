@@ -17,6 +17,7 @@ Older checkpoints are pruned after a newer one is complete, so one complete chec
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -265,6 +266,8 @@ def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx:
     write_atomic(run_dir / "run_info.json", json.dumps(dict(info, versions=versions), indent=1, default=str))
     out = run_dir / "model_config"
     out.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(config)
+    config.use_cache = True  # training turns the KV cache off; whoever loads the export generates with it
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     try:

@@ -75,6 +75,20 @@ def profile_one_step(engine, wall_clock_breakdown: bool = False) -> None:
     engine.step = step_then_maybe_stop
 
 
+def record_fp32_grad_norm(engine) -> None:
+    """Without ZeRO and without bf16/fp16, DeepSpeedEngine._take_model_step clips through
+    engine.clip_fp32_gradients(), which drops the pre-clip norm that deepspeed.runtime.utils.clip_grad_norm_
+    returns, so get_global_grad_norm() stays None. Keep it in engine._global_grad_norm, where every other path
+    leaves its norm (the log compares it with the reference's: a gradient scale bug shows only there)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients():
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+    engine.clip_fp32_gradients = clip_fp32_gradients
+
+
 def replace_zero0_allreduce(engine, average_: Callable[[list[torch.Tensor]], None]) -> None:
     """ZeRO-0's data-parallel gradient averaging goes through engine.allreduce_and_copy(small_bucket, group)."""
     def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):

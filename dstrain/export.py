@@ -70,6 +70,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> 
     if not model_files.is_dir():
         raise UserError(f"{model_files} is missing; export needs the run directory written by train.py")
     config = AutoConfig.from_pretrained(model_files)
+    config.use_cache = True  # run directories written before this was fixed recorded the training setting (off)
     state = consolidated_state_dict(ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -85,7 +86,10 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> 
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(model_files).save_pretrained(tmp)
     if (model_files / "generation_config.json").exists():
-        GenerationConfig.from_pretrained(model_files).save_pretrained(tmp)
+        generation = GenerationConfig.from_pretrained(model_files)
+        if generation.use_cache is False:
+            generation.use_cache = True
+        generation.save_pretrained(tmp)
     old = out_dir.with_name(f".old-{out_dir.name}")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():

@@ -58,14 +58,17 @@ class Metrics:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, label_tokens: int,
              seconds: float, comm_bytes: float | None = None) -> None:
+        """tokens: the global batch's input tokens that are not padding (throughput and MFU count those);
+        label_tokens: the tokens the loss is taken over."""
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
         self.rates.append(tokens_per_s)
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                     "label_tokens": label_tokens,
                      "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu, "time": time.time(),
                      **({"comm_bytes": comm_bytes} if comm_bytes is not None else {})})
         if self.bar is not None:

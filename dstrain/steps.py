@@ -19,6 +19,12 @@ def label_count(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
+def real_count(batch: dict[str, torch.Tensor]) -> int:
+    """Input tokens that are not padding (packed pretraining rows have none)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's label tokens (fp32 logits)."""
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
@@ -48,26 +54,30 @@ def _pipe_items(batches: list[dict[str, torch.Tensor]]):
     return iter([(b["input_ids"], b["labels"]) for b in batches])
 
 
-def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, train: bool) -> tuple[float, int]:
+def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, train: bool
+               ) -> tuple[float, int, int]:
     """The pipeline engine runs the whole schedule itself; the loss function carries the token scaling.
     Stages of one replica see the same batches, so counts are summed over the world and divided by stages."""
-    (counted,) = all_reduce_sum([sum(label_count(b) for b in batches)], engine.device)
+    counted, real = all_reduce_sum([sum(label_count(b) for b in batches), sum(real_count(b) for b in batches)],
+                                   engine.device)
     global_tokens = max(counted / layout.samples_shared_by, 1.0)
     engine.module.loss_fn.scale = len(batches) * layout.data_parallel / global_tokens
     if train:
         loss = engine.train_batch(data_iter=_pipe_items(batches))
     else:
         loss = engine.eval_batch(data_iter=_pipe_items(batches), num_micro_batches=len(batches))
-    return float(loss), int(global_tokens)
+    return float(loss), int(global_tokens), int(real / layout.samples_shared_by)
 
 
-def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout) -> tuple[float, int]:
-    """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, label tokens)."""
+def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout) -> tuple[float, int, int]:
+    """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, label tokens of the
+    global batch, its input tokens that are not padding): throughput and MFU count work, not padding."""
     if layout.is_pipeline:
         return _pipe_step(engine, micro_batches, layout, train=True)
     device = engine.device
     replicas = layout.samples_shared_by  # tensor-parallel peers see the same samples; count them once
-    (counted,) = all_reduce_sum([sum(label_count(b) for b in micro_batches)], device)  # CPU counts: no GPU wait
+    counted, real = all_reduce_sum([sum(label_count(b) for b in micro_batches),  # CPU counts: no GPU wait
+                                    sum(real_count(b) for b in micro_batches)], device)
     global_tokens = max(counted / replicas, 1.0)
     scale = len(micro_batches) * layout.data_parallel / global_tokens
     local_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per micro-batch
@@ -79,7 +89,8 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Lay
         local_sum += summed.detach()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(local_sum)
-    return local_sum.item() / replicas / global_tokens, int(global_tokens)  # the step's one sync, for the log
+    # the step's one sync, for the log
+    return local_sum.item() / replicas / global_tokens, int(global_tokens), int(real / replicas)
 
 
 @torch.no_grad()

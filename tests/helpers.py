@@ -92,12 +92,14 @@ def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
 
 def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
-                     lr_scale: float = 1.0):
+                     lr_scale: float = 1.0, record: dict | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
     sampling contract: global batch s holds stream samples [s*G, (s+1)*G), sample k being element k % n of
-    numpy's permutation seeded by (seed, k // n)."""
+    numpy's permutation seeded by (seed, k // n). `record`, when given, receives per-step lists: grad_norm (the
+    pre-clip global norm, which AdamW's scale invariance and clipping hide from the losses), tokens (input
+    tokens that are not padding) and label_tokens."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -140,9 +142,13 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         loss = loss_sum / (target != -100).sum()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm else float("inf"))
         opt.step()
         losses.append(loss.item())
+        if record is not None:
+            record.setdefault("grad_norm", []).append(norm.item())
+            record.setdefault("tokens", []).append(int(mask.sum()) if mask is not None else input_ids.numel())
+            record.setdefault("label_tokens", []).append(int((target != -100).sum()))
     return losses, model
 
 

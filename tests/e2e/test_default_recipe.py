@@ -20,7 +20,7 @@ def test_default_recipe_learns_and_reports(tmp_path, cache):
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
-        keys = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_s", "mfu", "time"} if "loss" in row else \
+        keys = {"step", "loss", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s", "step_s", "mfu", "time"} if "loss" in row else \
             {"step", "eval_loss", "perplexity"}
         assert set(row) == keys
     steps = [r for r in rows if "loss" in r]

@@ -78,6 +78,17 @@ _, e0 = engine(0)
 calls = []
 ds_internals.replace_zero0_allreduce(e0, lambda grads: calls.append(len(grads)))
 check("zero0", lambda: (e0.allreduce_and_copy([torch.zeros(3), torch.zeros(2)], None), calls)[1])
+def fp32_norm():  # ZeRO-0 fp32, clipping at 1e-3: the logged norm is the pre-clip one
+    torch.manual_seed(1)
+    model, e = engine(0)
+    e._config.gradient_clipping = 1e-3
+    ds_internals.record_fp32_grad_norm(e)
+    x = torch.randn(2, 8)
+    e.backward(e(x).pow(2).sum())
+    want = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    e.step()
+    return [e.get_global_grad_norm(), want]
+check("fp32_norm", fp32_norm)
 backend = ds_internals.comm_backend()
 out["comm_backend"] = backend is not None and all(hasattr(backend, a) for a in ("all_gather_function",
                                                                                  "reduce_scatter_function"))
@@ -121,6 +132,12 @@ def test_zero0_allreduce_seam(engine_results):
     assert engine_results["zero0"] == [2], moved("DeepSpeedEngine.allreduce_and_copy")
     params = list(inspect.signature(deepspeed.DeepSpeedEngine.allreduce_and_copy).parameters)
     assert params[1:3] == ["small_bucket", "dp_group"], moved("DeepSpeedEngine.allreduce_and_copy's signature")
+
+
+def test_fp32_grad_norm_seam(engine_results):
+    got, want = engine_results["fp32_norm"]
+    assert got == pytest.approx(want, rel=1e-6) and want > 1e-2, moved(
+        "DeepSpeedEngine.clip_fp32_gradients / deepspeed.runtime.utils.clip_grad_norm_") + f": {got} vs {want}"
 
 
 def test_comm_backend_keeps_its_collectives(engine_results):
