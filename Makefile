@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression lint assets clean
 
-setup: system-deps $(VENV)/.installed
+setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
 # Debian packages DeepSpeed's JIT-built ops need: libaio for NVMe offload (the async_io op).
 # Installed when missing and we are root with apt-get; otherwise a hint, since only NVMe offload needs it.
@@ -53,15 +53,19 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 train: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NUM_RANKS) train.py --recipe $(RECIPE) $(if $(DS_CONFIG),--ds_config $(DS_CONFIG)) $(ARGS)
 
-# DeepSpeed's JIT-built ops that the tests load (CPU shared-memory collectives, CPU Adam for offload, async I/O
-# for NVMe), compiled while apt installs the cluster packages: the first tests needing them waited ~2 min of gcc.
+# DeepSpeed's JIT-built ops (CPU shared-memory collectives, CPU Adam for offload, async I/O for NVMe): built
+# once by `make setup`, so no first run sits silent for minutes of gcc (a run that does build one says so).
+# `make test` builds them while apt installs the cluster packages.
 PREBUILD_OPS ?= ShareMemCommBuilder CPUAdamBuilder AsyncIOBuilder
-prebuild-ops: setup
+$(VENV)/.ops-built: $(VENV)/.installed scripts/prebuild_ops.py
+	@echo "building DeepSpeed's ops ($(PREBUILD_OPS)) once: a few minutes on a fresh machine"
 	@$(PY) scripts/prebuild_ops.py $(PREBUILD_OPS) > $(VENV)/prebuild_ops.log 2>&1 || \
 	  { tail -20 $(VENV)/prebuild_ops.log; exit 1; }
+	@touch $@
+prebuild-ops: system-deps $(VENV)/.ops-built
 
 # lint first: a style slip fails in seconds, not after the suite (pyproject.toml prints the 20 slowest tests)
-test: setup
+test: system-deps $(VENV)/.installed
 	@$(MAKE) --no-print-directory -j2 test-deps prebuild-ops
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)

@@ -55,6 +55,8 @@ def init() -> DistContext:
         torch.cuda.set_device(ctx.local_rank)
     if ctx.is_local_main:
         clear_stale_build_locks()
+        from .ds_internals import announce_jit_builds  # the other ranks wait on the build lock, quietly
+        announce_jit_builds(lambda text: print(text, file=sys.stderr, flush=True))
     try:
         deepspeed.init_distributed(dist_init_required=True, verbose=False)
     except Exception as error:  # DistNetworkError's traceback told users nothing they could act on

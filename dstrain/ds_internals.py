@@ -89,6 +89,32 @@ def record_fp32_grad_norm(engine) -> None:
     engine.clip_fp32_gradients = clip_fp32_gradients
 
 
+def jit_build_needed(builder) -> bool:
+    """True when DeepSpeed's JIT load of this op will compile it: no <name>.so yet where torch's cpp_extension
+    builds it (torch.utils.cpp_extension._get_build_directory; a stale one is rebuilt silently, not counted)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return not (Path(_get_build_directory(builder.name, False)) / f"{builder.name}.so").exists()
+
+
+def announce_jit_builds(say: Callable[[str], None]) -> None:
+    """Say one line before DeepSpeed compiles an op (OpBuilder.jit_load): the first run on a machine otherwise
+    sat silent for 1-3 minutes of gcc (shm_comm at process-group start, cpu_adam with offload)."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    if getattr(OpBuilder.jit_load, "dstrain_announces", False):
+        return
+    original = OpBuilder.jit_load
+
+    def jit_load(self, verbose=True):
+        if jit_build_needed(self):
+            say(f"building DeepSpeed's {self.name} op with the compiler: once per machine, 1-3 minutes "
+                f"(`make setup` builds them ahead)")
+        return original(self, verbose)
+    jit_load.dstrain_announces = True
+    OpBuilder.jit_load = jit_load
+
+
 def replace_zero0_allreduce(engine, average_: Callable[[list[torch.Tensor]], None]) -> None:
     """ZeRO-0's data-parallel gradient averaging goes through engine.allreduce_and_copy(small_bucket, group)."""
     def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):

@@ -194,3 +194,25 @@ def test_dataset_fingerprint():
     assert isinstance(first, str) and first
     assert ds_internals.dataset_fingerprint(ds.map(lambda row: {"text": row["text"] + "!"})) != first, \
         moved("datasets.Dataset._fingerprint (it no longer changes with the content)")
+
+
+def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
+    """Issue 16: the first run on a machine compiled ops for minutes with nothing printed."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    assert callable(getattr(OpBuilder, "jit_load", None)), moved("OpBuilder.jit_load")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
+    assert ds_internals.jit_build_needed(builder), moved("torch.utils.cpp_extension._get_build_directory")
+    built = [p for p in tmp_path.rglob(builder.name) if p.is_dir()]
+    assert len(built) == 1, moved("torch's extension build layout") + f": {list(tmp_path.rglob('*'))}"
+    (built[0] / f"{builder.name}.so").write_bytes(b"")
+    assert not ds_internals.jit_build_needed(builder)
+
+    said = []
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: "loaded")
+    ds_internals.announce_jit_builds(said.append)
+    assert builder.jit_load() == "loaded" and said == []  # built: quiet
+    (built[0] / f"{builder.name}.so").unlink()
+    assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
