@@ -54,6 +54,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     import deepspeed
 
     from dstrain import (
+        chat_templates,
         checkpoint,
         components,
         compression,
@@ -103,6 +104,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     features = components.build(recipe, raw_ds)
     components.validate_all(features, setup)
     tokenizer = models.load_tokenizer(recipe.model)
+    chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
+        if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
     identity = resume.run_identity(recipe.to_dict())
     if start_from:  # a run directory holds one run; checked last, so a plain input mistake is named first
@@ -127,6 +130,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []), "data": prepared.summary,
+        "chat_template": chat_template,
         "components": {f.name: f.describe() for f in features}, "flops_per_token": flops_per_token,
         "init_from": str(init_from) if init_from else None})
     for feature in features:

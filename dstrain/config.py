@@ -42,7 +42,9 @@ class DataConfig:
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
-    messages_field: str = "messages"
+    messages_field: str = "messages"  # role/content messages, or ShareGPT's from/value (roles mapped)
+    chat_template: str | None = None  # SFT format: null = the tokenizer's | chatml | llama3 | plain | a .jinja path
+    role_map: dict = field(default_factory=dict)  # extra chat roles, e.g. {bot: assistant}
     train_split: str = "train"
     val_split: str | None = "validation"  # used when the dataset has it; else val_fraction is carved out
     val_fraction: float = 0.05
@@ -51,6 +53,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _one_of("data.format", self.format, ("text", "prompt_response", "chat"))
+        from .chat_templates import check
+        check(self.chat_template)
         if not 0.0 <= self.val_fraction < 1.0:
             raise UserError(f"data.val_fraction={self.val_fraction} must be in [0, 1); try 0.05")
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import env
+from .chat_templates import normalize
 from .config import DataConfig, local_or_hub
 from .ds_internals import dataset_fingerprint
 from .errors import UserError
@@ -124,25 +125,13 @@ def _segments_with_template(messages: list[dict], tokenizer) -> list[tuple[str, 
     return pieces
 
 
-def _segments_plain(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
-    pieces: list[tuple[str, bool]] = []
-    for message in messages:
-        if message.get("role") == "assistant":
-            pieces += [("assistant: ", False), (message["content"] + (tokenizer.eos_token or ""), True)]
-        else:
-            pieces.append((f"{message.get('role', 'user')}: {message['content']}\n", False))
-    return pieces
-
-
 def _sft_tokens(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """A whole conversation's ids and labels (IGNORE_INDEX except on assistant replies), untruncated."""
-    if tokenizer.chat_template:
-        pieces = _segments_with_template(messages, tokenizer)
-        ids, labels = [], []
-    else:
-        pieces = _segments_plain(messages, tokenizer)
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        ids, labels = list(bos), [IGNORE_INDEX] * len(bos)
+    """A whole conversation's ids and labels (IGNORE_INDEX except on assistant replies), untruncated. The
+    tokenizer carries the run's template (dstrain/chat_templates.py)."""
+    if not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template: chat_templates.apply sets one first")
+    pieces = _segments_with_template(messages, tokenizer)
+    ids, labels = [], []
     for text, trainable in pieces:
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
@@ -170,7 +159,7 @@ def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
 
 def _to_messages(row: dict, cfg: DataConfig) -> list[dict]:
     if cfg.format == "chat":
-        return row[cfg.messages_field]
+        return normalize(row[cfg.messages_field], cfg.role_map)
     return [{"role": "user", "content": str(row[cfg.prompt_field])},
             {"role": "assistant", "content": str(row[cfg.response_field])}]
 

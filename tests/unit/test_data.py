@@ -53,12 +53,54 @@ def test_multi_turn_chat_trains_every_assistant_turn(tok):
     assert _trained_text(ex, tok) == "Hello</s>one two</s>"
 
 
-def test_without_chat_template_plain_format(tok):
+def test_without_chat_template_plain_format_is_said_and_set_on_the_tokenizer(tok):
+    from dstrain import chat_templates
     tok2 = load_tokenizer(ModelConfig(name_or_path="recipes/tiny/model"))
     tok2.chat_template = None
+    said = []
+    assert chat_templates.apply(None, tok2, said.append).startswith("plain")
+    assert len(said) == 1 and "has no chat template" in said[0] and "data.chat_template" in said[0]
     ex = data.sft_example([{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}], tok2, 32)
     assert _trained_text(ex, tok2) == "A.</s>"
     assert tok2.decode(ex["input_ids"][:sum(ex["attention_mask"])]).startswith("<s>user: Q?\nassistant: ")
+
+
+@pytest.mark.parametrize("name,prompt_text,reply_text", [
+    ("chatml", "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n", "A.<|im_end|>\n"),
+    ("llama3", "<s><|start_header_id|>user<|end_header_id|>\n\nQ?<|eot_id|><|start_header_id|>assistant"
+               "<|end_header_id|>\n\n", "A.<|eot_id|>"),
+])
+def test_named_templates_train_only_the_reply(name, prompt_text, reply_text):
+    """The rendered text is checked against the format written out here, not against the template itself."""
+    from dstrain import chat_templates
+    tok2 = load_tokenizer(ModelConfig(name_or_path="recipes/tiny/model"))
+    assert chat_templates.apply(name, tok2, print) == name
+    messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+    assert tok2.apply_chat_template(messages, tokenize=False) == prompt_text + reply_text
+    ex = data.sft_example(messages, tok2, 256)  # the tiny vocabulary spells the markers out
+    trained = [i for i, label in zip(ex["input_ids"], ex["labels"]) if label != data.IGNORE_INDEX]
+    assert trained == tok2(reply_text, add_special_tokens=False)["input_ids"]
+
+
+def test_template_file_sharegpt_roles_and_bad_choices(tmp_path):
+    from dstrain import chat_templates
+    from dstrain.chat_templates import normalize
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok2 = load_tokenizer(ModelConfig(name_or_path="recipes/tiny/model"))
+    chat_templates.apply(str(path), tok2, print)
+    sharegpt = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Q?"},
+                {"from": "gpt", "value": "A."}]
+    assert normalize(sharegpt, {}) == [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
+    assert tok2.apply_chat_template(normalize(sharegpt, {}), tokenize=False) == \
+        "[system] Be brief.\n[user] Q?\n[assistant] A.\n"
+    with pytest.raises(UserError, match=r"chat role 'bot' is not one of .*--data.role_map.bot=user"):
+        normalize([{"from": "bot", "value": "x"}], {})
+    assert normalize([{"from": "bot", "value": "x"}], {"bot": "assistant"})[0]["role"] == "assistant"
+    with pytest.raises(UserError, match=r"data.chat_template='chatm' is neither .*did you mean 'chatml'"):
+        DataConfig(chat_template="chatm")
 
 
 def test_truncated_away_reply_is_dropped(tok):
