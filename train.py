@@ -214,8 +214,10 @@ def run_preflight(args, recipe: Recipe, ds_overrides: dict) -> int:
     from dstrain import ds_config, env, memory
 
     world = args.world_size or env.world_size(default=0) or recipe.world_size or 1
+    target = memory.target_device(args.device, args.device_memory)  # planning for GPUs this machine lacks
+    caps = ds_config.DeviceCaps("cuda", bf16=True, fp16=True) if target else ds_config.DeviceCaps.detect()
     fits, text = memory.preflight(recipe, ds_config.load(recipe.ds_config, ds_overrides), str(recipe.ds_config),
-                                  world, args.ranks_per_node or world, ds_config.DeviceCaps.detect())
+                                  world, args.ranks_per_node or world, caps, target)
     print(text)
     return EXIT_OK if fits else EXIT_FAILED
 

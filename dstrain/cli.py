@@ -36,6 +36,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
                              "to keep the recipe's global batch)")
     parser.add_argument("--ranks_per_node", type=int, default=None,
                         help="with --preflight: ranks sharing one node's GPUs or RAM (default: all on one node)")
+    parser.add_argument("--device", default=None,
+                        help="with --preflight: plan for this GPU instead of this machine (h100-80gb, a100-80gb, "
+                             "h200-141gb, ...: the table in dstrain/memory.py); the precision is the config's")
+    parser.add_argument("--device_memory", default=None,
+                        help="with --preflight: memory per GPU of the planned run, e.g. 80GiB (overrides --device's)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args, rest = parser.parse_known_args(argv)
     return args, parse_overrides(rest)

@@ -125,6 +125,39 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
     return est
 
 
+# Memory of common accelerators, for planning a run from a machine without them (`--preflight --device NAME`):
+# the nominal size (what torch.cuda reports is up to ~1% less).
+DEVICES = {"h100-80gb": 80, "h100-94gb": 94, "h200-141gb": 141, "gh200-96gb": 96, "b200-180gb": 180,
+           "a100-80gb": 80, "a100-40gb": 40, "l40s-48gb": 48, "a10g-24gb": 24, "l4-24gb": 24, "rtx4090-24gb": 24,
+           "v100-32gb": 32, "mi300x-192gb": 192}
+_UNITS = {"": GiB, "g": GiB, "gb": 1000 ** 3, "gib": GiB, "m": 1024 ** 2, "mb": 1000 ** 2, "mib": 1024 ** 2,
+          "t": 1024 ** 4, "tb": 1000 ** 4, "tib": 1024 ** 4}
+
+
+def target_device(device: str | None, memory: str | None) -> tuple[int, str] | None:
+    """(bytes, name) of the GPU a run is planned for, from --device and/or --device_memory; None: this machine."""
+    from .errors import UserError, closest
+
+    if device is None and memory is None:
+        return None
+    capacity, name = None, device
+    if device is not None:
+        if device.lower() not in DEVICES:
+            prefixed = [k for k in DEVICES if k.startswith(device.lower())]
+            hint = f" (did you mean {' or '.join(prefixed)}?)" if prefixed else closest(device.lower(), DEVICES)
+            raise UserError(f"--device {device} is not in the table{hint}; names are GPU-memory like a100-80gb "
+                            f"(dstrain/memory.py DEVICES), or pass --device_memory 80GiB")
+        capacity, name = DEVICES[device.lower()] * GiB, device.lower()
+    if memory is not None:
+        import re
+        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", memory)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise UserError(f"--device_memory {memory}: write a size such as 80GiB, 80GB or 24576MiB")
+        capacity = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        name = f"{name or 'GPU'}, --device_memory {memory}"
+    return capacity, name
+
+
 def device_memory(caps_name: str, ranks_per_node: int) -> tuple[int, str]:
     """Memory one rank may use: its GPU's, or an equal share of host RAM on CPU."""
     if caps_name == "cuda" and torch.cuda.is_available():
@@ -138,10 +171,15 @@ def _fmt(b: int) -> str:
     return f"{b / GiB:8.2f} GiB"
 
 
-def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_name: str) -> str:
-    lines = [f"preflight: {est.parameters / 1e6:,.1f}M parameters, {ds_name}, world {layout.world_size} = "
-             f"{layout.data_parallel} data-parallel x {layout.pipeline_stages} pipeline x "
-             f"{layout.tensor_parallel} tensor-parallel; {est.params_per_rank / 1e6:,.1f}M parameters per rank",
+def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_name: str, ds_cfg: dict) -> str:
+    from .ds_config import precision
+    stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+    held = (f"{est.params_per_rank / layout.data_parallel / 1e6:,.1f}M parameters held per rank (ZeRO-3 partitions "
+            f"{est.params_per_rank / 1e6:,.1f}M over {layout.data_parallel} ranks)" if stage == 3 else
+            f"{est.params_per_rank / 1e6:,.1f}M parameters per rank")
+    lines = [f"preflight: {est.parameters / 1e6:,.1f}M parameters, {ds_name}, {precision(ds_cfg)}, world "
+             f"{layout.world_size} = {layout.data_parallel} data-parallel x {layout.pipeline_stages} pipeline x "
+             f"{layout.tensor_parallel} tensor-parallel; {held}",
              "per rank, on the device:"]
     for kind, value in est.device.items():
         lines.append(f"  {kind:<18}{_fmt(value)}")
@@ -156,8 +194,10 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
     return "\n".join(lines)
 
 
-def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_node: int, caps) -> tuple[bool, str]:
-    """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits."""
+def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_node: int, caps,
+              target: tuple[int, str] | None = None) -> tuple[bool, str]:
+    """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits.
+    target: (bytes, name) of the GPU the run is planned for (--device / --device_memory), else this machine's."""
     from . import ds_config
     from .model import hidden_size, load_config
 
@@ -166,9 +206,9 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     h = hidden_size(config)
     resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h)
     layout = Layout.from_ds_config(resolved, world_size)
-    capacity, capacity_name = device_memory(caps.name, ranks_per_node)
+    capacity, capacity_name = target or device_memory(caps.name, ranks_per_node)
     est = estimate(config, parameters, recipe, resolved, layout)
-    text = report(est, recipe, ds_name, layout, capacity, capacity_name)
+    text = report(est, recipe, ds_name, layout, capacity, capacity_name, resolved)
     if est.device_total <= capacity:
         return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
     for candidate in LADDER:

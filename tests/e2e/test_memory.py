@@ -29,7 +29,12 @@ def test_preflight_cli(cache, tmp_path, medium_llama):
     common = ["--preflight", "--world_size", "2", f"--model.name_or_path={medium_llama}", "--ds_config", "zero2.json"]
     ok = launch(common, cache, launcher="python", check=False)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "23.5M parameters, zero2.json, world 2 = 2 data-parallel" in ok.stdout and "fits:" in ok.stdout
+    assert "23.5M parameters, zero2.json, fp32, world 2 = 2 data-parallel" in ok.stdout and "fits:" in ok.stdout
     # a node so crowded that each rank gets a sliver of RAM: refused, with the reason, exit 1
     tight = launch(common + ["--ranks_per_node", "100000"], cache, launcher="python", check=False)
     assert tight.returncode == 1 and "does not fit" in tight.stdout, tight.stdout[-2000:]
+    # planning for GPUs this machine lacks (issue 16): the config's bf16, the GPU's memory, not host RAM / ranks
+    planned = launch(common + ["--device", "h100-80gb", "--ranks_per_node", "100000"], cache, launcher="python",
+                     check=False)
+    assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-2000:]
+    assert "zero2.json, bf16, world 2" in planned.stdout and "of 80.00 GiB (h100-80gb)" in planned.stdout

@@ -77,3 +77,33 @@ def test_chunked_loss_replaces_the_logits_term(llama8b):
     chunked_head = 1024 * vocab * (2 + 4 + 2) + (tokens + vocab) * 4096 * 2
     assert ests[0].activations_full - ests[1].activations_full == tokens * vocab * 14 - chunked_head
     assert ests[1].activations_checkpointed < ests[0].activations_checkpointed - 10 * GiB
+
+
+def test_plan_a_gpu_run_from_a_cpu_machine(llama8b):
+    """Issue 16: `--preflight --world_size 8` on a Llama-3-8B config from a CPU machine estimated fp32 against
+    host RAM / 8 and refused everything, printing the whole 8,030M as each rank's parameters."""
+    target = memory.target_device("h100-80gb", None)
+    assert target == (80 * GiB, "h100-80gb")
+    r = recipe(llama8b, "--train.micro_batch_size=1")
+    fits, text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 8, 8, GPU, target)
+    assert fits, text
+    assert "bf16" in text.splitlines()[0] and "of 80.00 GiB (h100-80gb)" in text
+    # ZeRO-3 holds 1/8 of the 8,030M on each rank
+    assert "1,003.8M parameters held per rank (ZeRO-3 partitions 8,030.3M over 8 ranks)" in text, text
+    assert memory.target_device(None, "24GiB") == (24 * GiB, "GPU, --device_memory 24GiB")
+    assert memory.target_device("a100-40gb", "40GB")[0] == 40 * 1000 ** 3
+    fits, text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 8, 8, GPU,
+                                  memory.target_device(None, "8GiB"))
+    assert not fits and "does not fit" in text
+
+
+@pytest.mark.parametrize("device,memory_arg,message", [
+    ("h100", None, "--device h100 is not in the table (did you mean h100-80gb or h100-94gb?)"),
+    ("a100-80", None, "(did you mean a100-80gb?)"),
+    (None, "80 gigs", "--device_memory 80 gigs: write a size such as 80GiB"),
+])
+def test_bad_device_arguments(device, memory_arg, message):
+    from dstrain.errors import UserError
+    with pytest.raises(UserError) as err:
+        memory.target_device(device, memory_arg)
+    assert message in str(err.value)
