@@ -117,6 +117,7 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer) -> tupl
     torch.manual_seed(train.seed)  # same random init on every rank for from-scratch runs
     if from_scratch(cfg, location):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
+        init_weights(model, train.seed, zero3)
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(location, config=config, **kwargs)
@@ -129,6 +130,28 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer) -> tupl
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model, hf_ds_config
+
+
+def init_weights(model: torch.nn.Module, seed: int, zero3: bool) -> None:
+    """A from-scratch model's weights as a function of (seed, model) alone, the same under every strategy:
+    torch.manual_seed(seed), then the model's own _init_weights on each module in named_modules() order, then
+    tie_weights. transformers' from_config consumes the RNG differently inside zero.Init (module constructors
+    allocate differently), so ZeRO-3 started from other weights than ZeRO-0/1/2 with the same seed. Under ZeRO-3
+    each module's parameters are gathered (every rank draws the same numbers; rank 0's are kept)."""
+    import contextlib
+
+    import deepspeed
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 and params else \
+            contextlib.nullcontext()
+        with gather:
+            for param in params:
+                param._is_hf_initialized = False  # transformers' init functions skip parameters marked done
+            model._init_weights(module)
+    model.tie_weights()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
