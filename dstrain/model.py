@@ -124,6 +124,11 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer) -> tupl
         except OSError as e:
             raise _unreachable(cfg.name_or_path, e) from None
     embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and output is not None and output.weight is not embedding:
+        # transformers found distinct embedding and lm_head weights under a config that ties them and kept them
+        # apart: record that, so every later step (pipeline, export, resize) treats the model as loaded
+        model.config.tie_word_embeddings = False
     if len(tokenizer) > getattr(embedding, "ds_shape", embedding.shape)[0]:
         model.resize_token_embeddings(len(tokenizer))
     if train.activation_checkpointing:

@@ -96,7 +96,9 @@ def _specs(model: nn.Module) -> tuple[list, dict[int, str]]:
         raise UserError(f"pipeline stages are not supported for model type '{config.model_type}' yet (supported: "
                         f"{', '.join(sorted(SUPPORTED))}); use a config without a pipeline section (ZeRO) "
                         f"or tensor_parallel")
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # what transformers loaded, not what the config says: a file holding a distinct lm_head.weight under a config
+    # that ties is loaded untied (transformers warns), and the pipeline must start from those weights
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     specs, names = [], {}
 
     def add(spec, prefix: str | None):
