@@ -141,6 +141,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                                       mpu=ds_internals.model_parallel_unit(layout))
     layout = ds_internals.bind_groups(engine, layout)  # checks our rank arithmetic against DeepSpeed's groups
     ds_internals.record_fp32_grad_norm(engine)  # ZeRO-0 in fp32 logs its grad_norm too
+    engine.train()  # from_pretrained returns the model in eval mode: dropout was off for the whole run
     setup.layout = layout
     for feature in features:
         feature.attach(engine, setup)

@@ -39,6 +39,17 @@ def tiny_gpt2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt2_dropout(tmp_path_factory) -> Path:
+    """Dropout in every block: a step's randomness depends on the RNG state a resume must restore."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=576, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return _save(GPT2LMHeadModel(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-gpt2-dropout")
+
+
+@pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, as a user's ~/.cache/dstrain would be."""
     return tmp_path_factory.mktemp("dstrain-cache")

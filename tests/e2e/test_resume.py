@@ -48,6 +48,13 @@ def test_stop_and_resume_matches_uninterrupted(tmp_path, cache, tiny_llama):
     assert (split / "hf" / "model.safetensors").exists()
 
 
+def test_resume_is_exact_with_dropout(tmp_path, cache, tiny_gpt2_dropout):
+    """Issue 16: every other resume test uses models without dropout, so a resume that restored a fixed seed
+    instead of each rank's saved RNG state still passed them. With dropout the step's randomness is the RNG's."""
+    from tests.helpers import assert_resume_exact
+    assert_resume_exact(tmp_path, cache, tiny_gpt2_dropout, "zero2.json")
+
+
 def test_finished_run_does_not_train_again(tmp_path, cache, tiny_llama):
     run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--train.max_steps=3"]
