@@ -114,6 +114,7 @@ def test_sft_loss_weighs_every_response_token_equally(tmp_path, cache, tiny_llam
 
 
 def test_activation_checkpointing_changes_memory_not_math(tmp_path, cache, tiny_llama):
+    """The math; the memory it saves is measured in tests/e2e/test_memory.py."""
     import json
     run_dir, _ = run_and_compare(tmp_path, cache, tiny_llama, "zero3.json",
                                  extra=["--train.activation_checkpointing=true"])
