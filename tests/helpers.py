@@ -92,28 +92,30 @@ def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
 
 def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
-                     lr_scale: float = 1.0, record: dict | None = None):
+                     lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
     sampling contract: global batch s holds stream samples [s*G, (s+1)*G), sample k being element k % n of
     numpy's permutation seeded by (seed, k // n). `record`, when given, receives per-step lists: grad_norm (the
     pre-clip global norm, which AdamW's scale invariance and clipping hide from the losses), tokens (input
-    tokens that are not padding) and label_tokens."""
+    tokens that are not padding) and label_tokens. `sequences`, when given, replaces the run's tokenized cache
+    (the caller tokenized the data itself)."""
     import datasets
     from transformers import AutoModelForCausalLM
 
     info = json.loads((run_dir / "run_info.json").read_text())
     recipe_ds = json.loads((run_dir / "ds_config.json").read_text())
     global_batch = recipe_ds["train_batch_size"]
-    train = datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
-    n = len(train)
+    train = {"input_ids": sequences} if sequences is not None else \
+        datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
+    n = len(train["input_ids"])
 
     def batch(step):
         idx = []
         for k in range(step * global_batch, (step + 1) * global_batch):
             idx.append(int(np.random.default_rng([seed, k // n]).permutation(n)[k % n]))
-        rows = train[idx]
+        rows = {"input_ids": train["input_ids"][idx]} if sequences is not None else train[idx]
         labels = rows["labels"] if "labels" in rows else rows["input_ids"]
         return rows["input_ids"].long(), labels.long(), rows.get("attention_mask")
 

@@ -243,3 +243,39 @@ def test_chunked_loss_matches_reference_and_exports(tmp_path, cache, tiny_llama,
     ids = torch.arange(2, 40).unsqueeze(0)
     with torch.no_grad():
         assert torch.allclose(exported(ids).logits, ref_model.eval()(ids).logits, atol=1e-3, rtol=1e-3)
+
+
+def test_independently_tokenized_data_across_epoch_boundaries(tmp_path, cache, tiny_llama):
+    """Issue 16: every other reference reads the run's own tokenized cache and stays inside one epoch. Here the
+    reference tokenizes the raw text itself (documents joined with EOS, cut into seq_len blocks, as the README
+    says) and the run makes 8 steps of 16 sequences over a corpus of fewer, crossing epoch boundaries
+    (each epoch its own seeded permutation)."""
+    import json
+    import random
+
+    import torch
+    from transformers import AutoTokenizer
+
+    rng = random.Random(7)
+    words = "Mira Tom had two red keys apples ran to the hill and saw a big small dog cat sun".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 30))) + "." for _ in range(120)]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    flat = []
+    for doc in docs:
+        flat += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    seq_len = 64
+    blocks = torch.tensor([flat[i:i + seq_len] for i in range(0, len(flat) // seq_len * seq_len, seq_len)])
+    global_batch = 4 * 2 * 2
+    assert STEPS * global_batch > 2 * len(blocks), f"{len(blocks)} sequences: the run must cross epochs"
+
+    run_dir = tmp_path / "run"
+    launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", "--output_dir", str(run_dir),
+                     f"--data.path={path}", "--data.val_fraction=0"], cache)
+    got, _ = metrics(run_dir)
+    ref = {}
+    want, _ = reference_losses(tiny_llama, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1, record=ref,
+                               sequences=blocks)
+    assert got == pytest.approx(want, rel=RTOL)
+    assert [r["grad_norm"] for r in _step_rows(run_dir)] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_RTOL)
