@@ -265,7 +265,7 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "eval_steps": "eval.every", "save_total_limit": "checkpoint.keep_last", "report_to": "log.wandb"}
 # Keys of features this repository does not have, with what to do instead of a misleading spelling hint.
 UNSUPPORTED = {"data.streaming": "streaming datasets are not supported: data is tokenized once into a cache; "
-                                 "use a local copy or a subset (data.path, data.train_split=train[:1%])"}
+                                 "point data.path at a local copy, or at a subset of its files"}
 
 
 def _unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:

@@ -27,7 +27,9 @@ def _unreachable(name: str, error: Exception) -> UserError:
     if looks_local(name):
         return UserError(f"cannot load '{name}': no such directory (it is not a hub id either); check the path "
                          f"in model.name_or_path / model.tokenizer")
-    first = (str(error).splitlines()[0] if str(error) else type(error).__name__)[:100]
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if len(first) > 80:
+        first = first[:80].rsplit(" ", 1)[0] + " ..."
     return UserError(f"cannot load '{name}': not a local directory, and the Hugging Face Hub did not provide it "
                      f"({first}); where the Hub is reachable run `hf download {name} --local-dir DIR` and set "
                      f"model.name_or_path=DIR")
