@@ -28,25 +28,23 @@ def tiny_llama(tmp_path_factory) -> Path:
                  tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
+def _tiny_gpt2(tmp_path_factory, name: str, dropout: float) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=576, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return _save(GPT2LMHeadModel(config), ROOT / "recipes/tiny/model", tmp_path_factory.mktemp("models") / name)
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(vocab_size=576, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return _save(GPT2LMHeadModel(config), ROOT / "recipes/tiny/model",
-                 tmp_path_factory.mktemp("models") / "tiny-gpt2")
+    return _tiny_gpt2(tmp_path_factory, "tiny-gpt2", 0.0)
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2_dropout(tmp_path_factory) -> Path:
     """Dropout in every block: a step's randomness depends on the RNG state a resume must restore."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(vocab_size=576, n_positions=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.1,
-                        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return _save(GPT2LMHeadModel(config), ROOT / "recipes/tiny/model",
-                 tmp_path_factory.mktemp("models") / "tiny-gpt2-dropout")
+    return _tiny_gpt2(tmp_path_factory, "tiny-gpt2-dropout", 0.1)
 
 
 @pytest.fixture(scope="session")
