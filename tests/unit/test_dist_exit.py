@@ -36,3 +36,22 @@ def test_leave_flushes_output_and_keeps_the_exit_code():
         assert proc.returncode == code, proc.stderr[-2000:]
         assert proc.stdout == "buffered stdout, no newline"
         assert "a log record" in proc.stderr and "not reached" not in proc.stdout
+
+
+def test_ctrl_c_before_the_first_step_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Issue 16: Ctrl-C gave KeyboardInterrupt tracebacks. Before training starts there is nothing to save."""
+    import pytest
+
+    from dstrain import cli
+    from dstrain.errors import EXIT_INTERRUPTED
+
+    monkeypatch.delenv("RANK", raising=False)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stop:
+        cli.exit_with(interrupted)
+    assert stop.value.code == EXIT_INTERRUPTED == 130
+    err = capsys.readouterr().err
+    assert err == "interrupted before training started; nothing was saved\n"
