@@ -38,6 +38,10 @@ def _worker(rank, world, port, fn, out_dir, args):
         tdist.barrier()  # gloo aborts (SIGABRT) when a peer tears down while the other still reads its socket
     finally:
         tdist.destroy_process_group()
+    # skip interpreter teardown: it destroys gloo's C++ threads in no fixed order and aborted a finished worker
+    # ("terminate called without an active exception", SIGABRT) once in a fresh-clone run; dist.leave does the
+    # same for train.py's ranks
+    os._exit(0)
 
 
 def _grads(rank: int, step: int) -> list[torch.Tensor]:
