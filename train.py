@@ -122,11 +122,14 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     model_source = recipe.model if not init_from else replace(  # the other run's weights, as transformers loads
         recipe.model, name_or_path=str(resume.materialize_init_from(init_from, run_dir, ctx, log)),
         from_scratch="false")
-    model, _hf_ds_config = models.build(model_source, train, ds_cfg, tokenizer)
+    model, _hf_ds_config = models.build(model_source, train, ds_cfg, tokenizer,
+                                        components.load_kwargs(features, setup))
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
-    flops_per_token = flops.flops_per_token(model_config, params_total, train.seq_len)
+    trained = components.trained_parameters(features)  # None: every parameter trains
+    flops_per_token = flops.flops_per_token(model_config, params_total, train.seq_len, trained)
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
         "parameters": params_total, "parameters_on_rank0_at_build": params_local,
+        "trainable_parameters": trained or params_total,
         "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []), "data": prepared.summary,
@@ -206,7 +209,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     elif recipe.checkpoint.export_hf and not (start == last and (run_dir / "hf").exists()):
         export.at_end(final, run_dir / "hf", ds_cfg, ctx, metrics.message)
     memory.record(run_dir / "memory.json", ctx, baseline_memory, setup_peak,
-                  memory.estimate(model_config, params_total, recipe, ds_cfg, layout))
+                  memory.estimate(model_config, params_total, recipe, ds_cfg, layout, trained))
     metrics.close()
     return preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
 

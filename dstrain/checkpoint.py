@@ -89,6 +89,12 @@ def _set_rng_state(state: dict) -> None:
 CONSOLIDATED = "consolidated_model.pt"
 
 
+def has_frozen(engine) -> bool:
+    """A model with frozen parameters (a LoRA base): checkpoints hold only what trains; the base is re-read from
+    where it was loaded on resume, so loading the module's state is not strict."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 class Checkpointer:
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, ctx: DistContext, layout: Layout | None = None,
                  extras: dict | None = None):
@@ -117,7 +123,8 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
             barrier()
             state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
-            engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=state, save_latest=False)
+            engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=state, save_latest=False,
+                                   exclude_frozen_parameters=has_frozen(engine))
             torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
             for name, extra in self.extras.items():
                 torch.save(extra.state_dict(), tmp / f"{name}_rank{rank}.pt")
@@ -182,7 +189,8 @@ class Checkpointer:
             else (resume.path.parent, resume.path.name)
         with ds_internals.universal_load_repairs(engine, resume.universal):
             load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True,
+                                                  load_module_strict=not has_frozen(engine))
         if load_path is None:
             raise UserError(f"DeepSpeed could not load checkpoint {resume.path}; it may be from another run layout")
         for name, extra in self.extras.items():

@@ -151,6 +151,65 @@ class LogConfig:
 
 
 @dataclass
+class LoraSection:
+    """Low-rank adapters (peft's LoRA) on a frozen base: off while r is 0; `--lora.r=16` turns any recipe into one."""
+    r: int = 0  # adapter rank; 0 = off (every weight trains)
+    alpha: int = 16  # scale alpha / r (alpha / sqrt(r) with use_rslora)
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # peft's meaning: every linear layer but the output head; or a list of names
+    modules_to_save: list | None = None  # modules trained in full beside the adapters, e.g. [lm_head]
+    use_rslora: bool = False
+    use_dora: bool = False
+    bias: str = "none"  # none | all | lora_only
+    quantize: str | None = None  # 4bit: QLoRA, the frozen base in 4-bit NF4 (bitsandbytes; CUDA only)
+    options: dict = field(default_factory=dict)  # any other field of peft.LoraConfig, passed through as given
+
+    def __post_init__(self) -> None:
+        if self.r < 0:
+            raise UserError(f"lora.r={self.r} must be 0 (off) or a rank such as 16")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"lora.dropout={self.dropout} must be in [0, 1); try 0.05")
+        _one_of("lora.bias", self.bias, ("none", "all", "lora_only"))
+        if self.quantize is not None:
+            self.quantize = str(self.quantize).lower()
+            _one_of("lora.quantize", self.quantize, ("4bit",))
+        targets = self.target_modules
+        if not (isinstance(targets, str) or (isinstance(targets, list) and targets
+                                             and all(isinstance(t, str) for t in targets))):
+            raise UserError(f"lora.target_modules={targets!r} should be all-linear, a regular expression, or a "
+                            f"list of module names such as [q_proj, v_proj]")
+        if self.r or self.options:
+            self.peft_config()  # peft checks its own options now, before anything is built
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def peft_config(self, base: str | None = None):
+        """peft's LoraConfig for this section; a misspelled or invalid option is a one-line UserError."""
+        import dataclasses as dc
+
+        from peft import LoraConfig
+        names = [f.name for f in dc.fields(LoraConfig)]
+        own = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules",
+               "modules_to_save": "modules_to_save", "use_rslora": "use_rslora", "use_dora": "use_dora",
+               "bias": "bias", "task_type": None, "base_model_name_or_path": None}
+        for key in self.options:
+            if key in own:
+                where = f"lora.{own[key]}" if own[key] else "set by dstrain"
+                raise UserError(f"lora.options.{key}: {where}, not an option; remove it from lora.options")
+            if key not in names:
+                raise UserError(f"lora.options.{key} is not a field of peft's LoraConfig{closest(key, names)}")
+        try:
+            return LoraConfig(r=max(self.r, 1), lora_alpha=self.alpha, lora_dropout=self.dropout,
+                              target_modules=self.target_modules, modules_to_save=self.modules_to_save,
+                              use_rslora=self.use_rslora, use_dora=self.use_dora, bias=self.bias,
+                              task_type="CAUSAL_LM", base_model_name_or_path=base, **self.options)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"lora: peft refuses these options: {str(e).splitlines()[0]}") from None
+
+
+@dataclass
 class Recipe:
     ds_config: str = "zero2.json"  # file in ds_configs/ or a path; --ds_config overrides
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,6 +219,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
     # Real recipes name the cluster they were written for; used to check their batch arithmetic.
     world_size: int | None = None
 
@@ -262,7 +322,10 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "gradient_checkpointing": "activation_checkpointing", "bf16": "precision", "fp16": "precision",
            "model_name_or_path": "name_or_path", "base_model": "name_or_path", "dataset": "path",
            "datasets": "path", "dataset_path": "path", "save_steps": "checkpoint.every",
-           "eval_steps": "eval.every", "save_total_limit": "checkpoint.keep_last", "report_to": "log.wandb"}
+           "eval_steps": "eval.every", "save_total_limit": "checkpoint.keep_last", "report_to": "log.wandb",
+           "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+           "lora_target": "target_modules", "lora_target_modules": "target_modules",
+           "adapter": "lora.r", "finetuning_type": "lora.r", "peft": "lora", "load_in_4bit": "lora.quantize"}
 # Keys of features this repository does not have, with what to do instead of a misleading spelling hint.
 UNSUPPORTED = {"data.streaming": "streaming datasets are not supported: data is tokenized once into a cache; "
                                  "point data.path at a local copy, or at a subset of its files"}

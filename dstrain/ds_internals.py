@@ -187,3 +187,23 @@ def dataset_fingerprint(dataset) -> str:
     """The datasets library's content fingerprint of a Dataset (changes when its files or transforms do):
     Dataset._fingerprint; no public accessor exists."""
     return dataset._fingerprint
+
+
+def drop_frozen_aliases(engine) -> None:
+    """Checkpoints of a model with a frozen base (LoRA) must not hold that base. DeepSpeedEngine.module_state_dict
+    (exclude_frozen_parameters=True) deletes the frozen names named_parameters() lists, which skips a tied
+    weight's second name: lm_head.weight (= embed_tokens.weight) stayed in every checkpoint of a tied model, the
+    whole embedding table. Wraps the engine's bound method (save_checkpoint calls it through self) to drop every
+    name of a frozen parameter, aliases included (by name: ZeRO-3's partitioned tensors are all empty)."""
+    original = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        state = original(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters and state is not None:
+            prefix = kwargs.get("prefix", "")
+            for name, param in engine.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    engine.module_state_dict = module_state_dict

@@ -1,4 +1,5 @@
-"""`python -m dstrain.export RUN_DIR|CHECKPOINT [--out DIR]`: a Hugging Face model from any checkpoint."""
+"""`python -m dstrain.export RUN_DIR|CHECKPOINT [--out DIR]`: a Hugging Face model from any checkpoint
+(and, for a LoRA run, its adapter in PEFT's format beside it)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import COMPLETE, CONSOLIDATED, PIPELINE_NAMES, complete_checkpoints
+from .components.lora import LORA_DIR
 from .errors import EXIT_USER_ERROR, UserError
 
 
@@ -38,7 +40,8 @@ def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
     """The end of a finished run: rank 0 exports the final checkpoint in the training precision."""
     if ctx.is_main:
         export_hf(ckpt, out_dir, export_dtype(ds_cfg))
-        say(f"exported {out_dir}")
+        adapter = out_dir.with_name("adapter")
+        say(f"exported {out_dir}" + (f" (merged) and the adapter {adapter}" if adapter.is_dir() else ""))
 
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -58,9 +61,11 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in states["module"].items()}
 
 
-def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write a Hugging Face model directory (safetensors) from a checkpoint; replaces out_dir atomically."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, adapter_dir: Path | None = None) -> Path:
+    """Write a Hugging Face model directory (safetensors) from a checkpoint; replaces out_dir atomically.
+    A LoRA run's checkpoint (model_config/lora/ exists) holds only the adapters: they are loaded onto the base,
+    written to adapter_dir (default: adapter/ beside out_dir) in PEFT's format, and merged into out_dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # called after training: build a plain model, not a ZeRO-3-partitioned one
@@ -72,24 +77,67 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> 
     config = AutoConfig.from_pretrained(model_files)
     config.use_cache = True  # run directories written before this was fixed recorded the training setting (off)
     state = consolidated_state_dict(ckpt)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if still_meta or unexpected:
-        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {still_meta}, "
-                           f"unexpected {unexpected}")
+    if (model_files / LORA_DIR / "adapter_config.json").exists():
+        model = _lora_model(model_files, config, state, ckpt)
+        _replace_dir(adapter_dir or out_dir.with_name("adapter"),
+                     lambda tmp: model.save_pretrained(tmp))  # adapter_model.safetensors + adapter_config.json
+        model = model.merge_and_unload()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()
+        still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if still_meta or unexpected:
+            raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {still_meta}, "
+                               f"unexpected {unexpected}")
     model.to(dtype)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(model_files).save_pretrained(tmp)
+    model.config.use_cache = True
+    return _replace_dir(out_dir, lambda tmp: _save_model(model, model_files, tmp))
+
+
+def _lora_model(model_files: Path, config, state: dict, ckpt: Path):
+    """The base, reloaded from where training loaded it, with the checkpoint's adapters (fp32) on it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .config import local_or_hub
+
+    lora = LoraConfig.from_pretrained(model_files / LORA_DIR)
+    base_name = lora.base_model_name_or_path
+    try:
+        base = AutoModelForCausalLM.from_pretrained(local_or_hub(base_name), config=config, dtype=torch.float32)
+    except OSError as e:
+        raise UserError(f"{ckpt} holds LoRA adapters; their base {base_name} cannot be loaded "
+                        f"({str(e).splitlines()[0]}): restore it there, or set base_model_name_or_path in "
+                        f"{model_files / LORA_DIR / 'adapter_config.json'}") from None
+    model = get_peft_model(base, lora)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = trained - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the adapters: missing {sorted(missing)[:4]}, "
+                           f"unexpected {sorted(unexpected)[:4]}")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _save_model(model, model_files: Path, out: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_files).save_pretrained(out)
     if (model_files / "generation_config.json").exists():
         generation = GenerationConfig.from_pretrained(model_files)
         if generation.use_cache is False:
             generation.use_cache = True
-        generation.save_pretrained(tmp)
+        generation.save_pretrained(out)
+
+
+def _replace_dir(out_dir: Path, write) -> Path:
+    """write(tmp) fills a temporary sibling, which then replaces out_dir: a failed export leaves out_dir as it was."""
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
     old = out_dir.with_name(f".old-{out_dir.name}")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
@@ -104,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Export a checkpoint to a Hugging Face model directory.")
     parser.add_argument("checkpoint", type=Path, help="a run dir (newest complete checkpoint) or checkpoints/step_*")
     parser.add_argument("--out", type=Path, default=None, help="output dir (default: <run dir>/hf)")
+    parser.add_argument("--adapter_out", type=Path, default=None,
+                        help="LoRA runs: where the adapter goes in PEFT's format (default: adapter/ beside --out)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = parser.parse_args(argv)
     try:
@@ -115,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             ckpt = found[-1]
         out = args.out or ckpt.parent.parent / "hf"
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-        print(f"exported {ckpt} -> {export_hf(ckpt, out, dtype)}")
+        print(f"exported {ckpt} -> {export_hf(ckpt, out, dtype, args.adapter_out)}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -6,6 +6,8 @@ FLOPs per trained token, PaLM's convention (Chowdhery et al. 2022, appendix B): 
   L  layers, T the sequence length, A = attention heads x head_dim: forward QK^T and AV cost 4 T A per token
      and layer, x3 with the backward, over the full T x T square as PaLM and Megatron count it.
 Recomputation under activation checkpointing is not counted (model, not hardware, FLOPs utilisation).
+With a frozen base and A trained adapter parameters (LoRA), the backward skips the base's weight gradients:
+  2 (N + A) forward + 2 (N + A) for the activations' gradients + 2 A for the adapters' = 4 N + 6 A.
 
 Peak: a table of dense bf16/fp16 tensor-core peaks for known GPUs; anything else (CPU, fp32, an unknown GPU)
 gets a short measured matmul peak, taken on every rank at once so ranks sharing cores share them here too.
@@ -33,14 +35,18 @@ class Peak:
     source: str  # where the figure came from, for the log and run_info.json
 
 
-def flops_per_token(config, parameters: int, seq_len: int) -> float:
-    """6 N + 12 L T A for a Hugging Face decoder config with `parameters` in total (see module docstring)."""
+def flops_per_token(config, parameters: int, seq_len: int, adapters: int | None = None) -> float:
+    """6 N + 12 L T A for a Hugging Face decoder config with `parameters` in total (see module docstring);
+    4 N + 6 A + 12 L T A when only `adapters` parameters train on a frozen base of `parameters`."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     tied = bool(getattr(config, "tie_word_embeddings", False))
     matmul_params = parameters - (0 if tied else config.vocab_size * hidden)
-    return 6.0 * matmul_params + 12.0 * config.num_hidden_layers * seq_len * heads * head_dim
+    attention = 12.0 * config.num_hidden_layers * seq_len * heads * head_dim
+    if adapters is not None:
+        return 4.0 * matmul_params + 6.0 * adapters + attention
+    return 6.0 * matmul_params + attention
 
 
 def table_peak(device_name: str, precision: str) -> float | None:

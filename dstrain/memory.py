@@ -13,6 +13,10 @@ Transient, in two phases that do not overlap (the peak is the persistent part pl
               per updated element), ZeRO-1/2's all-gather bucket
 Buckets count at most psi elements: on CPU only written pages are resident.
 Offloaded parameters / optimizer states move from the device to host memory.
+LoRA (psi_a adapter parameters on a frozen base of psi): parameters are w*(psi + psi_a) (ZeRO-3: /N), while
+gradients, optimizer states and the reduce/all-gather buckets count psi_a only. QLoRA stores the base's linear
+weights in 4-bit NF4 with double quantization: 0.5 byte + an 8-bit scale per 64 + an fp32 scale per 64 x 256
+elements, about 0.516 byte each (norms, embeddings and the head stay in w bytes).
 Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, vocabulary V:
   each decoder layer keeps about s*b*(8h + 4f) elements for backward (inputs of the norms, q/k/v,
   attention output, MLP projections; fused/flash attention keeps no s x s matrix); with activation
@@ -74,7 +78,13 @@ def count_parameters(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # bitsandbytes 4-bit, double-quantized scales, per weight
+
+
+def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int | None = None,
+             quantized: int = 0) -> Estimate:
+    """Per-rank memory. trained: adapter parameters when the base (`parameters`) is frozen (LoRA); quantized: how
+    many of the base's parameters are stored in 4 bit (QLoRA)."""
     train = recipe.train
     zero = ds_cfg.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
@@ -86,10 +96,13 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
     offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
 
     # What DeepSpeed allocates (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py):
+    split = layout.pipeline_stages * layout.tensor_parallel
+    psi_t = psi if trained is None else trained // split  # what trains: everything, or the adapters
     partitioned = stage >= 1 or sixteen_bit            # ZeRO-0 in 16 bit runs the (partitioning) BF16 optimizer
-    opt_elems = psi // n if partitioned else psi       # elements the optimizer updates on this rank
-    params = w * psi // (n if stage == 3 else 1)
-    grads = w * psi // (n if stage >= 2 else 1)
+    opt_elems = psi_t // n if partitioned else psi_t   # elements the optimizer updates on this rank
+    stored = w * psi if trained is None else w * (psi - quantized // split + psi_t) + NF4_BYTES * quantized // split
+    params = int(stored) // (n if stage == 3 else 1)
+    grads = w * psi_t // (n if stage >= 2 else 1)
     master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition
     moments = 8 * opt_elems                            # Adam exp_avg, exp_avg_sq
     # optimizer step only: the fp32 partition's gradient, torch AdamW's foreach temporary, and (ZeRO-1/2)
@@ -97,9 +110,9 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout) -> Estimate:
     step = (4 * opt_elems if partitioned else 0)
     step += 4 * opt_elems if (ds_cfg.get("optimizer") or {}).get("params", {}).get("torch_adam") else 0
     if stage in (1, 2):
-        step += w * min(psi, int(zero.get("allgather_bucket_size", 5e8)))
+        step += w * min(psi_t, int(zero.get("allgather_bucket_size", 5e8)))
     # forward/backward only: gradient reduce bucket, and under ZeRO-3 the gathered live parameters + prefetch
-    buffers = w * min(psi, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 1 else 0
+    buffers = w * min(psi_t, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 1 else 0
     if stage == 3:
         buffers += w * min(psi, int(zero.get("stage3_max_live_parameters", 1e9))
                            + int(zero.get("stage3_prefetch_bucket_size", 5e7)))
@@ -207,8 +220,17 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h)
     layout = Layout.from_ds_config(resolved, world_size)
     capacity, capacity_name = target or device_memory(caps.name, ranks_per_node)
-    est = estimate(config, parameters, recipe, resolved, layout)
+    trained = quantized = None
+    if recipe.lora.enabled:  # a frozen base (4-bit with lora.quantize) and adapters with full training states
+        from .components.lora import count_parameters as lora_counts
+        _, trained, linear = lora_counts(config, recipe.lora)
+        quantized = linear if recipe.lora.quantize else 0
+    est = estimate(config, parameters, recipe, resolved, layout, trained, quantized or 0)
     text = report(est, recipe, ds_name, layout, capacity, capacity_name, resolved)
+    if trained is not None:
+        text += (f"\nLoRA r={recipe.lora.r}: {trained / 1e6:,.1f}M adapter parameters train (gradients and optimizer "
+                 f"states); the {parameters / 1e6:,.1f}M-parameter base is frozen"
+                 + (f", its {quantized / 1e6:,.1f}M linear weights in 4 bit" if quantized else ""))
     if est.device_total <= capacity:
         return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
     for candidate in LADDER:
@@ -216,7 +238,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
             trial = _with(recipe, checkpointing)
             cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps, h)
             trial_layout = Layout.from_ds_config(cfg, world_size)
-            if estimate(config, parameters, trial, cfg, trial_layout).device_total <= capacity:
+            if estimate(config, parameters, trial, cfg, trial_layout, trained,
+                        quantized or 0).device_total <= capacity:
                 fix = candidate + (" with --train.activation_checkpointing=true" if checkpointing and
                                    not recipe.train.activation_checkpointing else "")
                 return False, text + f"\ndoes not fit; {fix} would (or lower train.micro_batch_size)"

@@ -104,8 +104,10 @@ def check_tensor_parallel(config, tp: int) -> None:
                             f"choose a size that divides it")
 
 
-def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer) -> tuple[torch.nn.Module, Any]:
-    """The model, and the HfDeepSpeedConfig that must stay referenced while a ZeRO-3 model lives."""
+def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kwargs: dict | None = None
+          ) -> tuple[torch.nn.Module, Any]:
+    """The model, and the HfDeepSpeedConfig that must stay referenced while a ZeRO-3 model lives.
+    `load_kwargs` (from components, e.g. QLoRA's quantization_config and dtype) go to from_pretrained."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -116,6 +118,7 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer) -> tupl
     kwargs = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    kwargs.update(load_kwargs or {})
     torch.manual_seed(train.seed)  # same random init on every rank for from-scratch runs
     if from_scratch(cfg, location):
         model = AutoModelForCausalLM.from_config(config, **kwargs)

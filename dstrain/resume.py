@@ -68,6 +68,10 @@ def run_identity(recipe: dict) -> dict:
         out[f"data.{key}"] = data.get(key)
     if "chat_template" in data:
         out["data.chat_template"] = data.get("chat_template")
+    lora = recipe.get("lora") or {}
+    out["lora.r"] = lora.get("r") or 0  # a LoRA checkpoint holds adapters only: another r or targets is another run
+    if out["lora.r"]:
+        out.update({"lora.target_modules": lora.get("target_modules"), "lora.quantize": lora.get("quantize")})
     return out
 
 

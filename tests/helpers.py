@@ -92,7 +92,8 @@ def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
 
 def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
-                     lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None):
+                     lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None,
+                     lora: dict | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
@@ -100,7 +101,9 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     numpy's permutation seeded by (seed, k // n). `record`, when given, receives per-step lists: grad_norm (the
     pre-clip global norm, which AdamW's scale invariance and clipping hide from the losses), tokens (input
     tokens that are not padding) and label_tokens. `sequences`, when given, replaces the run's tokenized cache
-    (the caller tokenized the data itself)."""
+    (the caller tokenized the data itself). `lora`, when given, is peft's LoraConfig keywords: adapters are added
+    with peft's get_peft_model right after torch.manual_seed(seed) (the documented adapter-init contract) and only
+    they train."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -120,9 +123,14 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         return rows["input_ids"].long(), labels.long(), rows.get("attention_mask")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(seed)
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     model.train()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr * lr_scale, betas=betas, eps=eps)
 
@@ -144,7 +152,7 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         loss = loss_sum / (target != -100).sum()
         opt.zero_grad()
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm if max_grad_norm else float("inf"))
         opt.step()
         losses.append(loss.item())
         if record is not None:

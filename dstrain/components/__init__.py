@@ -7,6 +7,7 @@ train() calls in order for every component:
                              alone (pipeline with ZeRO-2/3, compression with ZeRO-2/3 or offload) run once in
                              ds_config.resolve, which the preflight and the cluster check share
   configure(ds_cfg, setup)   edits to the resolved DeepSpeed config before the engine exists
+  load_kwargs(setup)         extra keyword arguments for from_pretrained (QLoRA's quantization_config)
   convert(model, setup)      the model before deepspeed.initialize (returns the model to train)
   attach(engine, setup)      after the engine exists
   after_step(step, say)      at each step boundary
@@ -49,6 +50,9 @@ class Component:
     def configure(self, ds_cfg: dict, setup: Setup) -> None:
         pass
 
+    def load_kwargs(self, setup: Setup) -> dict:
+        return {}
+
     def convert(self, model, setup: Setup):
         return model
 
@@ -62,6 +66,10 @@ class Component:
         """What run_info.json records about this component."""
         return {}
 
+    def trained_parameters(self) -> int | None:
+        """How many parameters train, when not all of them (LoRA): FLOPs, memory and the log count these."""
+        return None
+
     def state_dict(self) -> dict:
         raise NotImplementedError
 
@@ -71,9 +79,10 @@ class Component:
 
 def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     """The components this recipe and DeepSpeed JSON turn on, in the order their hooks run."""
-    from . import chunked_loss, compile, compression, flops_profile, pipeline
+    from . import chunked_loss, compile, compression, flops_profile, lora, pipeline
 
-    found = [pipeline.make(raw_ds), chunked_loss.make(recipe), compression.make(raw_ds),
+    # the chunked loss patches the HF model before lora wraps it (peft passes its keyword arguments through)
+    found = [pipeline.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe), compression.make(raw_ds),
              flops_profile.make(recipe), compile.make(recipe)]
     return [c for c in found if c is not None]
 
@@ -81,6 +90,18 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
 def validate_all(components: list[Component], setup: Setup) -> None:
     for component in components:
         component.validate(setup)
+
+
+def load_kwargs(components: list[Component], setup: Setup) -> dict:
+    out: dict = {}
+    for component in components:
+        out.update(component.load_kwargs(setup))
+    return out
+
+
+def trained_parameters(components: list[Component]) -> int | None:
+    found = [c.trained_parameters() for c in components if c.trained_parameters() is not None]
+    return found[0] if found else None
 
 
 def stateful(components: list[Component]) -> dict[str, Component]:

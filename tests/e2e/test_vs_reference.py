@@ -25,15 +25,16 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 
 
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed", extra=(), rtol=RTOL, nproc=2,
-                    norm_rtol=GRAD_NORM_RTOL):
+                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3):
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
-    proc = launch(COMMON + [f"--model.name_or_path={model_dir}", *ds_args, "--output_dir", str(run_dir), *extra],
-                  cache, launcher=launcher, nproc=nproc)
+    proc = launch(COMMON + [f"--train.lr={lr}", f"--model.name_or_path={model_dir}", *ds_args, "--output_dir",
+                            str(run_dir), *extra], cache, launcher=launcher, nproc=nproc)
     (run_dir / "launch_stderr.txt").write_text(proc.stderr)  # what rank 0 said, for tests that check it
     got, _ = metrics(run_dir)
     ref = {}
-    want, ref_model = reference_losses(model_dir, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1, record=ref)
+    want, ref_model = reference_losses(model_dir, run_dir, STEPS, lr, WARMUP, MIN_LR, weight_decay=0.1, record=ref,
+                                       lora=lora)
     gaps = [abs(g - w) / w for g, w in zip(got, want)]
     rows = _step_rows(run_dir)
     norms = [r["grad_norm"] for r in rows]
@@ -41,7 +42,7 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed",
     print(f"{ds_config} {launcher}: max relative gap {max(gaps):.2e} (grad_norm {norm_gap:.2e}); losses "
           f"{got[0]:.4f} -> {got[-1]:.4f}")
     assert len(got) == STEPS
-    assert got[-1] < got[0] - 0.3, "the run should learn within 8 steps"
+    assert got[-1] < got[0] - learns, "the run should learn within 8 steps"
     assert got == pytest.approx(want, rel=rtol)
     # every step is clipped here and AdamW ignores a uniform gradient scale, so losses cannot see a gradient
     # summed instead of averaged over ranks: the pre-clip norm can (measured gaps in the module docstring)

@@ -218,3 +218,36 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     assert builder.jit_load() == "loaded" and said == []  # built: quiet
     (built[0] / f"{builder.name}.so").unlink()
     assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
+
+
+def test_frozen_tied_weights_leave_lora_checkpoints():
+    """DeepSpeedEngine.module_state_dict(exclude_frozen_parameters=True) keeps a frozen tied alias (the upstream
+    behaviour drop_frozen_aliases exists for); wrapped, only trained tensors remain."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from dstrain.ds_internals import drop_frozen_aliases
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+            self.adapter = torch.nn.Linear(4, 4)
+            self.embed.weight.requires_grad_(False)
+
+    class Engine:  # what DeepSpeedEngine.module_state_dict reads from self
+        module = Tied()
+
+        def random_ltd_enabled(self):
+            return False
+
+        def module_state_dict(self, **kwargs):
+            return DeepSpeedEngine.module_state_dict(self, **kwargs)
+
+    engine = Engine()
+    assert set(engine.module_state_dict(exclude_frozen_parameters=True)) == {"head.weight", "adapter.weight",
+                                                                              "adapter.bias"}
+    drop_frozen_aliases(engine)
+    assert set(engine.module_state_dict(exclude_frozen_parameters=True)) == {"adapter.weight", "adapter.bias"}
+    assert len(engine.module_state_dict()) == 4  # without the flag, everything

@@ -1,0 +1,136 @@
+"""lora: low-rank adapters (peft's LoRA) on a frozen base, under every ZeRO stage and offload.
+
+peft builds and runs the adapters; what this component adds is what peft leaves to the training script:
+  - the base is loaded first (under ZeRO-3 inside zero.Init by transformers: partitioned as it loads), then the
+    adapters are added; only trainable parameters reach the optimizer (models.param_groups skips frozen ones);
+  - the adapters' initial weights are a function of the seed alone: torch.manual_seed(seed) right before
+    get_peft_model on every rank (peft draws lora_A from torch's RNG), so every strategy starts from the same
+    adapters and one global batch gives the same losses under ZeRO-0/1/2/3 and on one rank;
+  - checkpoints hold what is trained: the Checkpointer leaves frozen parameters out (DeepSpeed's
+    exclude_frozen_parameters) and resume re-reads the base from where it was loaded;
+  - model_config/lora/adapter_config.json (peft's format, naming the base) lets export rebuild base + trained
+    adapters offline from any checkpoint: adapter/ in PEFT's format and hf/ merged (dstrain/export.py). The
+    adapters come from the checkpoint's fp32 partitions, never from a ZeRO-3 module's state_dict, which is
+    empty on every rank for partitioned adapters.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import LoraSection, Recipe
+from ..errors import UserError
+from . import Component, Setup
+
+LORA_DIR = "lora"  # under model_config/: adapter_config.json
+
+
+class Lora(Component):
+    name = "lora"
+
+    def __init__(self, section: LoraSection):
+        self.section = section
+
+    def validate(self, setup: Setup) -> None:
+        from .. import model as models
+
+        layout = setup.layout
+        if layout.is_pipeline or layout.tensor_parallel > 1:
+            what = "pipeline stages" if layout.is_pipeline else "tensor parallelism (AutoTP)"
+            raise UserError(f"lora is not supported with {what}: they split the base model's layers that peft wraps; "
+                            f"use a ZeRO config (zero3.json shards the frozen base too)")
+        location = models.load_config(setup.recipe.model, setup.recipe.train.seq_len)[0]
+        if models.from_scratch(setup.recipe.model, location):
+            raise UserError(f"lora.r={self.section.r} on {setup.recipe.model.name_or_path}, which has no weights: the "
+                            f"frozen base would be random; point model.name_or_path at a trained model, or set "
+                            f"lora.r=0 to train every weight")
+        if self.section.quantize:
+            check_quantize(setup.precision)
+        self.total, self.trainable, _ = count_parameters(setup.model_config, self.section)
+        if self.trainable == 0:
+            raise UserError(f"lora.target_modules={self.section.target_modules!r} matched no module of the model; "
+                            f"name its linear layers (e.g. q_proj, v_proj) or use all-linear")
+
+    def load_kwargs(self, setup: Setup) -> dict:
+        if not self.section.quantize:
+            return {}
+        quantization = quantization_config(setup.precision)
+        return {"quantization_config": quantization, "dtype": quantization.bnb_4bit_compute_dtype}
+
+    def convert(self, model, setup: Setup):
+        import peft
+
+        base = _base_location(model)
+        config = self.section.peft_config(base=base)
+        torch.manual_seed(setup.recipe.train.seed)  # the adapters' init: the seed alone, on every rank
+        model = peft.get_peft_model(model, config)
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        if setup.ctx.is_main:
+            config.save_pretrained(setup.run_dir / "model_config" / LORA_DIR)
+        setup.log(f"lora: r={self.section.r} on {self.section.target_modules}: {trainable:,} trainable parameters "
+                  f"({trainable / total:.2%} of {total:,}); the base ({base}) stays frozen")
+        return model
+
+    def attach(self, engine, setup: Setup) -> None:
+        from .. import ds_internals
+        ds_internals.drop_frozen_aliases(engine)  # a tied head is frozen base too
+
+    def describe(self) -> dict:
+        return {"r": self.section.r, "alpha": self.section.alpha, "target_modules": self.section.target_modules,
+                "quantize": self.section.quantize, "trainable_parameters": self.trainable,
+                "parameters_with_adapters": self.total}
+
+    def trained_parameters(self) -> int | None:
+        return self.trainable
+
+
+def count_parameters(model_config, section: LoraSection) -> tuple[int, int, int]:
+    """(parameters with adapters, adapter parameters, base weights of linear layers but the head: what QLoRA
+    stores in 4 bit) of the model a config describes: built on the meta device, adapters added by peft (a 70B
+    model takes under a second, no memory)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(model_config)
+        head = base.get_output_embeddings()
+        linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+        model = peft.get_peft_model(base, section.peft_config())
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad), linear)
+
+
+def check_quantize(precision: str) -> None:
+    """QLoRA's 4-bit base needs bitsandbytes' CUDA kernels: refused elsewhere before anything starts."""
+    if not torch.cuda.is_available():
+        raise UserError("lora.quantize=4bit (QLoRA) needs a CUDA GPU (bitsandbytes' 4-bit kernels); this machine "
+                        "has none: drop lora.quantize to train LoRA on the full-precision base")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError("lora.quantize=4bit needs bitsandbytes: pip install -e '.[qlora]' "
+                        "(or pip install bitsandbytes)") from None
+    if precision == "fp32":
+        raise UserError("lora.quantize=4bit computes in the training precision: use bf16 (train.precision=bf16)")
+
+
+def quantization_config(precision: str):
+    """NF4 with double quantization (the QLoRA paper's setting); storage dtype = compute dtype, which peft's
+    DeepSpeed guide requires under ZeRO-3 (it partitions the packed 4-bit weights as tensors of that dtype)."""
+    from transformers import BitsAndBytesConfig
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+
+
+def _base_location(model) -> str:
+    """Where the base was loaded from, absolute when local: export reloads it from there."""
+    name = getattr(model, "name_or_path", None) or model.config._name_or_path
+    return str(Path(name).resolve()) if Path(name).exists() else name
+
+
+def make(recipe: Recipe) -> Lora | None:
+    return Lora(recipe.lora) if recipe.lora.enabled else None
