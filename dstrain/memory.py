@@ -231,6 +231,10 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         text += (f"\nLoRA r={recipe.lora.r}: {trained / 1e6:,.1f}M adapter parameters train (gradients and optimizer "
                  f"states); the {parameters / 1e6:,.1f}M-parameter base is frozen"
                  + (f", its {quantized / 1e6:,.1f}M linear weights in 4 bit" if quantized else ""))
+    if est.host:
+        per_rank = sum(est.host.values())
+        text += (f"\nhost memory: {per_rank * ranks_per_node / GiB:,.1f} GiB per node for what is offloaded "
+                 f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
     if est.device_total <= capacity:
         return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
     for candidate in LADDER:

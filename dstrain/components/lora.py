@@ -48,7 +48,7 @@ class Lora(Component):
         if self.section.quantize:
             check_quantize(setup.precision)
         self.total, self.trainable, _ = count_parameters(setup.model_config, self.section)
-        if self.trainable == 0:
+        if self.trainable == 0:  # e.g. a regular expression that matches nothing trainable
             raise UserError(f"lora.target_modules={self.section.target_modules!r} matched no module of the model; "
                             f"name its linear layers (e.g. q_proj, v_proj) or use all-linear")
 
@@ -97,7 +97,11 @@ def count_parameters(model_config, section: LoraSection) -> tuple[int, int, int]
         base = AutoModelForCausalLM.from_config(model_config)
         head = base.get_output_embeddings()
         linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head)
-        model = peft.get_peft_model(base, section.peft_config())
+        try:
+            model = peft.get_peft_model(base, section.peft_config())
+        except ValueError as e:  # e.g. target modules not found in the model
+            raise UserError(f"lora: peft cannot add these adapters to {type(base).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}") from None
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad), linear)
 

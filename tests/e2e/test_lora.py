@@ -62,6 +62,17 @@ def test_lora_on_gpt2_under_zero3(tmp_path, cache, tiny_gpt2):
     lora_run(tmp_path, cache, tiny_gpt2, "zero3.json")
 
 
+def test_lora_with_checkpointing_chunked_loss_and_chat(tmp_path, cache, tiny_llama):
+    """The features a LoRA SFT recipe turns on together: activation checkpointing (non-reentrant: the frozen
+    embedding's output needs no grad), the fused chunked head (installed before peft wraps the model) and chat
+    masks, under ZeRO-3 with partitioned adapters."""
+    run_dir, _ = lora_run(tmp_path, cache, tiny_llama, "zero3.json", extra=[
+        "--train.activation_checkpointing=true", "--train.loss_chunk_tokens=64", "--data.path=data/tiny_chat",
+        "--data.format=chat"])
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["activation_checkpointing"] is True and info["components"]["loss_chunk_tokens"]["tokens"] == 64
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
