@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression lint assets clean
+.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -87,6 +87,9 @@ bench-loss: setup
 
 # gradient compression: bytes, convergence over 3 data orders, and step time on a tc-limited veth link (needs
 # root for that part); about 85 min on 2 cores
+bench-lora: setup
+	$(PY) bench/lora.py --write $(BENCH_ARGS)
+
 bench-compression: setup
 	$(call apt_install,iproute2)
 	$(PY) bench/compression.py --seeds 42,1,2 --slow-link --write $(BENCH_ARGS)

@@ -159,6 +159,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     if start_from:
         stream.resume(start, start_from.manifest.get("samples", start * stream.global_batch))
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
+    memory.reset_peak()  # from here on, the training phase's peak (what the preflight models)
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
                       flops_per_token, peak.flops * ctx.world_size)
     metrics.message(f"data: {prepared.summary}")

@@ -79,8 +79,10 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
     state = consolidated_state_dict(ckpt)
     if (model_files / LORA_DIR / "adapter_config.json").exists():
         model = _lora_model(model_files, config, state, ckpt)
+        trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}
+        # adapter_model.safetensors (in the training precision) + adapter_config.json; merged below in fp32
         _replace_dir(adapter_dir or out_dir.with_name("adapter"),
-                     lambda tmp: model.save_pretrained(tmp))  # adapter_model.safetensors + adapter_config.json
+                     lambda tmp: model.save_pretrained(tmp, state_dict=trained))
         model = model.merge_and_unload()
     else:
         with torch.device("meta"):

@@ -268,14 +268,31 @@ def current_bytes() -> int:
 
 
 def peak_bytes() -> int:
-    """High-water mark since process start: the allocator's on CUDA, the kernel's max RSS on CPU."""
+    """High-water mark since process start or the last reset_peak(): the allocator's on CUDA, the kernel's max
+    RSS on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak() -> None:
+    """Start a new high-water mark from what is resident now, so the training phase's peak is measured apart from
+    loading's. On CPU, loading counts the mmapped checkpoint file's pages in RSS while it reads them (a 400 MB
+    fp32 file: the peak of a whole LoRA run, whose training needs less); Linux resets the mark when the process
+    writes 5 to its clear_refs (VmHWM and ru_maxrss both follow)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or no procfs: the peak then includes loading
+        pass
+
+
 def record(path: Path, ctx, baseline: int, setup_peak: int, estimate: Estimate) -> None:
-    """Rank 0 writes memory.json: the measured peak next to the estimate (bench/memory.py reads it)."""
+    """Rank 0 writes memory.json: the measured peak of the training phase (train.py resets the mark once the
+    model is built and loaded) next to the estimate (bench/memory.py reads it), and the peak of setup."""
     if ctx.is_main:
         write_measurement(path, baseline, {"estimated_device_bytes": estimate.device_total,
                                            "estimate": estimate.device,

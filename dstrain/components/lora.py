@@ -64,7 +64,10 @@ class Lora(Component):
         base = _base_location(model)
         config = self.section.peft_config(base=base)
         torch.manual_seed(setup.recipe.train.seed)  # the adapters' init: the seed alone, on every rank
-        model = peft.get_peft_model(model, config)
+        # adapters in the base's dtype: DeepSpeed's 16-bit optimizer keeps their fp32 masters, as for full training.
+        # peft's default (fp32 adapters on a 16-bit base) casts every adapted layer's input to fp32 and keeps that
+        # copy for backward: measured +53% activation memory on a 100M Llama, 40 GB more at 8B x 8k tokens/rank
+        model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         if setup.ctx.is_main:
