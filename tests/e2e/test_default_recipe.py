@@ -8,9 +8,14 @@ from PIL import Image
 from tests.helpers import launch, metrics
 
 
-def test_default_recipe_learns_and_reports(tmp_path, cache):
-    run = tmp_path / "run"
-    proc = launch(["--ds_config", "zero3.json", "--output_dir", str(run)], cache)  # wandb on: offline here
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, cache):
+    run = tmp_path_factory.mktemp("default") / "run"
+    return run, launch(["--ds_config", "zero3.json", "--output_dir", str(run)], cache)  # wandb on: offline here
+
+
+def test_default_recipe_learns_and_reports(default_run):
+    run, proc = default_run
     losses, evals = metrics(run)
     first, last = evals[0], evals[-1]
     print(f"default recipe: eval loss {first['eval_loss']:.3f} -> {last['eval_loss']:.3f} over {len(losses)} steps")
@@ -51,6 +56,18 @@ def test_sft_recipes_learn(tmp_path, cache, recipe):
     _, evals = metrics(run)
     print(f"{recipe}: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.3f}")
     assert evals[-1]["eval_loss"] < 0.6 * evals[0]["eval_loss"]
+
+
+def test_tiny_lora_recipe_on_the_default_runs_export(tmp_path, cache, default_run):
+    """The README's LoRA walk-through: `make train`, then tiny/lora_chat_sft.yaml on its hf/ (the recipe names
+    runs/tiny-pretrain/hf; here the default run lives elsewhere). Adapters on chat data must learn."""
+    run = tmp_path / "run"
+    proc = launch(["--recipe", "tiny/lora_chat_sft.yaml", f"--model.name_or_path={default_run[0] / 'hf'}",
+                   "--output_dir", str(run), "--log.wandb=false"], cache)
+    _, evals = metrics(run)
+    print(f"tiny LoRA recipe: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.3f}")
+    assert evals[-1]["eval_loss"] < 0.8 * evals[0]["eval_loss"]
+    assert "lora: r=16 on all-linear" in proc.stderr and (run / "adapter" / "adapter_config.json").exists()
 
 
 def test_flops_per_token_agrees_with_deepspeeds_profiler(tmp_path, cache):
