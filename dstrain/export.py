@@ -39,8 +39,8 @@ def _pipeline_state_dict(ckpt: Path, names: dict[str, str]) -> dict[str, torch.T
 def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
     """The end of a finished run: rank 0 exports the final checkpoint in the training precision."""
     if ctx.is_main:
-        export_hf(ckpt, out_dir, export_dtype(ds_cfg))
         adapter = out_dir.with_name("adapter")
+        export_hf(ckpt, out_dir, export_dtype(ds_cfg), adapter)
         say(f"exported {out_dir}" + (f" (merged) and the adapter {adapter}" if adapter.is_dir() else ""))
 
 
@@ -64,7 +64,7 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, adapter_dir: Path | None = None) -> Path:
     """Write a Hugging Face model directory (safetensors) from a checkpoint; replaces out_dir atomically.
     A LoRA run's checkpoint (model_config/lora/ exists) holds only the adapters: they are loaded onto the base,
-    written to adapter_dir (default: adapter/ beside out_dir) in PEFT's format, and merged into out_dir."""
+    written to adapter_dir in PEFT's format (when given), and merged into out_dir."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -81,8 +81,8 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         model = _lora_model(model_files, config, state, ckpt)
         trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}
         # adapter_model.safetensors (in the training precision) + adapter_config.json; merged below in fp32
-        _replace_dir(adapter_dir or out_dir.with_name("adapter"),
-                     lambda tmp: model.save_pretrained(tmp, state_dict=trained))
+        if adapter_dir is not None:
+            _replace_dir(adapter_dir, lambda tmp: model.save_pretrained(tmp, state_dict=trained))
         model = model.merge_and_unload()
     else:
         with torch.device("meta"):
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             ckpt = found[-1]
         out = args.out or ckpt.parent.parent / "hf"
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-        print(f"exported {ckpt} -> {export_hf(ckpt, out, dtype, args.adapter_out)}")
+        print(f"exported {ckpt} -> {export_hf(ckpt, out, dtype, args.adapter_out or out.with_name('adapter'))}")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
