@@ -47,6 +47,11 @@ class Lora(Component):
                             f"lora.r=0 to train every weight")
         if self.section.quantize:
             check_quantize(setup.precision)
+        vocab, tokens = setup.model_config.vocab_size, len(models.load_tokenizer(setup.recipe.model))
+        if tokens > vocab:  # train.py would resize the embeddings: new random rows, frozen, lost at export
+            raise UserError(f"the tokenizer has {tokens:,} tokens and the base's embeddings {vocab:,} rows: LoRA keeps "
+                            f"the embeddings frozen, so the new rows would stay random; use the base's own tokenizer "
+                            f"(model.tokenizer), or train in full (lora.r=0)")
         self.total, self.trainable, _ = count_parameters(setup.model_config, self.section)
         if self.trainable == 0:  # e.g. a regular expression that matches nothing trainable
             raise UserError(f"lora.target_modules={self.section.target_modules!r} matched no module of the model; "

@@ -60,13 +60,16 @@ def tiny_with_weights(tmp_path_factory):
     config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
     config.num_hidden_layers = 1
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    import shutil
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "recipes/tiny/model" / name, out / name)
     return out
 
 
-def validate(overrides, ds="zero3.json", precision="fp32", world=2):
+def validate(overrides, ds="zero3.json", precision="fp32", world=2, config=None):
     r = recipe(*overrides)
     raw = dsc.load(ds)
-    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config = config or AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
     setup = components.Setup(r, Layout.from_ds_config(raw, world), raw, precision, config, Path("/nonexistent"),
                              DistContext(0, 0, world), print)
     features = components.build(r, raw)
@@ -95,6 +98,15 @@ def test_a_base_without_weights_is_refused(tiny_with_weights):
     # counted on the setup's config (the tiny recipe's 4 layers) at r=8: 8 x (in + out) of 7 linears per layer:
     # q and o 128 + 128, k and v 128 + 64 (2 kv heads), gate, up and down 128 + 344
     assert components.trained_parameters(features) == 4 * 8 * (2 * 256 + 2 * 192 + 3 * 472)
+
+
+def test_a_tokenizer_larger_than_the_frozen_embeddings_is_refused(tiny_with_weights):
+    """train.py would resize the embeddings: rows nobody trains, which export cannot rebuild from the base."""
+    config = AutoConfig.from_pretrained(tiny_with_weights)
+    config.vocab_size = 500  # the tiny tokenizer has 576 tokens
+    with pytest.raises(UserError, match="the tokenizer has 576 tokens and the base's embeddings 500 rows"):
+        validate([f"--model.name_or_path={tiny_with_weights}", "--model.tokenizer=recipes/tiny/model", "--lora.r=8"],
+                 config=config)
 
 
 @pytest.fixture(scope="module")
