@@ -58,8 +58,25 @@ def test_lora_matches_peft_reference(tmp_path_factory, cache, tiny_llama, ds_con
 
 
 def test_lora_on_gpt2_under_zero3(tmp_path, cache, tiny_gpt2):
-    """A second architecture, whose projections are Conv1D (peft transposes them: fan_in_fan_out)."""
-    lora_run(tmp_path, cache, tiny_gpt2, "zero3.json")
+    """A second architecture, whose projections are Conv1D (peft transposes them: fan_in_fan_out), with its tied
+    head trained in full beside the adapters (modules_to_save: peft gathers the partitioned module to copy it)."""
+    from safetensors.torch import load_file
+    lora = dict(LORA, modules_to_save=["lm_head"])
+    run_dir, _ = run_and_compare(tmp_path, cache, tiny_gpt2, "zero3.json", lora=lora, lr=LR, learns=0.1,
+                                 extra=LORA_ARGS + PARTITIONED + ["--lora.modules_to_save=[lm_head]"])
+    assert "base_model.model.lm_head.weight" in load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def test_compiled_lora_matches_reference(tmp_path, cache, tiny_llama, monkeypatch):
+    """train.compile with adapters: the decoder blocks peft rewrote are compiled in step 1 (compile_wait) and give
+    the plain loop's losses."""
+    import re
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    run_dir, _ = lora_run(tmp_path, cache, tiny_llama, "zero2.json",
+                          extra=["--train.compile=true", "--train.compile_wait=true"])
+    said = (run_dir / "launch_stderr.txt").read_text()
+    assert re.search(r"\d x LlamaDecoderLayer compiled", said), said[-3000:]
+    assert list((tmp_path / "inductor").rglob("*.py")), "inductor wrote no kernels: the model was not compiled"
 
 
 def test_lora_with_checkpointing_chunked_loss_and_chat(tmp_path, cache, tiny_llama):

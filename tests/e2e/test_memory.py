@@ -10,8 +10,8 @@ from tests.helpers import launch
 # modelled terms (not yet attributed), too close to 25% for a stable test, so it has a looser bound.
 # LoRA (r=16, all-linear, micro 8 so that the run is more than ZeRO-3's unattributed ~90 MiB): a frozen fp32
 # base, adapters with full states.
-BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35, "zero2.json+lora": 0.25,
-         "zero3.json+lora": 0.35}
+# Measured 1.23 under ZeRO-3 (1.12 under ZeRO-2, not kept in the suite: the same terms, less partitioned).
+BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35, "zero3.json+lora": 0.35}
 
 
 @pytest.mark.parametrize("ds_config", list(BOUND))
