@@ -25,8 +25,11 @@ def looks_local(name: str) -> bool:
 
 def _unreachable(name: str, error: Exception) -> UserError:
     if looks_local(name):
+        # a run's hf/ exists once that run finished: tiny/lora_chat_sft.yaml starts from `make train`'s
+        written = f"; {name} is written when the run {Path(name).parent} finishes (for runs/tiny-pretrain: " \
+                  f"make train)" if Path(name).name == "hf" else ""
         return UserError(f"cannot load '{name}': no such directory (it is not a hub id either); check the path "
-                         f"in model.name_or_path / model.tokenizer")
+                         f"in model.name_or_path / model.tokenizer{written}")
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     if len(first) > 80:
         first = first[:80].rsplit(" ", 1)[0] + " ..."

@@ -177,3 +177,19 @@ def test_a_lora_run_directory_is_bound_to_its_adapters():
     other = run_identity(recipe("--lora.r=16", "--lora.target_modules=[q_proj]").to_dict())
     assert full["lora.r"] == 0 and lora["lora.r"] == 16 and lora != other
     assert run_identity({"model": {"name_or_path": "x"}})["lora.r"] == 0  # a recipe.yaml from before LoRA
+
+
+def test_a_missing_run_export_says_which_run_writes_it(tmp_path):
+    """tiny/lora_chat_sft.yaml names runs/tiny-pretrain/hf: before `make train` it does not exist (here a path of
+    the same shape that surely does not, so a developer's own runs/ cannot hide the message)."""
+    from dstrain.model import load_config
+    missing = tmp_path / "runs" / "tiny-pretrain" / "hf"
+    with pytest.raises(UserError) as err:
+        load_config(recipe(f"--model.name_or_path={missing}", name="tiny/lora_chat_sft.yaml").model, 64)
+    message = str(err.value)
+    assert f"cannot load '{missing}': no such directory" in message and "\n" not in message
+    assert f"{missing} is written when the run {missing.parent} finishes (for runs/tiny-pretrain: make train)" \
+        in message
+    with pytest.raises(UserError) as err:
+        load_config(recipe(f"--model.name_or_path={tmp_path / 'model'}").model, 64)
+    assert "finishes" not in str(err.value)
