@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     args, recipe, ds_overrides = cli.load_inputs(argv)
     if args.preflight:
         return run_preflight(args, recipe, ds_overrides)
+    if args.plan or args.simulate:
+        from dstrain import planner
+        return planner.run(args, recipe, ds_overrides, sys.argv[1:] if argv is None else argv)
     run_dir = cli.prepare_run_dir(cli.run_dir_of(args))
 
     from dstrain import checkpoint, dist, ds_config, resume
@@ -175,15 +178,15 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     # ---- the loop
     if start == 0 and val:
         metrics.evaluation(0, evaluate(engine, val, layout))
-    counter = compression.CommCounter().start() if recipe.log.comm_bytes else None
+    counter = compression.CommCounter().start()  # bytes sent and time waited in collectives, every step
     watchdog.arm()
     last = train.exit_at_step or train.max_steps
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
-        began, lr, sent = time.perf_counter(), engine.get_lr()[0], counter.wire_bytes if counter else 0
+        began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
         loss, label_tokens, tokens = train_step(engine, stream.micro_batches(step - 1), layout)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, label_tokens,
-                     time.perf_counter() - began, counter.wire_bytes - sent if counter else None)
+                     time.perf_counter() - began, counter.since(comm))
         watchdog.progress()
         for feature in features:
             feature.after_step(step, metrics.message)
@@ -198,8 +201,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
             break
 
     # ---- finish
-    if counter:
-        counter.stop()
+    counter.stop()
     final = ckpt.save(engine, max(start, last), saved(max(start, last)))
     watchdog.close()  # past the last collective: ranks may now leave at different times
     if stop.stopped_at:

@@ -41,6 +41,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
                              "h200-141gb, ...: the table in dstrain/memory.py); the precision is the config's")
     parser.add_argument("--device_memory", default=None,
                         help="with --preflight: memory per GPU of the planned run, e.g. 80GiB (overrides --device's)")
+    plan = parser.add_argument_group("strategy planner (dstrain/planner)")
+    plan.add_argument("--plan", action="store_true",
+                      help="measure compute, links and memory on these ranks, rank every strategy by predicted step "
+                           "time, write <run dir>/plan/best.json; launch it like the real run")
+    plan.add_argument("--trial", type=int, default=None, metavar="K",
+                      help="with --plan: run the top K candidates for a few steps each and keep the measured fastest")
+    plan.add_argument("--plan_max_mb", type=float, default=256,
+                      help="with --plan: largest collective message measured, MB (default 256)")
+    plan.add_argument("--simulate", action="store_true",
+                      help="with --plan: predict tokens/s and scaling from 1 to --max_gpus GPUs of --device over "
+                           "--interconnect from tables (and --measurements), without launching anything")
+    plan.add_argument("--interconnect", default=None,
+                      help="with --simulate: the network between nodes (ib-ndr, ib-hdr, ib-edr, 400gbe, 100gbe, ...)")
+    plan.add_argument("--gpus_per_node", type=int, default=8, help="with --simulate (default 8)")
+    plan.add_argument("--max_gpus", type=int, default=1024, help="with --simulate (default 1024)")
+    plan.add_argument("--measurements", default=None,
+                      help="with --simulate: a plan.json written by --plan: its measured compute and links")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args, rest = parser.parse_known_args(argv)
     return args, parse_overrides(rest)

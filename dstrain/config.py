@@ -141,7 +141,7 @@ class LogConfig:
     run_name: str | None = None
     progress_bar: bool = True
     plot: bool = True  # loss curve PNG at the end
-    comm_bytes: bool = False  # log the bytes each rank sends in collectives per step (ring-algorithm count)
+    comm_bytes: bool = True  # log the bytes each rank sends in collectives per step (ring-algorithm count)
     flops_profile_step: int | None = None  # run DeepSpeed's flops profiler on this step -> flops_profile.txt
 
     def __post_init__(self) -> None:

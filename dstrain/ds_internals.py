@@ -158,6 +158,12 @@ def comm_backend():
         return None
 
 
+def collective_work_type():
+    """torch's handle class of an asynchronous collective (torch.distributed returns it with async_op=True and
+    waits on it inside a synchronous one). Private in torch; CommCounter times its wait()."""
+    return torch._C._distributed_c10d.Work
+
+
 @contextmanager
 def universal_load_repairs(engine, universal: bool) -> Iterator[None]:
     """Around engine.load_checkpoint of a universal checkpoint, mend two slips of DeepSpeed's ZeRO-3

@@ -13,6 +13,9 @@ from . import env
 from .config import LogConfig
 from .dist import DistContext
 
+COMM_WARN = 0.3  # share of the step spent waiting in collectives that is worth a remedy
+COMM_WINDOW = 10  # steps it must hold for (median), after the first
+
 
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
@@ -27,6 +30,9 @@ class Metrics:
         self.run_dir, self.cfg = run_dir, cfg
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all ranks together
         self.rates: list[float] = []
+        self.resolved_config = resolved_config
+        self.comm_fractions: list[float] = []
+        self.comm_warned = False
         self.path = run_dir / "metrics.jsonl"
         self.bar = self.wandb = None
         if not self.enabled:
@@ -59,22 +65,44 @@ class Metrics:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, label_tokens: int,
-             seconds: float, comm_bytes: float | None = None) -> None:
+             seconds: float, comm: dict | None = None) -> None:
         """tokens: the global batch's input tokens that are not padding (throughput and MFU count those);
-        label_tokens: the tokens the loss is taken over."""
+        label_tokens: the tokens the loss is taken over; comm: {comm_s, comm_bytes} of rank 0 in this step
+        (compression.CommCounter)."""
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
         self.rates.append(tokens_per_s)
-        self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                     "label_tokens": label_tokens,
-                     "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu, "time": time.time(),
-                     **({"comm_bytes": comm_bytes} if comm_bytes is not None else {})})
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+               "label_tokens": label_tokens, "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu,
+               "time": time.time()}
+        if comm is not None:
+            row["comm_s"] = comm["comm_s"]
+            row["comm_fraction"] = comm["comm_s"] / seconds if seconds > 0 else None
+            if self.cfg.comm_bytes:
+                row["comm_bytes"] = comm["comm_bytes"]
+            self._watch_comm(row["comm_fraction"])
+        self._write(row)
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}"
-                                     + (f" mfu={mfu:.1%}" if mfu is not None else ""), refresh=False)
+                                     + (f" mfu={mfu:.1%}" if mfu is not None else "")
+                                     + (f" comm={row['comm_fraction']:.0%}" if row.get("comm_fraction") is not None
+                                        else ""), refresh=False)
             self.bar.update(1)
+
+    def _watch_comm(self, fraction: float | None) -> None:
+        """Say once when communication keeps taking more than COMM_WARN of the steps, with the cheapest remedy."""
+        if fraction is None or self.comm_warned:
+            return
+        self.comm_fractions.append(fraction)
+        recent = self.comm_fractions[1:][-COMM_WINDOW:]  # the first step carries warm-up costs
+        if len(recent) == COMM_WINDOW and statistics.median(recent) > COMM_WARN:
+            from .planner.cost import remedy
+            self.comm_warned = True
+            self.message(f"communication takes {statistics.median(recent):.0%} of each step (median of the last "
+                         f"{COMM_WINDOW}: time waited in collectives, metrics.jsonl comm_fraction); "
+                         f"{remedy(self.resolved_config.get('ds') or {}, self.resolved_config.get('recipe') or {})}")
 
     def evaluation(self, step: int, eval_loss: float) -> None:
         if not self.enabled:

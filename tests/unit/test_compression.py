@@ -137,6 +137,36 @@ def test_bytes_are_counted_at_the_collectives(method, ratio, tmp_path):
     assert result["calls"] == 3
 
 
+def _waited(rank, delay):
+    """Rank 1 reaches each collective `delay` s late; rank 0's counter must see that wait, once per call, for a
+    synchronous all-reduce and for an asynchronous all-gather waited on later."""
+    import time
+    counter = C.CommCounter()
+    out = {}
+    with counter.active():
+        for name in ("sync", "async"):
+            before = counter.seconds
+            if rank == 1:
+                time.sleep(delay)
+            if name == "sync":
+                tdist.all_reduce(torch.ones(4))
+            else:
+                handle = tdist.all_gather_into_tensor(torch.empty(8), torch.ones(4), async_op=True)
+                handle.wait()
+            out[name] = counter.seconds - before
+    tdist.all_reduce(torch.ones(1))  # after the counter: not timed
+    out["after"] = counter.seconds - out["sync"] - out["async"]
+    return out
+
+
+def test_time_waited_in_collectives_is_counted_once(tmp_path):
+    delay = 0.2
+    waited = _run(2, _waited, tmp_path, delay)[0]
+    for name in ("sync", "async"):  # counted once: a synchronous call waits on its own work inside
+        assert delay * 0.9 < waited[name] < delay * 1.6, waited
+    assert waited["after"] == pytest.approx(0.0, abs=1e-9)
+
+
 def _exempt(rank):
     reducer = C.Reducer(C.CompressionConfig("powersgd", rank=1, warmup_steps=0), exempt_shapes=frozenset({(64, 48)}))
     grads = _grads(rank, 0)

@@ -251,3 +251,10 @@ def test_frozen_tied_weights_leave_lora_checkpoints():
     drop_frozen_aliases(engine)
     assert set(engine.module_state_dict(exclude_frozen_parameters=True)) == {"adapter.weight", "adapter.bias"}
     assert len(engine.module_state_dict()) == 4  # without the flag, everything
+
+
+def test_collective_work_type():
+    # CommCounter times wait() on this class: it must be what torch.distributed hands back for async_op=True
+    # (tests/unit/test_compression.py::test_time_waited_in_collectives_is_counted_once waits on one)
+    work = ds_internals.collective_work_type()
+    assert work is torch.distributed.Work and callable(getattr(work, "wait", None)), moved("torch's c10d Work")

@@ -1,0 +1,475 @@
+"""The step-time model: candidates for a recipe on a world, and for each its memory fit and predicted step time.
+
+step = compute + exposed communication + optimizer (+ offload transfers), per optimizer step:
+  compute      accumulation x one micro-batch's forward + backward (measured per layer and for the head,
+               probe.py; + one layer forward each under activation checkpointing). Tensor parallelism divides the
+               layers' time by its size; a pipeline of p stages runs (accumulation + p - 1) stage-slots of
+               layers / p each (the 1F1B bubble).
+  communication  what DeepSpeed 0.19 sends per step, as collectives over full tensors of the training dtype:
+      ZeRO-0   all-reduce of the gradients at the accumulation boundary (bf16/fp16 ZeRO-0 runs the
+               partitioned 16-bit optimizer: then also an all-gather of the updated parameters)
+      ZeRO-1   all-reduce of the gradient buckets at the boundary (DeepSpeed's use_multi_rank_bucket_allreduce,
+               its default; reduce to the owners without it), all-gather of the updated parameters
+      ZeRO-2   the same reduction in every micro-batch's backward, all-gather after the step
+      ZeRO-3   per micro-batch two all-gathers of the parameters (forward, backward) and a reduce-scatter
+      compression  (ZeRO-0/1) powersgd: all-reduce of P and Q (rank r) per matrix + the uncompressed vectors and
+               embedding; sign: all-gather of 1 bit + 1/32 scale byte per element (after warm-up)
+      tensor parallel  all-reduces of a micro-batch's activations per layer: 2 forward, 2 backward (Megatron)
+               or one per column-parallel linear (AutoTP: 5 in a Llama layer); the forward's again when recomputed
+      pipeline  each stage boundary passes a micro-batch's activations forward and their gradient back, over
+               one rank's share of the link between nodes once a model replica spans nodes
+    Each collective takes the measured time of its size at its link level (within a node when its group is,
+    else the world's). Exposed: on CPU ranks (gloo) a collective blocks the rank, so all of it; on GPUs with
+    overlap_comm the backward reduce-scatter (ZeRO-2/3) and ZeRO-3's prefetched gathers hide behind compute
+    and only what exceeds it shows.
+  update       elements this rank updates / the measured AdamW rate (CPU Adam's under optimizer offload), plus
+               the device-host copies of offload at the measured copy rate (none on CPU ranks), plus the
+               gradient compressor's arithmetic (measured on the model's gradient shapes).
+Memory: dstrain/memory.py's estimate (the preflight), against the device's memory.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field, replace
+
+from ..errors import UserError
+from ..layout import Layout
+from .probe import Measurements
+
+ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json",
+                "zero0_powersgd.json", "zero1_powersgd.json", "zero1_sign.json", "tp2_zero1.json", "pipe2_zero1.json")
+
+
+@dataclass
+class Candidate:
+    config: str  # the shipped JSON it starts from
+    ds: dict  # the raw DeepSpeed config (auto values kept: train.py fills them)
+    micro: int
+    accum: int
+    checkpointing: bool
+    tensor_style: str = "autotp"  # how tensor parallelism splits a layer: DeepSpeed's AutoTP or Megatron's
+
+    @property
+    def name(self) -> str:
+        tp = int((self.ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+        pp = int((self.ds.get("pipeline") or {}).get("stages", 1) or 1)
+        base = self.config.removesuffix(".json")
+        if tp > 1 and not base.startswith(f"tp{tp}"):
+            base = f"tp{tp}_" + base.split("_", 1)[-1]
+        if pp > 1 and not base.startswith(f"pipe{pp}"):
+            base = f"pipe{pp}_" + base.split("_", 1)[-1]
+        return base
+
+    def overrides(self) -> list[str]:
+        out = [f"--train.micro_batch_size={self.micro}", f"--train.grad_accum_steps={self.accum}"]
+        return out + [f"--train.activation_checkpointing={str(self.checkpointing).lower()}"]
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    fits: bool
+    memory_bytes: int = 0
+    host_bytes: int = 0  # offloaded states per node
+    compute_s: float = 0.0
+    comm_s: float = 0.0  # all communication
+    exposed_comm_s: float = 0.0  # what the step waits for
+    optimizer_s: float = 0.0  # the update, with offload's copies
+    comm_bytes: float = 0.0  # per rank per step, CommCounter's ring convention (metrics.jsonl comm_bytes)
+    tokens: int = 0  # per step, all ranks
+    reason: str = ""  # why it does not fit or cannot run
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.optimizer_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def comm_fraction(self) -> float:
+        return self.exposed_comm_s / self.step_s if self.step_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"name": self.candidate.name, "config": self.candidate.config, "micro_batch_size": self.candidate.micro,
+                "grad_accum_steps": self.candidate.accum, "activation_checkpointing": self.candidate.checkpointing,
+                "fits": self.fits, "reason": self.reason, "memory_bytes": self.memory_bytes,
+                "host_bytes": self.host_bytes, "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "exposed_comm_s": self.exposed_comm_s, "optimizer_s": self.optimizer_s, "step_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s, "comm_fraction": self.comm_fraction,
+                "comm_bytes": self.comm_bytes, "ds": self.candidate.ds, "overrides": self.candidate.overrides()}
+
+
+@dataclass
+class Workload:
+    """What the recipe trains, independent of the strategy."""
+    model_config: object
+    parameters: int
+    trained: int | None  # adapters (LoRA) or None: every parameter trains
+    quantized: int  # QLoRA's 4-bit base weights
+    matrices: list  # shapes of the trained tensors (compression's P/Q sizes)
+    layer_shapes: list  # the first decoder layer's trained tensors (timing compression of a large model)
+    embedding_shapes: frozenset  # sent uncompressed
+    global_batch: int
+    seq_len: int
+
+
+# ----------------------------------------------------------------------------- candidates
+
+def global_batch_of(recipe, raw_ds: dict, world: int) -> int:
+    """The recipe's global batch: as written for its world_size, else what it makes on `world` ranks."""
+    written = Layout.from_ds_config(raw_ds, recipe.world_size or world)
+    return recipe.train.micro_batch_size * recipe.train.grad_accum_steps * written.data_parallel
+
+
+def candidates(recipe, raw_ds: dict, world: int, model_config, load=None) -> list[Candidate]:
+    """Every shipped strategy (and tensor/pipeline sizes that divide the world), each with every micro batch x
+    accumulation that keeps the recipe's global batch; the recipe's precision and optimizer stay as written."""
+    from .. import ds_config
+
+    load = load or ds_config.load
+    heads = getattr(model_config, "num_attention_heads", 1)
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    layers = getattr(model_config, "num_hidden_layers", None) or getattr(model_config, "n_layer", 1)
+    global_batch = global_batch_of(recipe, raw_ds, world)
+    bases: list[tuple[str, dict]] = []
+    for name in ROOT_CONFIGS:
+        raw = _keep_recipe_choices(load(name), raw_ds)
+        if name.startswith(("tp2", "pipe2")):
+            key, field_ = ("tensor_parallel", "autotp_size") if name.startswith("tp") else ("pipeline", "stages")
+            for size in (2, 4, 8) if key == "tensor_parallel" else (2, 4, 8, 16, 32, 64):
+                if world % size or (key == "tensor_parallel" and (heads % size or kv % size)) or \
+                        (key == "pipeline" and layers < size) or recipe.lora.enabled:
+                    continue
+                sized = copy.deepcopy(raw)
+                sized[key][field_] = size
+                bases.append((name, sized))
+        else:
+            bases.append((name, raw))
+    out = []
+    for name, raw in bases:
+        layout = Layout.from_ds_config(raw, world)
+        if global_batch % layout.data_parallel:
+            continue
+        per_rank = global_batch // layout.data_parallel
+        for micro in [m for m in range(1, min(per_rank, 64) + 1) if per_rank % m == 0]:
+            for checkpointing in sorted({recipe.train.activation_checkpointing, True}):
+                out.append(Candidate(name, raw, micro, per_rank // micro, checkpointing))
+    return out
+
+
+def _keep_recipe_choices(candidate: dict, raw_ds: dict) -> dict:
+    """The user's precision, optimizer, scheduler and clipping go into every candidate (the planner chooses the
+    parallel strategy, not the training's numerics)."""
+    out = copy.deepcopy(candidate)
+    for key in ("bf16", "fp16", "optimizer", "scheduler", "gradient_clipping", "communication_data_type"):
+        if key in raw_ds:
+            out[key] = copy.deepcopy(raw_ds[key])
+        elif key in ("bf16", "fp16"):
+            out.pop(key, None)
+    return out
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _calls(stage: int, psi: int, psi_t: int, w: int, sixteen_bit: bool, accum: int, compression,
+           work: Workload, zero: dict, dp: int) -> list[tuple[str, str, float, int, str]]:
+    """(op, level, bytes per call, calls per step, phase) of the data-parallel traffic; level is filled later.
+    Buckets: DeepSpeed sends in buckets of reduce_bucket_size / allgather_bucket_size elements."""
+    grads = psi_t * w
+    reduce_bucket = int(zero.get("reduce_bucket_size", 5e8)) * w
+    gather_bucket = int(zero.get("allgather_bucket_size", 5e8)) * w
+    out = []
+
+    def bucketed(op: str, total: float, bucket: int, times: int, phase: str):
+        if total <= 0:
+            return
+        full, rest = divmod(total, bucket)
+        if full:
+            out.append((op, "dp", bucket, int(full) * times, phase))
+        if rest:
+            out.append((op, "dp", rest, times, phase))
+
+    if compression is not None and compression.enabled:
+        out.extend(_compressed_calls(compression, work, dp))
+        if stage == 1 or sixteen_bit:
+            bucketed("all_gather", psi_t * w, gather_bucket, 1, "boundary")
+        return out
+    if stage == 0 and not sixteen_bit:
+        bucketed("all_reduce", grads, reduce_bucket, 1, "boundary")
+    elif stage <= 2:  # DeepSpeed 0.19 all-reduces each bucket (use_multi_rank_bucket_allreduce, on by default)
+        reduce = "all_reduce" if zero.get("use_multi_rank_bucket_allreduce", True) else "reduce_scatter"
+        bucketed(reduce, grads, reduce_bucket, accum if stage == 2 else 1, "backward" if stage == 2 else "boundary")
+        bucketed("all_gather", psi_t * w, gather_bucket, 1, "boundary")
+    else:
+        layers = _layers(work.model_config)
+        per_layer = psi * w / max(layers, 1)  # ZeRO-3 gathers module by module
+        out.append(("all_gather", "dp", per_layer, 2 * layers * accum, "gather"))
+        bucketed("reduce_scatter", grads, reduce_bucket, accum, "backward")
+    return out
+
+
+def _compressed_calls(compression, work: Workload, dp: int) -> list:
+    import math
+    plain = 0  # fp32 elements all-reduced uncompressed (vectors and the embedding), once per step
+    p_elems = q_elems = 0
+    signed = 0
+    for shape in work.matrices:
+        n = math.prod(shape)
+        if len(shape) < 2 or (tuple(shape) in work.embedding_shapes and not compression.compress_embeddings):
+            plain += n
+            continue
+        if compression.method == "powersgd":
+            rows, cols = shape[0], n // shape[0]
+            r = min(compression.rank, rows, cols)
+            if (rows + cols) * r >= n:  # the factors would be larger than the matrix: sent as it is
+                plain += n
+                continue
+            p_elems, q_elems = p_elems + rows * r, q_elems + cols * r
+        else:
+            signed += n
+    out = []
+    if compression.method == "powersgd":
+        out += [("all_reduce", "dp", 4 * (p_elems + plain), 1, "boundary"), ("all_reduce", "dp", 4 * q_elems, 1,
+                                                                              "boundary")]
+    else:
+        if plain:
+            out.append(("all_reduce", "dp", 4 * plain, 1, "boundary"))
+        out.append(("all_gather", "dp", dp * (signed / 8 + 4 * signed / 128), 1, "boundary"))  # every rank's share
+    return [c for c in out if c[2] > 0]
+
+
+def _tensor_parallel_reductions(config, style: str, checkpointing: bool) -> int:
+    """All-reduces of a micro-batch's activations per layer. Forward: after the attention output and the MLP's
+    down projection (row-parallel). Backward: Megatron fuses q/k/v and the MLP's input projections, so 2; DeepSpeed's
+    AutoTP reduces the input gradient of every column-parallel linear (q, k, v, gate, up: 5 in a Llama layer;
+    counted on a 2-rank run: 7 per layer). Recomputation repeats the forward's."""
+    forward = 2
+    if style == "megatron":
+        backward = 2
+    else:
+        gated = getattr(config, "model_type", "") not in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon")
+        fused_qkv = getattr(config, "model_type", "") in ("gpt2", "gpt_neox", "bloom", "falcon")
+        backward = (1 if fused_qkv else 3) + (2 if gated else 1)
+    return forward + backward + (forward if checkpointing else 0)
+
+
+def _engine_copies(stage: int, psi: int, psi_t: int, w: int, dp: int, accum: int, sixteen_bit: bool) -> float:
+    """Bytes DeepSpeed's ZeRO optimizers copy on the device per step besides the math (runtime/zero/
+    stage_1_and_2.py, stage3.py): each micro-batch's gradients into the contiguous reduce bucket (and, ZeRO-2/3,
+    this rank's share accumulated into its partition), the updated fp32 partition back into the training-dtype
+    parameters, ZeRO-1/2's all-gathered parameters into the model, ZeRO-3's gathered parameters per micro-batch.
+    fp32 ZeRO-0 accumulates in .grad and copies nothing. Measured gap without it: ZeRO-2 +28 ms per micro-batch
+    of a 3.3M-parameter Llama on CPU ranks."""
+    if stage == 0 and not sixteen_bit:
+        return 0.0
+    per_micro = psi_t * w + (psi_t // dp * 4 if stage >= 2 else 0)
+    boundary = psi_t // dp * (4 + w) + (psi * w if stage <= 2 else 0)
+    if stage == 3:
+        per_micro += 2 * psi * w
+    return accum * per_micro + boundary
+
+
+def _layers(config) -> int:
+    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
+
+
+def _wire(op: str, nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends (CommCounter's ring convention; nbytes: the full tensor)."""
+    if ranks <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (ranks - 1) / ranks * nbytes
+    return (ranks - 1) / ranks * nbytes
+
+
+def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, caps, hidden: int | None,
+            overlap: bool | None = None, checked: bool = True) -> Prediction:
+    """Fit and step time of one candidate. overlap: whether communication can hide behind compute (GPUs); by
+    default from the measurements' device. checked=False takes candidate.ds as resolved (a layout DeepSpeed's
+    engine here does not offer, such as Megatron's tensor x pipeline x data for published runs)."""
+    from .. import compression as compression_mod
+    from .. import ds_config, memory
+
+    trial = _recipe_for(recipe, candidate)
+    tokens = work.global_batch * work.seq_len
+    try:
+        resolved = ds_config.resolve(candidate.ds, trial, meas.world_size, caps, hidden, meas.ranks_per_node) \
+            if checked else candidate.ds
+    except UserError as error:
+        return Prediction(candidate, False, tokens=tokens, reason=str(error))
+    layout = Layout.from_ds_config(resolved, meas.world_size)
+    est = memory.estimate(work.model_config, work.parameters, trial, resolved, layout, work.trained, work.quantized)
+    host = sum(est.host.values()) * meas.ranks_per_node
+    pred = Prediction(candidate, True, est.device_total, host, tokens=tokens)
+    if est.device_total > meas.device_memory:
+        pred.fits, pred.reason = False, f"needs {est.device_total / 2**30:.2f} GiB per rank"
+    elif host > 0.8 * meas.host_memory:
+        pred.fits, pred.reason = False, f"offload needs {host / 2**30:.1f} GiB of host RAM per node"
+
+    zero = resolved.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    precision = ds_config.precision(resolved)
+    w = 4 if precision == "fp32" else 2
+    tp, pp, dp = layout.tensor_parallel, layout.pipeline_stages, layout.data_parallel
+    psi = work.parameters // (tp * pp)
+    psi_t = psi if work.trained is None else work.trained // (tp * pp)
+    overlap = meas.device.startswith("cpu") is False if overlap is None else overlap
+
+    # compute
+    layers = _layers(work.model_config)
+    micro_s = meas.compute.micro_seconds(candidate.micro, layers / pp / tp, candidate.checkpointing)
+    if work.trained is not None:  # a frozen base skips the weight gradients: 4N + 6A of 6N (flops.py)
+        micro_s *= (4 * work.parameters + 6 * work.trained) / (6 * work.parameters)
+    slots = candidate.accum + pp - 1 if pp > 1 else candidate.accum
+    pred.compute_s = slots * micro_s
+    backward_s = candidate.accum * micro_s * 2 / 3
+
+    # communication
+    compression = compression_mod.parse(candidate.ds)
+    calls = _calls(stage, psi, psi_t, w, precision != "fp32", candidate.accum, compression, work, zero, dp) \
+        if dp > 1 else []
+    activation = candidate.micro * work.seq_len * (hidden or 0) * w
+    # train_step's two small all-reduces (token counts before, the loss after), over the whole world
+    calls += [("all_reduce", "world", 16, 1, "boundary"), ("all_reduce", "world", 8, 1, "boundary")] \
+        if meas.world_size > 1 else []
+    if tp > 1:
+        per_layer = _tensor_parallel_reductions(work.model_config, candidate.tensor_style, candidate.checkpointing)
+        calls.append(("all_reduce", "tp", activation, per_layer * layers // pp * candidate.accum, "tp"))
+    if pp > 1:
+        calls.append(("all_gather", "pp", 2 * activation, 2 * candidate.accum, "pp"))  # a 2-rank exchange
+        if getattr(work.model_config, "tie_word_embeddings", False):  # first and last stage sum the tied gradient
+            vocab_h = work.model_config.vocab_size * (hidden or 0) * w
+            calls.append(("all_reduce", "pp", vocab_h, 1, "boundary"))
+    total = exposed = 0.0
+    hidden_behind = {"backward": backward_s if overlap else 0.0, "gather": pred.compute_s / 3 if overlap else 0.0}
+    by_phase: dict = {}
+    for op, level, nbytes, count, phase in calls:
+        ranks = {"dp": dp, "tp": tp, "pp": 2, "world": meas.world_size}[level]
+        curve = _curve(meas, op, ranks, level, layout)
+        seconds = count * curve.seconds(op, nbytes) * _rank_scale(curve, ranks, op)
+        total += seconds
+        by_phase[phase] = by_phase.get(phase, 0.0) + seconds
+        pred.comm_bytes += count * _wire(op, nbytes, ranks)
+
+    for phase, seconds in by_phase.items():
+        exposed += max(0.0, seconds - hidden_behind.get(phase, 0.0))
+    pred.comm_s, pred.exposed_comm_s = total, exposed
+
+    # optimizer and offload
+    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+    offload_param = (zero.get("offload_param") or {}).get("device", "none") != "none"
+    partitioned = stage >= 1 or precision != "fp32"
+    elements = psi_t // dp if partitioned else psi_t
+    rate = meas.compute.cpu_adam_elements_per_s if offload_opt else meas.compute.adam_elements_per_s
+    if offload_opt and not rate and meas.compute.adam_elements_per_s:  # measured, and no CPU Adam
+        pred.fits, pred.reason = False, "DeepSpeed's CPU Adam op is not built here (offload untested)"
+        rate = meas.compute.adam_elements_per_s
+    pred.optimizer_s = elements / rate if rate else 0.0
+    pred.compute_s += _engine_copies(stage, psi, psi_t, w, dp, candidate.accum, precision != "fp32") / \
+        meas.compute.copy_bytes_per_s if meas.compute.copy_bytes_per_s and dp > 1 else 0.0
+    if compression.enabled and dp > 1:  # the compressor's own arithmetic (measured)
+        pred.optimizer_s += meas.compute.compression.get(compression.method, 0.0)
+    copy_rate = meas.compute.host_copy_bytes_per_s
+    if copy_rate and offload_opt:  # gradients down in fp32, updated parameters back in the training dtype
+        pred.optimizer_s += elements * (4 + w) / copy_rate
+    if copy_rate and offload_param:  # each micro-batch fetches the partition for forward and backward
+        pred.optimizer_s += 2 * candidate.accum * psi // dp * w / copy_rate
+    pred.detail = {"micro_s": micro_s, "calls": [list(c) for c in calls], "stage": stage, "dp": dp, "tp": tp, "pp": pp}
+    return pred
+
+
+def _curve(meas: Measurements, op: str, ranks: int, level: str, layout: Layout):
+    """The measured link level a group of `ranks` uses: within a node when it fits in one (tensor parallel
+    groups are consecutive ranks), else the world's (a data-parallel group spans the nodes)."""
+    from .probe import LinkCurve
+    node = meas.links.get("node", {}).get(op)
+    world = meas.links.get("world", {}).get(op)
+    if level == "pp":  # point to point between neighbouring stages: across nodes once a replica spans nodes
+        spans = layout.model_parallel > meas.ranks_per_node and meas.nodes > 1
+        across = meas.links.get("across nodes", {}).get(op)
+        return (across or world) if spans else (node or world or LinkCurve(1))
+    if level == "tp" or ranks <= meas.ranks_per_node and meas.nodes == 1:
+        return node or world or LinkCurve(1)
+    return world or node or LinkCurve(1)
+
+
+def _rank_scale(curve, ranks: int, op: str) -> float:
+    """A group of `ranks` on a link measured with curve.ranks: same bus bandwidth, so time scales with the bus
+    factor (nccl-tests' busbw is independent of the rank count for ring algorithms)."""
+    from .probe import BUS_FACTOR
+    if curve.ranks <= 1 or ranks <= 1:
+        return 0.0 if ranks <= 1 else 1.0
+    return BUS_FACTOR[op](ranks) / BUS_FACTOR[op](curve.ranks)
+
+
+def _recipe_for(recipe, candidate: Candidate):
+    train = replace(recipe.train, micro_batch_size=candidate.micro, grad_accum_steps=candidate.accum,
+                    activation_checkpointing=candidate.checkpointing)
+    return replace(recipe, train=train)
+
+
+def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Workload:
+    """The recipe's model counted on the meta device (any size, no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..compression import embedding_shapes
+
+    if model is None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    parameters = sum(p.numel() for p in model.parameters())
+    trained = quantized = None
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    first = [tuple(p.shape) for name, p in model.named_parameters() if ".0." in name]
+    if recipe.lora.enabled:
+        from ..components.lora import count_parameters as lora_counts
+        _, trained, linear = lora_counts(model_config, recipe.lora)
+        quantized = linear if recipe.lora.quantize else 0
+        shapes = first = [(trained,)]  # adapters: many small matrices, counted as one uncompressed vector
+    global_batch = global_batch_of(recipe, raw_ds, world)
+    return Workload(model_config, parameters, trained, quantized or 0, shapes, first, embedding_shapes(model),
+                    global_batch, recipe.train.seq_len)
+
+
+def compression_sample(work: Workload, limit: int = 32 * 2**20) -> tuple[list, int]:
+    """(shapes, repeat) whose compression the probe times: every trained tensor of a small model, one decoder
+    layer's x the number of layers for a large one (the embedding goes uncompressed either way)."""
+    import math
+    if sum(math.prod(s) for s in work.matrices) <= limit:
+        return work.matrices, 1
+    return work.layer_shapes, _layers(work.model_config)
+
+
+def rank(preds: list[Prediction]) -> list[Prediction]:
+    """Fitting candidates fastest first (ties: fewer bytes on the wire), then the ones that do not fit."""
+    return sorted(preds, key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_bytes, p.comm_bytes))
+
+
+# ----------------------------------------------------------------------------- advice during a run
+
+def remedy(ds_cfg: dict, recipe: dict) -> str:
+    """The cheapest change to try when a run's steps wait on communication (said once by metrics.py)."""
+    zero = ds_cfg.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    accum = int((recipe.get("train") or {}).get("grad_accum_steps", 1) or 1)
+    if stage >= 2 and accum > 1:
+        tip = (f"ZeRO-{stage} reduces gradients in every one of the {accum} micro-batches, ZeRO-1 once per step: "
+               f"try --ds_config zero1.json if it fits (train.py --preflight says)")
+    elif stage == 3:
+        tip = "ZeRO-3 gathers every parameter twice per micro-batch: try zero2.json if it fits (--preflight says)"
+    elif not ds_cfg.get("gradient_compression") and int((ds_cfg.get("pipeline") or {}).get("stages", 1) or 1) == 1:
+        tip = ("gradient compression sends ~30x fewer gradient bytes: try --ds_config zero1_powersgd.json, or raise "
+               "train.grad_accum_steps (a larger global batch sends the same bytes once per step)")
+    else:
+        tip = ("raise train.grad_accum_steps: a larger global batch sends the same gradient bytes once per "
+               "optimizer step")
+    return tip + "; `train.py --plan` ranks the alternatives on this cluster"
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)

@@ -1,0 +1,169 @@
+"""The strategy planner's model on synthetic measurements: candidates, bytes, link times, ranking on a slow and a
+fast link, the remedy a run prints, trial command lines, --simulate and published layouts."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+from dstrain import ds_config as dsc
+from dstrain.config import load_recipe, parse_overrides
+from dstrain.errors import UserError
+from dstrain.metrics import Metrics
+from dstrain.planner import cost, simulate, trial
+from dstrain.planner.probe import OPS, Compute, LinkCurve, Measurements
+
+CPU = dsc.DeviceCaps("cpu", bf16=True, fp16=False)
+MB = 1 << 20
+
+
+def tiny_recipe(*extra):
+    return load_recipe("tiny/pretrain.yaml", parse_overrides(["--train.precision=fp32", *extra]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    recipe = tiny_recipe()
+    config = LlamaConfig.from_pretrained("recipes/tiny/model")
+    raw = dsc.load(recipe.ds_config)
+    return recipe, raw, config, cost.workload(recipe, raw, 2, config)
+
+
+def measurements(busbw: float, world: int = 2, latency: float = 1e-4, per_micro: float = 0.01) -> Measurements:
+    """Two ranks on two nodes joined by a link of `busbw` bytes/s; compute of per_micro seconds per sample."""
+    def curve(op):
+        from dstrain.planner.probe import BUS_FACTOR
+        return LinkCurve(world, [[b, latency + b * BUS_FACTOR[op](world) / busbw] for b in (MB, 16 * MB, 256 * MB)])
+    sizes = (1, 2, 4, 8, 16)
+    compute = Compute({str(m): per_micro * m / 4 for m in sizes}, {str(m): per_micro * m / 12 for m in sizes},
+                      {str(m): per_micro * m / 4 for m in sizes}, adam_elements_per_s=1e8,
+                      cpu_adam_elements_per_s=1e9, copy_bytes_per_s=5e9,
+                      compression={"powersgd": 0.002, "sign": 0.004})
+    return Measurements("cpu", "fp32", world, 1, compute, {"world": {op: curve(op) for op in OPS}}, 8 << 30, 16 << 30)
+
+
+def test_candidates_keep_the_global_batch_and_the_recipes_numerics(tiny):
+    recipe, raw, config, _ = tiny
+    raw = dict(raw, gradient_clipping=0.5)
+    found = cost.candidates(recipe, raw, 4, config)
+    assert {c.micro * c.accum * (4 // (c.ds.get("tensor_parallel", {}).get("autotp_size", 1)
+                                       * c.ds.get("pipeline", {}).get("stages", 1))) for c in found} == {32}
+    assert all(c.ds["gradient_clipping"] == 0.5 for c in found)
+    names = {c.name for c in found}
+    assert {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero1_powersgd", "tp2_zero1", "pipe2_zero1",
+            "pipe4_zero1"} <= names
+    kv_heads = config.num_key_value_heads  # 2: AutoTP cannot split them 4 ways
+    assert kv_heads == 2 and "tp4_zero1" not in names
+    lora = tiny_recipe("--lora.r=4")
+    assert not [c for c in cost.candidates(lora, raw, 4, config) if c.name.startswith(("tp", "pipe"))]
+
+
+def test_link_curve_interpolates_and_extrapolates():
+    curve = LinkCurve(2, [[MB, 0.001], [4 * MB, 0.0025]])
+    assert curve.seconds("all_reduce", 2.5 * MB) == pytest.approx(0.00175)
+    assert curve.seconds("all_reduce", 8 * MB) == pytest.approx(0.0025 + 4 * MB / (3 * MB / 0.0015))
+    assert curve.seconds("all_reduce", 0.5 * MB) < 0.001  # part of the smallest call is latency, part bytes
+    assert curve.busbw("all_reduce")[0] == pytest.approx(MB / 0.001)  # 2(n-1)/n = 1 on 2 ranks
+    assert LinkCurve(1, [[MB, 1.0]]).seconds("all_reduce", MB) == 0.0
+
+
+def predictions(tiny, meas, names):
+    recipe, raw, config, work = tiny
+    found = [c for c in cost.candidates(recipe, raw, 2, config) if c.name in names and not c.checkpointing]
+    return {(p.candidate.name, p.candidate.micro): p for p in
+            [cost.predict(c, work, meas, recipe, CPU, config.hidden_size) for c in found]}
+
+
+def test_bytes_per_step_follow_deepspeed(tiny):
+    _, _, config, work = tiny
+    preds = predictions(tiny, measurements(1e9), {"zero0", "zero1", "zero2", "zero0_powersgd"})
+    grads = 4 * work.parameters  # fp32 gradients; a ring all-reduce on 2 ranks sends the tensor once
+    small = 24  # train_step's token counts and loss
+    assert preds[("zero0", 8)].comm_bytes == pytest.approx(grads + small)
+    assert preds[("zero1", 8)].comm_bytes == pytest.approx(1.5 * grads + small)  # + all-gather of parameters
+    # ZeRO-2 reduces in every micro-batch, ZeRO-1 once per step
+    assert preds[("zero2", 2)].comm_bytes == pytest.approx(4 * grads + 0.5 * grads + small)
+    assert preds[("zero1", 2)].comm_bytes == preds[("zero1", 8)].comm_bytes
+    assert preds[("zero0_powersgd", 8)].comm_bytes < grads / 4
+
+
+def test_the_fastest_strategy_depends_on_the_link(tiny):
+    names = {"zero0", "zero1", "zero2", "zero3", "zero0_powersgd", "zero1_powersgd"}
+    slow = cost.rank(list(predictions(tiny, measurements(12.5e6), names).values()))
+    fast = cost.rank(list(predictions(tiny, measurements(50e9), names).values()))
+    assert "powersgd" in slow[0].candidate.name and slow[0].comm_fraction < slow[-1].comm_fraction
+    assert "powersgd" not in fast[0].candidate.name  # compressing costs compute that a fast link does not repay
+    assert slow[0].step_s == pytest.approx(slow[0].compute_s + slow[0].exposed_comm_s + slow[0].optimizer_s)
+
+
+def test_what_does_not_fit_is_ranked_last_with_a_reason(tiny):
+    recipe, raw, config, work = tiny
+    meas = measurements(1e9)
+    meas.device_memory = 4 << 20  # 4 MiB per rank
+    preds = cost.rank([cost.predict(c, work, meas, recipe, CPU, config.hidden_size)
+                       for c in cost.candidates(recipe, raw, 2, config)])
+    assert not preds[0].fits and "GiB per rank" in preds[0].reason
+
+
+def test_remedy_names_the_cheapest_change():
+    assert "zero1.json" in cost.remedy({"zero_optimization": {"stage": 2}}, {"train": {"grad_accum_steps": 4}})
+    assert "zero1_powersgd" in cost.remedy({"zero_optimization": {"stage": 1}}, {"train": {"grad_accum_steps": 1}})
+    assert "grad_accum_steps" in cost.remedy({"zero_optimization": {"stage": 1},
+                                              "gradient_compression": {"method": "sign"}}, {})
+
+
+def test_a_run_says_once_when_communication_dominates(tmp_path, capsys):
+    from dstrain.config import LogConfig
+    from dstrain.dist import DistContext
+    metrics = Metrics(tmp_path, LogConfig(wandb=False, progress_bar=False, plot=False), DistContext(0, 0, 1), 0, 30,
+                      {"recipe": {"train": {"grad_accum_steps": 1}}, "ds": {"zero_optimization": {"stage": 0}}})
+    for step in range(1, 25):
+        fraction = 0.1 if step < 5 else 0.6
+        metrics.step(step, 1.0, 1e-3, 1.0, 100, 100, 1.0, {"comm_s": fraction, "comm_bytes": 10.0})
+    metrics.close()
+    said = capsys.readouterr().err
+    assert said.count("communication takes") == 1 and "zero1_powersgd" in said
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["comm_fraction"] == pytest.approx(0.6) and rows[-1]["comm_bytes"] == 10.0
+
+
+def test_trial_command_drops_the_planners_options():
+    argv = ["--local_rank=1", "--recipe", "r.yaml", "--plan", "--trial", "3", "--ds_config", "zero2.json",
+            "--output_dir=o", "--train.lr=1e-3", "--plan_max_mb", "16"]
+    assert trial.child_arguments(argv) == ["--recipe", "r.yaml", "--train.lr=1e-3"]
+    cfg = trial.trial_config({"gradient_compression": {"method": "powersgd", "warmup_steps": 20}})
+    assert cfg["gradient_compression"]["warmup_steps"] == 1
+
+
+def test_simulate_checks_its_inputs():
+    args = argparse.Namespace(measurements=None, device="h100", interconnect="ib-ndr", gpus_per_node=8, max_gpus=8)
+    with pytest.raises(UserError, match="h100-80gb"):
+        simulate.check(args)
+    args.device, args.interconnect = "h100-80gb", "infiniband"
+    with pytest.raises(UserError, match="--interconnect, one of"):
+        simulate.check(args)
+
+
+def test_simulated_scaling_is_limited_by_the_slower_network(tmp_path):
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                         num_attention_heads=16, num_key_value_heads=16)
+    config.save_pretrained(tmp_path)
+    recipe = load_recipe("tiny/pretrain.yaml", parse_overrides([f"--model.name_or_path={tmp_path}",
+                                                                "--model.tokenizer=recipes/tiny/model",
+                                                                "--train.seq_len=2048"]))
+    raw = dsc.load("zero1.json")
+
+    def per_gpu(interconnect):
+        rows = simulate.scaling(recipe, raw, config, "a100-80gb", interconnect, 8, 64, 2048)
+        return {r["gpus"]: r["best"].tokens_per_s / r["gpus"] for r in rows}
+    fast, slow = per_gpu("ib-hdr"), per_gpu("100gbe")
+    assert fast[8] == pytest.approx(slow[8])  # one node: the network between nodes is not used
+    assert slow[64] < 0.8 * fast[64]  # across 8 nodes one 100 GbE NIC per node costs
+    # the compute side follows the table: never above the large-GEMM rate it assumes (0.8 of an A100's peak), and
+    # only the non-matmul traffic below it on one GPU
+    from dstrain.flops import flops_per_token
+    from dstrain.memory import count_parameters
+    mfu = per_gpu("ib-hdr")[1] * flops_per_token(config, count_parameters(config), 2048) / 312e12
+    assert 0.6 < mfu < simulate.GPUS["a100-80gb"].gemm
