@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora lint assets clean
+.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -89,6 +89,12 @@ bench-loss: setup
 # root for that part); about 85 min on 2 cores
 bench-lora: setup
 	$(PY) bench/lora.py --write $(BENCH_ARGS)
+
+# the planner's predictions against trials on a 100 Mbit/s and an unshaped veth link between two network namespaces
+# (root, iproute2; about 20 min on 2 cores), and against published Megatron-LM runs
+bench-planner: setup
+	$(call apt_install,iproute2)
+	$(PY) bench/planner.py --write $(BENCH_ARGS)
 
 bench-compression: setup
 	$(call apt_install,iproute2)

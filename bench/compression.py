@@ -97,9 +97,9 @@ def part1(model: Path, work: Path, steps: int, warmup: int, seed: int, names: li
 
 
 class SlowLink:
-    """Two network namespaces and a veth pair, each end shaped with tc; removed on exit."""
+    """Two network namespaces and a veth pair, each end shaped with tc (rate None: unshaped); removed on exit."""
 
-    def __init__(self, rate: str, delay: str):
+    def __init__(self, rate: str | None, delay: str):
         tag = os.getpid() % 10000
         self.ns = [f"dstrain-a{tag}", f"dstrain-b{tag}"]
         self.dev = [f"dsa{tag}", f"dsb{tag}"]
@@ -118,7 +118,7 @@ class SlowLink:
                 ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 ip("-n", ns, "link", "set", dev, "up")
                 ip("-n", ns, "link", "set", "lo", "up")
-                self.shaping = self._shape(ns, dev)
+                self.shaping = self._shape(ns, dev) if self.rate else "no shaping (the veth's own speed)"
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
             self.__exit__()
             detail = getattr(e, "stderr", "") or str(e)

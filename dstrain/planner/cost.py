@@ -391,7 +391,7 @@ def _curve(meas: Measurements, op: str, ranks: int, level: str, layout: Layout):
     if level == "pp":  # point to point between neighbouring stages: across nodes once a replica spans nodes
         spans = layout.model_parallel > meas.ranks_per_node and meas.nodes > 1
         across = meas.links.get("across nodes", {}).get(op)
-        return (across or world) if spans else (node or world or LinkCurve(1))
+        return (across or world or LinkCurve(1)) if spans else (node or world or LinkCurve(1))
     if level == "tp" or ranks <= meas.ranks_per_node and meas.nodes == 1:
         return node or world or LinkCurve(1)
     return world or node or LinkCurve(1)
