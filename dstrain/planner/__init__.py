@@ -58,7 +58,9 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
     meas = probe.measure(model_config, precision, recipe.train.seq_len, micro_sizes, ctx, ranks_per_node,
                          max_bytes=int(args.plan_max_mb * probe.MB), log=log,
                          compressed_shapes=cost.compression_sample(work), embedding_shapes=work.embedding_shapes,
-                         parameters=work.parameters)
+                         parameters=work.parameters,
+                         stages=tuple(sorted({int((c.ds.get("zero_optimization") or {}).get("stage", 0))
+                                              for c in fitting} - {0})))
     preds = cost.rank([cost.predict(c, work, meas, recipe, caps, hidden) for c in found])
     out = run_dir / "plan"
     if ctx.is_main:

@@ -257,20 +257,21 @@ def _tensor_parallel_reductions(config, style: str, checkpointing: bool) -> int:
     return forward + backward + (forward if checkpointing else 0)
 
 
-def _engine_copies(stage: int, psi: int, psi_t: int, w: int, dp: int, accum: int, sixteen_bit: bool) -> float:
+def _engine_copies(stage: int, psi: int, psi_t: int, w: int, dp: int, accum: int, sixteen_bit: bool,
+                   per_micro: bool = True) -> float:
     """Bytes DeepSpeed's ZeRO optimizers copy on the device per step besides the math (runtime/zero/
     stage_1_and_2.py, stage3.py): each micro-batch's gradients into the contiguous reduce bucket (and, ZeRO-2/3,
     this rank's share accumulated into its partition), the updated fp32 partition back into the training-dtype
     parameters, ZeRO-1/2's all-gathered parameters into the model, ZeRO-3's gathered parameters per micro-batch.
     fp32 ZeRO-0 accumulates in .grad and copies nothing. Measured gap without it: ZeRO-2 +28 ms per micro-batch
-    of a 3.3M-parameter Llama on CPU ranks."""
+    of a 3.3M-parameter Llama on CPU ranks. per_micro=False: the probe measured the per-micro-batch part."""
     if stage == 0 and not sixteen_bit:
         return 0.0
-    per_micro = psi_t * w + (psi_t // dp * 4 if stage >= 2 else 0)
+    micro_bytes = psi_t * w + (psi_t // dp * 4 if stage >= 2 else 0)
     boundary = psi_t // dp * (4 + w) + (psi * w if stage <= 2 else 0)
     if stage == 3:
-        per_micro += 2 * psi * w
-    return accum * per_micro + boundary
+        micro_bytes += 2 * psi * w
+    return (accum * micro_bytes if per_micro else 0) + boundary
 
 
 def _layers(config) -> int:
@@ -369,10 +370,16 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
         pred.fits, pred.reason = False, "DeepSpeed's CPU Adam op is not built here (offload untested)"
         rate = meas.compute.adam_elements_per_s
     pred.optimizer_s = elements / rate if rate else 0.0
-    pred.compute_s += _engine_copies(stage, psi, psi_t, w, dp, candidate.accum, precision != "fp32") / \
-        meas.compute.copy_bytes_per_s if meas.compute.copy_bytes_per_s and dp > 1 else 0.0
+    overhead = meas.compute.engine_overhead.get(str(stage))
+    if overhead is not None and dp > 1:  # measured per parameter tensor: hooks and per-micro-batch bucket copies
+        pred.compute_s += candidate.accum * overhead * len(work.matrices) / (tp * pp)
+    copies = _engine_copies(stage, psi, psi_t, w, dp, candidate.accum, precision != "fp32",
+                            per_micro=overhead is None)
+    pred.compute_s += copies / meas.compute.copy_bytes_per_s if meas.compute.copy_bytes_per_s and dp > 1 else 0.0
     if compression.enabled and dp > 1:  # the compressor's own arithmetic (measured)
         pred.optimizer_s += meas.compute.compression.get(compression.method, 0.0)
+        if compression.method == "sign":
+            pred.optimizer_s += (dp - 1) * meas.compute.compression.get("sign_per_rank", 0.0)
     copy_rate = meas.compute.host_copy_bytes_per_s
     if copy_rate and offload_opt:  # gradients down in fp32, updated parameters back in the training dtype
         pred.optimizer_s += elements * (4 + w) / copy_rate

@@ -76,6 +76,8 @@ class Compute:
     matmul_flops: float = 0.0                        # best of the model's own projection shapes, FLOP/s
     compression: dict = field(default_factory=dict)  # method -> seconds per step of compressing the gradients
     copy_bytes_per_s: float = 0.0                    # device memory copies (DeepSpeed's gradient buckets)
+    engine_overhead: dict = field(default_factory=dict)  # ZeRO stage -> seconds per micro-batch per parameter
+    #                                                   tensor that DeepSpeed's engine adds (hooks, bucket copies)
 
     def micro_seconds(self, micro: int, layers: float, checkpointing: bool) -> float:
         """One micro-batch's forward + backward for `layers` decoder layers and the head."""
@@ -128,7 +130,7 @@ class Measurements:
 
 def measure(model_config, precision: str, seq_len: int, micro_sizes: list[int], ctx, ranks_per_node: int,
             max_bytes: int = 256 * MB, op_budget_s: float = 1.0, log=print, compressed_shapes: tuple = ((), 1),
-            embedding_shapes: frozenset = frozenset(), parameters: int = 0) -> Measurements:
+            embedding_shapes: frozenset = frozenset(), parameters: int = 0, stages: tuple = ()) -> Measurements:
     """Every rank takes part; rank 0 returns the joined figures (other ranks too, identical)."""
     began = time.perf_counter()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -140,6 +142,10 @@ def measure(model_config, precision: str, seq_len: int, micro_sizes: list[int], 
     if compressed_shapes[0]:
         compute.compression = measure_compression(*compressed_shapes, embedding_shapes, ctx.world_size, ctx.rank,
                                                   device)
+    if stages and ctx.world_size > 1:
+        log(f"plan: measuring DeepSpeed's own cost per micro-batch under ZeRO-{', '.join(map(str, stages))}")
+        compute.engine_overhead = measure_engine_overhead(model_config, precision, seq_len, micro_sizes, device,
+                                                          stages)
     compute = _slowest(compute)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return Measurements(name, precision, ctx.world_size, ranks_per_node, compute, links, memory, host,
@@ -233,7 +239,76 @@ def measure_compression(shapes: list, repeat: int, exempt: frozenset, world: int
     for method in METHODS[1:]:
         reducer = Reducer(CompressionConfig(method, warmup_steps=0), group=alone, exempt_shapes=exempt)
         out[method] = repeat * _time(lambda r=reducer: r.average_([g.clone() for g in grads]), 3, 1.0, sync)
+    # sign decodes every rank's bits: one more decode per further data-parallel rank
+    elements = sum(g.numel() for g in grads if tuple(g.shape) not in exempt)
+    out["sign_per_rank"] = repeat * _time(partial(_decode_signs, elements, device), 3, 1.0, sync)
     return out
+
+
+def _decode_signs(elements: int, device) -> None:
+    from ..compression import SIGN_BLOCK, _unpack_bits
+    blocks = -(-elements // SIGN_BLOCK)
+    packed = torch.zeros(blocks * SIGN_BLOCK // 8, dtype=torch.uint8, device=device)
+    total = torch.zeros(blocks, SIGN_BLOCK, device=device)
+    signs = _unpack_bits(packed, blocks * SIGN_BLOCK).view(blocks, SIGN_BLOCK).float() * 2 - 1
+    total += signs * torch.ones(blocks, 1, device=device)
+
+
+def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_sizes: list[int], device,
+                            stages: tuple) -> dict:
+    """What a DeepSpeed ZeRO engine adds to a micro-batch's forward + backward besides its communication: per-
+    parameter hooks, ZeRO-3's fetch and release, copies into gradient buckets. A 1-layer copy of the model runs
+    under an engine of each stage (accumulation never reaching a boundary) and plain; the difference less the time
+    counted in collectives, per parameter tensor. On CPU ranks this was the main miss of the first model: ZeRO-3
+    took 0.15 s per step more than predicted on a 3.3M-parameter Llama."""
+    import copy
+
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from ..compression import CommCounter
+    from ..flops import DTYPES
+
+    dtype = DTYPES.get(precision, torch.float32)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    config = copy.deepcopy(model_config)
+    for key in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, key):
+            setattr(config, key, 1)
+    micro = max([m for m in micro_sizes if m <= 8] or [min(micro_sizes)])
+    ids = torch.randint(0, config.vocab_size, (micro, seq_len), device=device)
+    batch = {"input_ids": ids, "labels": ids}
+    out = {}
+    for stage in stages:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).train()
+        tensors = sum(1 for _ in model.parameters())
+        plain = _time(partial(_forward_backward, model, batch), 3, 1.0, sync)
+        ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1 << 20,
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 1 << 30}
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)[0]
+        counter = CommCounter().start()
+        began, waited = time.perf_counter(), counter.seconds
+        step = partial(_engine_micro_batch, engine, batch)
+        step()
+        sync()
+        began, waited = time.perf_counter(), counter.seconds
+        for _ in range(3):
+            step()
+        sync()
+        engine_s = (time.perf_counter() - began - (counter.seconds - waited)) / 3
+        counter.stop()
+        out[str(stage)] = max(engine_s - plain, 0.0) / tensors
+        engine.destroy()
+        del engine, model
+    return out
+
+
+def _engine_micro_batch(engine, batch: dict) -> None:
+    from ..steps import loss_sum
+    engine.backward(loss_sum(engine, batch))
+    engine.step()  # no optimizer step before the accumulation boundary
 
 
 def _forward_backward(model, batch: dict) -> None:
@@ -360,16 +435,20 @@ def _slowest(compute: Compute) -> Compute:
         [compute.rest[k] for k in keys]
     methods = sorted(compute.compression)
     times += [compute.compression[m] for m in methods]
+    stages = sorted(compute.engine_overhead)
+    times += [compute.engine_overhead[st] for st in stages]
     rates = [compute.adam_elements_per_s, compute.cpu_adam_elements_per_s, compute.host_copy_bytes_per_s,
              compute.matmul_flops, compute.copy_bytes_per_s]
     flat = torch.tensor(times + [-r for r in rates], dtype=torch.float64)  # max of -rate = -(min rate)
     tdist.all_reduce(flat, op=tdist.ReduceOp.MAX)
     values = flat.tolist()
     n, k = len(keys), len(methods)
-    adam, cpu_adam, host_copy, matmul, copies = [-v for v in values[3 * n + k:]]
+    e = len(stages)
+    adam, cpu_adam, host_copy, matmul, copies = [-v for v in values[3 * n + k + e:]]
     return Compute({m: values[i] for i, m in enumerate(keys)}, {m: values[n + i] for i, m in enumerate(keys)},
                    {m: values[2 * n + i] for i, m in enumerate(keys)}, adam, cpu_adam, host_copy, matmul,
-                   compression={m: values[3 * n + i] for i, m in enumerate(methods)}, copy_bytes_per_s=copies)
+                   compression={m: values[3 * n + i] for i, m in enumerate(methods)}, copy_bytes_per_s=copies,
+                   engine_overhead={st: values[3 * n + k + i] for i, st in enumerate(stages)})
 
 
 def _memory(ranks_per_node: int) -> tuple[int, int]:
