@@ -169,7 +169,7 @@ def report(state: dict) -> str:
         text += (f"\nWithin 25%: {within} of {len(errors)} candidates (worst {max(errors):.0%}, median "
                  f"{statistics.median(errors):.0%}). The model's first choice: {first[0]} micro {first[1]}; "
                  f"measured fastest: {fastest['name']} micro {fastest['micro_batch_size']}"
-                 f" ({'the same' if (fastest['name'], fastest['micro_batch_size'], fastest['activation_checkpointing']) == first else 'different'}).\n")
+                 f" ({_same(fastest, first)}).\n")
     if state.get(rate) and state.get("unshaped"):
         text += READING
     pub = state.get("published")
@@ -185,18 +185,27 @@ def report(state: dict) -> str:
     return text
 
 
+def _same(fastest: dict, first: tuple) -> str:
+    if (fastest["name"], fastest["micro_batch_size"], fastest["activation_checkpointing"]) == first:
+        return "the same"
+    return "the same strategy, another micro batch" if fastest["name"] == first[0] else "a different strategy"
+
+
 READING = """
-Reading it. On the shaped link communication is most of every step, and the model's ranking holds: every
-candidate within 17% (median 3%), and its first choice, PowerSGD on ZeRO-0, is the measured fastest. On the
-unshaped link the first choice is plain ZeRO-0 and is again the measured fastest: the choice differs with the
-link, as it should. The misses there are ZeRO-3 (-30% to -35%) and AutoTP (-25% to -33%): DeepSpeed's per-module
-hooks (ZeRO-3's fetch and release, AutoTP's per-linear all-reduce calls) cost CPU time that the model does not
-count; the byte counts of those runs match the model (ZeRO-3 within 3%, AutoTP exactly). comm_s against the
-counted bytes over the line rate: 1.01 to 1.12 where the traffic is all-reduce (ZeRO-0, PowerSGD, AutoTP), within
-the 20% target; 1.26 to 1.39 for ZeRO-1/2/3 and 1.6 to 2.0 for pipeline send/recv, because gloo's all-gather
-(7 to 9 MB/s bus bandwidth in the probe), reduce-scatter (5.8 MB/s) and point-to-point move bytes slower than
-its all-reduce (11.7 MB/s) on this 12.5 MB/s link: the probe's per-operation rate, which the predictions use, is
-the right divisor for those, not the line rate.
+Reading it. On the shaped link communication is most of every step and every candidate is predicted within 20%
+(median 4%); the model's first choice, PowerSGD on ZeRO-0, is the measured fastest strategy (its micro 8 x 1 and
+4 x 2 variants measured 0.401 and 0.396 s: 1% apart, within run-to-run noise, while the next strategy is 1.8x
+slower). On the unshaped link the first choice is plain ZeRO-0, again the measured fastest: the choice changes with
+the link, as it should. The two misses there are AutoTP (-31% and -41%): its per-linear all-reduce hooks cost CPU
+time that the probe does not measure (it measures DeepSpeed's own cost per micro-batch for the ZeRO stages only,
+on a 1-layer copy; that brought ZeRO-3 from -25..-35% to +9..+20%, the per-tensor cost of a 1-layer engine
+overstating a deeper one's). Byte counts match the model for every strategy (ZeRO-3 within 3%, the rest exactly).
+comm_s against the counted bytes over the line rate: 0.95 to 1.22 where the traffic is all-reduce (ZeRO-0 1.10,
+PowerSGD on ZeRO-0 0.95 and 1.22 at 0.07 s per step, AutoTP 1.03 to 1.07); 1.26 to 1.61 for ZeRO-1/2/3 and sign,
+and 1.65 to 2.0 for pipeline send/recv, because gloo's all-gather (7 to 9 MB/s bus bandwidth in the probe),
+reduce-scatter (5.8 MB/s) and point-to-point move bytes slower than its all-reduce (11.7 MB/s) on this 12.5 MB/s
+link: the probe's per-operation rate, which the predictions use, is the right divisor for those, not the line
+rate.
 """
 
 PUBLISHED_NOTE = """
