@@ -25,13 +25,19 @@ def test_default_recipe_learns_and_reports(default_run):
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
-        keys = {"step", "loss", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s", "step_s", "mfu", "time"} if "loss" in row else \
-            {"step", "eval_loss", "perplexity"}
+        keys = {"step", "loss", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s", "step_s", "mfu", "time",
+                "comm_s", "comm_fraction", "comm_bytes"} if "loss" in row else {"step", "eval_loss", "perplexity"}
         assert set(row) == keys
     steps = [r for r in rows if "loss" in r]
     assert steps[0]["tokens"] == 2 * 8 * 128 and all(r["tokens_per_s"] > 0 for r in steps)
     # MFU = tokens/s x FLOPs per token / peak: one constant ratio per run, a plausible fraction, stamped in order
     assert all(0 < r["mfu"] < 1.5 for r in steps)
+    # 2 ranks, ZeRO-2, fp32: every step all-reduces the gradients and all-gathers the parameters (1.5 x 4 bytes
+    # per parameter, tests/e2e/test_planner.py checks the count) and waits some time for it
+    sent = [r["comm_bytes"] for r in steps]
+    assert min(sent) > 1e6 and max(sent) < 1.01 * min(sent)
+    assert all(0 < r["comm_s"] < r["step_s"] and r["comm_fraction"] == pytest.approx(r["comm_s"] / r["step_s"])
+               for r in steps)
     assert len({round(r["mfu"] / r["tokens_per_s"], 15) for r in steps}) == 1
     assert all(a["time"] < b["time"] for a, b in zip(steps, steps[1:]))
     assert "median" in proc.stderr and "tokens/s, MFU" in proc.stderr
