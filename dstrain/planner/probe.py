@@ -289,7 +289,6 @@ def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_si
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 1 << 30}
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)[0]
         counter = CommCounter().start()
-        began, waited = time.perf_counter(), counter.seconds
         step = partial(_engine_micro_batch, engine, batch)
         step()
         sync()
@@ -452,8 +451,9 @@ def _slowest(compute: Compute) -> Compute:
 
 
 def _memory(ranks_per_node: int) -> tuple[int, int]:
+    """(bytes one rank may use, the preflight's figure; host RAM per node)."""
     import psutil
-    host = psutil.virtual_memory().total
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, host
-    return host // max(1, ranks_per_node), host
+
+    from ..memory import device_memory
+    device = device_memory("cuda" if torch.cuda.is_available() else "cpu", ranks_per_node)[0]
+    return device, psutil.virtual_memory().total
