@@ -92,9 +92,10 @@ def check_combination(cfg: dict, compression: CompressionConfig) -> None:
         raise UserError(f"{KEY} works with ZeRO stage 0 or 1, but this config uses ZeRO-{stage} (it reduce-scatters "
                         f"gradients during backward); {fix}")
     if int((cfg.get("pipeline") or {}).get("stages", 1) or 1) > 1 or \
-            int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) > 1:
-        raise UserError(f"{KEY} works with data parallelism only, not with pipeline stages or tensor parallelism; "
-                        f"remove '{KEY}' or the pipeline / tensor_parallel section")
+            int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) > 1 or \
+            int(cfg.get("sequence_parallel_size", 1) or 1) > 1:
+        raise UserError(f"{KEY} works with data parallelism only, not with pipeline stages, tensor or sequence "
+                        f"parallelism; remove '{KEY}' or the pipeline / tensor_parallel / sequence_parallel_size key")
     if any(((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")):
         raise UserError(f"{KEY} does not combine with ZeRO offload; remove the offload section or '{KEY}'")
     if cfg.get("communication_data_type") not in (None, "fp32"):

@@ -39,6 +39,9 @@ class DataConfig:
     path: str = "data/tiny"  # hub id, local file (json/jsonl/csv/parquet/txt), directory, or saved dataset
     name: str | None = None  # hub dataset configuration name
     format: str = "text"  # text (packed pretraining) | prompt_response | chat (SFT, loss on responses)
+    # several examples per row (SFT), or documents kept apart within rows (text): position_ids restart at each,
+    # attention never crosses them, loss masks unchanged
+    packing: bool = False
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"

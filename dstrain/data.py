@@ -91,17 +91,64 @@ def _require_field(dataset, field_name: str, key: str, path: str) -> None:
                         f" set {key} to one of them")
 
 
-def pack_texts(texts: list[str], tokenizer, seq_len: int) -> list[list[int]]:
-    """Concatenate documents, each followed by EOS, and cut into full seq_len blocks (no padding)."""
+def pack_texts(texts: list[str], tokenizer, seq_len: int, separate: bool = False) -> dict[str, list[list[int]]]:
+    """Concatenate documents, each followed by EOS, and cut into full seq_len blocks (no padding): input_ids, and
+    with `separate` (data.packing) position_ids that restart after each EOS and at each block, so attention never
+    crosses a document (the EOS still predicts the next document's first token, as in plain concatenation)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UserError("the tokenizer has no eos_token; packing needs one to separate documents")
     flat: list[int] = []
+    positions: list[int] = []
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         flat.extend(ids)
         flat.append(eos)
+        positions.extend(range(len(ids) + 1))
     usable = len(flat) // seq_len * seq_len
-    return [flat[i:i + seq_len] for i in range(0, usable, seq_len)]
+    out = {"input_ids": [flat[i:i + seq_len] for i in range(0, usable, seq_len)]}
+    if separate:  # a document cut by a block boundary starts again at position 0 in the next block
+        out["position_ids"] = [_restart_at_zero(positions[i:i + seq_len]) for i in range(0, usable, seq_len)]
+    return out
+
+
+def _restart_at_zero(positions: list[int]) -> list[int]:
+    offset = positions[0]
+    out = []
+    for p in positions:
+        if p == 0:
+            offset = 0
+        out.append(p - offset)
+    return out
+
+
+def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> dict[str, list]:
+    """SFT examples (ids, labels, each at most seq_len long) into rows of seq_len, first fit in order: each example
+    keeps its tokens and labels, its positions restart at 0 and its first label is ignored (it would be predicted
+    from the previous example's last token). The tail of a row is padding: its own positions, no labels.
+    Deterministic: the same examples in the same order give the same rows."""
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    room: list[int] = []
+    for ids, labels in examples:
+        for r, free in enumerate(room):
+            if len(ids) <= free:
+                rows[r].append((ids, labels))
+                room[r] -= len(ids)
+                break
+        else:
+            rows.append([(ids, labels)])
+            room.append(seq_len - len(ids))
+    out = {k: [] for k in PACKED_COLUMNS}
+    for row, free in zip(rows, room):
+        ids, labels, positions = [], [], []
+        for piece_ids, piece_labels in row:
+            ids += piece_ids
+            labels += [IGNORE_INDEX] + piece_labels[1:]
+            positions += list(range(len(piece_ids)))
+        out["input_ids"].append(ids + [pad] * free)
+        out["labels"].append(labels + [IGNORE_INDEX] * free)
+        out["attention_mask"].append([1] * len(ids) + [0] * free)
+        out["position_ids"].append(positions + list(range(free)))
+    return out
 
 
 def _segments_with_template(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
@@ -139,12 +186,19 @@ def _sft_tokens(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def _fit(ids: list[int], labels: list[int], seq_len: int, tokenizer) -> dict | None:
-    """Truncated (the end of the conversation is cut) and padded to seq_len; None when no reply token is left."""
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _fit(ids: list[int], labels: list[int], seq_len: int, tokenizer, pad_to: bool = True) -> dict | None:
+    """Truncated (the end of the conversation is cut) and padded to seq_len (unless not `pad_to`: packing fills
+    the rest); None when no reply token is left."""
     ids, labels = ids[:seq_len], labels[:seq_len]
     if all(label == IGNORE_INDEX for label in labels[1:]):
         return None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if not pad_to:
+        return {"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
+    pad = _pad_id(tokenizer)
     n_pad = seq_len - len(ids)
     return {"input_ids": ids + [pad] * n_pad, "labels": labels + [IGNORE_INDEX] * n_pad,
             "attention_mask": [1] * len(ids) + [0] * n_pad}
@@ -176,6 +230,7 @@ def check_fields(dataset, cfg: DataConfig) -> None:
 
 
 SFT_COLUMNS = ("input_ids", "labels", "attention_mask")
+PACKED_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, dict]:
@@ -184,38 +239,56 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, di
     SFT examples longer than seq_len are truncated at seq_len (their end is cut); those left without a reply
     token are dropped. Both are counted: a user should know what a seq_len costs."""
     check_fields(dataset, cfg)
+    num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     if cfg.format == "text":
         def fn(batch):
-            return {"input_ids": pack_texts(batch[cfg.text_field], tokenizer, seq_len)}
+            return pack_texts(batch[cfg.text_field], tokenizer, seq_len, separate=cfg.packing)
         out = dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                          num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenizing")
-        return out, {"documents": len(dataset), "sequences": len(out)}
+                          num_proc=num_proc, desc="tokenizing")
+        return out, {"documents": len(dataset), "sequences": len(out), "separated": cfg.packing}
 
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         out = {k: [] for k in (*SFT_COLUMNS, "full_length")}
         for row in rows:
             ids, labels = _sft_tokens(_to_messages(row, cfg), tokenizer)
-            example = _fit(ids, labels, seq_len, tokenizer)
+            example = _fit(ids, labels, seq_len, tokenizer, pad_to=not cfg.packing)
             for key in SFT_COLUMNS:  # a dropped example stays as an empty row until it is counted
                 out[key].append(example[key] if example else [])
             out["full_length"].append(len(ids) if example else -len(ids))
         return out
     marked = dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                         num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc="tokenizing")
+                         num_proc=num_proc, desc="tokenizing")
     lengths = np.asarray(marked["full_length"], dtype=np.int64)
     kept = np.flatnonzero(lengths >= 0)
     out = marked.select(kept).remove_columns("full_length")
-    return out, {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
-                 "dropped": int((lengths < 0).sum())}
+    stats = {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
+             "dropped": int((lengths < 0).sum())}
+    if cfg.packing and len(out):
+        pad = _pad_id(tokenizer)
+
+        def pack(batch):  # 1000 examples at a time: rows never mix examples far apart in the data's order
+            return pack_examples(list(zip(batch["input_ids"], batch["labels"])), seq_len, pad)
+        out = out.map(pack, batched=True, batch_size=1000, remove_columns=out.column_names, desc="packing")
+        real = int(np.minimum(lengths[kept], seq_len).sum())
+        stats |= {"packed_examples": stats["sequences"], "sequences": len(out),
+                  "padding": 1 - real / (len(out) * seq_len)}
+    elif len(out):
+        stats["padding"] = 1 - int(np.minimum(lengths[kept], seq_len).sum()) / (len(out) * seq_len)
+    return out, stats
 
 
 def report(stats: dict, seq_len: int) -> str:
     """One line on what tokenization made of the data."""
     if "documents" in stats:
         return (f"{stats['documents']:,} documents packed into {stats['sequences']:,} sequences of {seq_len} "
-                f"tokens (the last partial block dropped)")
+                f"tokens (the last partial block dropped"
+                f"{'; attention kept within each document' if stats.get('separated') else ''})")
     text = f"{stats['examples']:,} examples -> {stats['sequences']:,} sequences of {seq_len} tokens"
+    if "packed_examples" in stats:
+        text += f" ({stats['packed_examples']:,} examples packed, no attention across them)"
+    if "padding" in stats:
+        text += f", {stats['padding']:.1%} padding"
     if stats["truncated"] or stats["dropped"]:
         text += (f"; {stats['truncated']:,} longer than seq_len were truncated (their end cut), "
                  f"{stats['dropped']:,} dropped (no reply token within {seq_len}); raise train.seq_len to keep them")
@@ -304,6 +377,31 @@ def _stack(rows: dict) -> dict[str, torch.Tensor]:
     return batch
 
 
+def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s 1/size slice of every sequence, for Ulysses sequence parallelism: position_ids (0.. unless
+    the row is packed) and labels shifted to the token they are predicted from (shift_labels[t] is the target
+    of position t) before cutting, so a slice's last token keeps its target in the next slice. The slices of
+    all ranks together hold each label once."""
+    input_ids = batch["input_ids"]
+    length = input_ids.shape[1]
+    if length % size:
+        raise UserError(f"a batch of {length} tokens per sequence does not split over sequence_parallel_size={size}; "
+                        f"choose train.seq_len divisible by {size}")
+    out = dict(batch)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(length).expand_as(input_ids)
+    labels = out.pop("labels")
+    out["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    chunk = length // size
+    return {k: v[:, rank * chunk:(rank + 1) * chunk].contiguous() for k, v in out.items()}
+
+
+def _for_layout(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    if layout.sequence_parallel > 1:
+        return shard_sequence(batch, layout.sequence_parallel_rank, layout.sequence_parallel)
+    return batch
+
+
 class TrainStream:
     """Global batch `step` holds stream samples [step*G, (step+1)*G); sample k is element k % n of a
     permutation seeded by (seed, k // n), so each epoch is reshuffled and any step can be re-created."""
@@ -314,6 +412,7 @@ class TrainStream:
         # ranks of one model replica (pipeline stages, tensor-parallel peers) read the same samples
         self.micro, self.accum = micro_batch_size, grad_accum_steps
         self.dp_rank, self.dp_size = layout.data_parallel_rank, layout.data_parallel
+        self.layout = layout
         self.global_batch = micro_batch_size * grad_accum_steps * self.dp_size
         self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
         self._perm: tuple[int, np.ndarray] | None = None
@@ -341,7 +440,7 @@ class TrainStream:
         for m in range(self.accum):
             start = step * self.global_batch + self.offset + (m * self.dp_size + self.dp_rank) * self.micro
             idx = [self.sample_index(k) for k in range(start, start + self.micro)]
-            batch = _stack(self.dataset[idx])
+            batch = _for_layout(_stack(self.dataset[idx]), self.layout)
             out.append({k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch)
         return out
 
@@ -355,4 +454,19 @@ def eval_batches(dataset, micro_batch_size: int, layout: Layout,
     batches = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
     if max_batches is not None:
         batches = batches[:max_batches]
-    return [_stack(dataset[b]) for b in batches]
+    out = [_stack(dataset[b]) for b in batches]
+    if layout.sequence_parallel > 1:  # Ulysses' attention is built for micro_batch_size rows: fill the last batch
+        out = [_fill_rows(b, micro_batch_size) for b in out]
+    return [_for_layout(b, layout) for b in out]
+
+
+def _fill_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """The batch with rows added (copies of its first, every label ignored): they add no loss and no count."""
+    missing = rows - batch["input_ids"].shape[0]
+    if missing <= 0:
+        return batch
+    out = {k: torch.cat([v, v[:1].expand(missing, -1)]) for k, v in batch.items()}
+    out["labels"][-missing:] = IGNORE_INDEX
+    if "attention_mask" in out:
+        out["attention_mask"][-missing:] = 0
+    return out

@@ -231,16 +231,29 @@ def zero3_sizes(hidden_size: int) -> dict:
             "stage3_max_reuse_distance": 12 * h2, "sub_group_size": 12 * h2}
 
 
+def check_sequence_parallel(cfg: dict) -> None:
+    """Ulysses sequence parallelism (sequence_parallel_size) combines with ZeRO-0/1/2/3 and offload only."""
+    sp = cfg.get("sequence_parallel_size", 1)
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise UserError(f"sequence_parallel_size={sp!r} must be a positive integer (the ranks that share each "
+                        f"sequence); use e.g. 2, or 1 for none")
+    if sp == 1:
+        return
+    for section, key, what in (("pipeline", "stages", "pipeline stages"),
+                               ("tensor_parallel", "autotp_size", "tensor parallelism (AutoTP)")):
+        if int((cfg.get(section) or {}).get(key, 1) or 1) > 1:
+            raise UserError(f"sequence_parallel_size={sp} together with {what} is not supported (DeepSpeed's Ulysses "
+                            f"groups assume data x sequence parallelism only); remove one of the two")
+
+
 def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden_size: int | None = None,
             ranks_per_node: int | None = None) -> dict:
     """A complete DeepSpeed config with no "auto" left, consistent with the recipe and the world size;
     hidden_size fills the model-scaled ZeRO-3 sizes, ranks_per_node ZeRO++'s hpZ partition."""
     cfg = copy.deepcopy(raw)
     validate_keys(cfg)
-    if int(cfg.get("sequence_parallel_size", 1) or 1) > 1:  # DeepSpeed asserted inside initialize: a traceback
-        raise UserError(f"sequence_parallel_size={cfg['sequence_parallel_size']} (Ulysses sequence parallelism) is "
-                        f"not supported by dstrain yet; remove it from the DeepSpeed config")
     train = recipe.train
+    check_sequence_parallel(cfg)
     layout = Layout.from_ds_config(cfg, world_size)
     from .pipeline import check_combination
     check_combination(cfg)

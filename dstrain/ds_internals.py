@@ -22,9 +22,18 @@ def consolidated_16bit_state_dict(engine) -> dict:
 
 
 def model_parallel_unit(layout):
-    """What deepspeed.initialize takes as `mpu`: DeepSpeed's group registry for AutoTP runs, else None (the
-    pipeline engine brings its own topology)."""
+    """What deepspeed.initialize takes as `mpu`: DeepSpeed's group registry for AutoTP runs, Ulysses' sequence-
+    parallel state for sequence parallelism (its groups made by register_with_transformers, see
+    components/sequence_parallel.py), else None (the pipeline engine brings its own topology)."""
+    if layout.sequence_parallel > 1:
+        return sequence_parallel_state()
     return init_tensor_parallel_groups(layout.tensor_parallel) if layout.tensor_parallel > 1 else None
+
+
+def sequence_parallel_state():
+    """DeepSpeed's Ulysses group module (public module, module-level state): what `mpu` is for sequence parallelism."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as state
+    return state
 
 
 def init_tensor_parallel_groups(tensor_parallel: int):
@@ -43,12 +52,35 @@ def data_parallel_rank(engine) -> int:
 
 def bind_groups(engine, layout):
     """The layout with DeepSpeed's data-parallel group bound. A bug, not a user error, when dstrain.layout's
-    rank arithmetic and DeepSpeed's groups disagree: the data would be split differently from the gradients."""
+    rank arithmetic and DeepSpeed's groups disagree: the data would be split differently from the gradients.
+    Under Ulysses DeepSpeed has no data-parallel group of its own (engine.data_parallel_group is None: ZeRO runs
+    over the sequence-data-parallel group, dp x sp): its sequence-parallel rank and group size are checked."""
+    if layout.sequence_parallel > 1:
+        state = sequence_parallel_state()
+        sp = state.get_sequence_parallel_world_size()
+        theirs = (sp, state.get_sequence_parallel_rank(),
+                  torch.distributed.get_rank(group=state.get_sequence_data_parallel_group()) // sp)
+        ours = (layout.sequence_parallel, layout.sequence_parallel_rank, layout.data_parallel_rank)
+        if theirs != ours:
+            raise RuntimeError(f"rank {layout.rank}: DeepSpeed's sequence-parallel groups give {theirs} but dstrain."
+                               f"layout computed {ours} (size, rank, data-parallel rank) for {layout.describe()}")
+        return replace(layout, gradient_divisor=sequence_parallel_gradient_divisor(engine, layout))
     theirs = data_parallel_rank(engine)
     if theirs != layout.data_parallel_rank:
         raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
                            f"computed {layout.data_parallel_rank} for {layout.describe()}")
     return replace(layout, data_parallel_group=engine.data_parallel_group)
+
+
+def sequence_parallel_gradient_divisor(engine, layout) -> int:
+    """What DeepSpeed 0.19 divides summed gradients by under Ulysses. The sp ranks hold disjoint parts of one
+    loss, so their gradients must be summed, and ZeRO-0/1/2 and ZeRO-3's all-reduce path divide by dp x sp / sp
+    = dp. ZeRO-3's default reduce-scatter path (runtime/comm/coalesced_collectives.reduce_scatter_coalesced)
+    pre-divides by its whole group, dp x sp: measured as a pre-clip gradient norm of exactly 1/sp of the
+    reference's (tests/e2e/test_sequence_parallel.py). train_step's loss scale makes up for it."""
+    if engine.zero_optimization_stage() == 3 and engine.zero_reduce_scatter():
+        return layout.data_parallel * layout.sequence_parallel
+    return layout.data_parallel
 
 
 def engine_config(engine):

@@ -1,11 +1,14 @@
 """ONE object for how the ranks are split, in the spirit of torchtitan's ParallelDims.
 
-world = data-parallel x pipeline stages x tensor-parallel x sequence-parallel (the last reserved for Ulysses).
+world = data-parallel x pipeline stages x tensor-parallel x sequence-parallel (DeepSpeed Ulysses).
 Built once from the DeepSpeed JSON and the world size, it answers every question other modules used to derive
 on their own: sizes, this rank's coordinates, how many ranks see the same samples, whether the engine is a
 pipeline. Rank order follows DeepSpeed's own groups, so no module has to ask the engine:
   - pipeline (deepspeed.pipe's PipeDataParallelTopology, axes [pipe, data]): rank = stage * dp + dp_rank
   - AutoTP (deepspeed.utils.groups' device mesh (data_parallel, tensor_parallel)): rank = dp_rank * tp + tp_rank
+  - Ulysses (deepspeed.runtime.sequence_parallel.parallel_state_sp: groups of sp consecutive ranks):
+    rank = dp_rank * sp + sp_rank. The sp ranks of a group read the same samples, each a 1/sp slice of every
+    sequence; ZeRO partitions and gradient reductions span all dp x sp ranks.
 ds_internals.check_data_parallel_rank compares the formula with DeepSpeed's groups once the engine exists.
 """
 from __future__ import annotations
@@ -21,10 +24,12 @@ class Layout:
     world_size: int
     pipeline_stages: int = 1
     tensor_parallel: int = 1
-    sequence_parallel: int = 1  # reserved: Ulysses (issue 19); 1 until then
+    sequence_parallel: int = 1  # Ulysses: DeepSpeed's sequence_parallel_size
     rank: int = 0
     # DeepSpeed's data-parallel process group, bound once the engine exists (ds_internals.bind_groups)
     data_parallel_group: Any = field(default=None, compare=False, repr=False)
+    # how many ranks DeepSpeed divides the summed gradients by, when not data_parallel (ds_internals.bind_groups)
+    gradient_divisor: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if min(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel) < 1:
@@ -39,7 +44,8 @@ class Layout:
     def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0) -> Layout:
         stages = int((cfg.get("pipeline") or {}).get("stages", 1) or 1)
         tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-        return cls(world_size, stages, tp, 1, rank)
+        sp = int(cfg.get("sequence_parallel_size", 1) or 1)
+        return cls(world_size, stages, tp, sp, rank)
 
     @property
     def model_parallel(self) -> int:
@@ -52,8 +58,29 @@ class Layout:
 
     @property
     def samples_shared_by(self) -> int:
-        """How many ranks see each sample (count a batch's tokens once per this many ranks)."""
+        """How many ranks read each sample (a sequence-parallel group reads one sample, a slice on each rank)."""
         return self.model_parallel
+
+    @property
+    def token_replicas(self) -> int:
+        """How many ranks hold each token: counts summed over the world are divided by this. Pipeline stages and
+        tensor-parallel peers see whole sequences; sequence-parallel peers hold disjoint slices."""
+        return self.pipeline_stages * self.tensor_parallel
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks over which ZeRO partitions states and averages gradients (DeepSpeed's sequence-data-parallel
+        group under Ulysses: dp x sp)."""
+        return self.data_parallel * self.sequence_parallel
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        return self.rank % self.sequence_parallel
+
+    @property
+    def gradients_averaged_over(self) -> int:
+        """DeepSpeed sums each gradient over the ranks and divides by this: the loss scale makes up for it."""
+        return self.gradient_divisor or self.data_parallel
 
     @property
     def is_pipeline(self) -> bool:
@@ -79,8 +106,9 @@ class Layout:
         return self.rank % self.tensor_parallel
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = data-parallel {self.data_parallel} x pipeline {self.pipeline_stages} x "
+        text = (f"world {self.world_size} = data-parallel {self.data_parallel} x pipeline {self.pipeline_stages} x "
                 f"tensor-parallel {self.tensor_parallel}")
+        return text + (f" x sequence-parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else "")
 
 
 def batch_hint(global_batch: int, data_parallel: int) -> str:

@@ -9,8 +9,8 @@ tokens and grad(weight) in the weight's dtype. The sum is the same as F.cross_en
 over the full logits, up to summation order.
 
 Installed by replacing two instance methods (the state dict, checkpoints and export do not change):
-  model.forward(..., sum_loss_labels=labels[, label_positions]) -> CausalLMOutputWithPast, .loss = summed
-                                            loss, no logits
+  model.forward(..., sum_loss_labels=labels[, label_positions, labels_shifted]) -> CausalLMOutputWithPast,
+                                            .loss = summed loss, no logits
   lm_head.forward(hidden, labels=...)       -> the fused loss, called as a module so ZeRO-3 gathers the
                                                weight around it (and again before its backward).
 Any other call (labels absent) takes the model's own code unchanged.
@@ -111,9 +111,10 @@ def check_model(model: torch.nn.Module, chunk_tokens: int) -> None:
                         f"{why}; set train.loss_chunk_tokens=0")
 
 
-def label_positions_of(labels: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the next-token targets that carry a loss (computed where `labels` lives)."""
-    return (labels[:, 1:] != IGNORE_INDEX).reshape(-1).nonzero().squeeze(1)
+def label_positions_of(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Flat indices of the next-token targets that carry a loss (computed where `labels` lives); `shifted`:
+    labels[t] is already position t's target."""
+    return ((labels if shifted else labels[:, 1:]) != IGNORE_INDEX).reshape(-1).nonzero().squeeze(1)
 
 
 def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
@@ -126,15 +127,17 @@ def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     def forward(self, *args, sum_loss_labels: torch.Tensor | None = None, label_positions: torch.Tensor | None = None,
-                **kwargs):
+                labels_shifted: bool = False, **kwargs):
         if sum_loss_labels is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)
         hidden = base(*args, **kwargs)[0]  # last hidden state, after the final norm
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts label t + 1
-        targets = sum_loss_labels[:, 1:].reshape(-1)
+        if labels_shifted:  # sum_loss_labels[t] is position t's target (a sequence-parallel slice)
+            hidden, targets = hidden.reshape(-1, hidden.shape[-1]), sum_loss_labels.reshape(-1)
+        else:  # position t predicts label t + 1
+            hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), sum_loss_labels[:, 1:].reshape(-1)
         if label_positions is None:  # found on the device: a host sync (train_step passes them from the host)
-            label_positions = label_positions_of(sum_loss_labels)
+            label_positions = label_positions_of(sum_loss_labels, labels_shifted)
         # prompts and padding drop out here: the head sees label tokens only
         loss = head(hidden.index_select(0, label_positions), labels=targets.index_select(0, label_positions),
                     chunk=chunk_tokens)

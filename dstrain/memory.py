@@ -88,7 +88,7 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     train = recipe.train
     zero = ds_cfg.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
-    n = layout.data_parallel
+    n = layout.zero_shards  # ZeRO partitions over data x sequence parallelism
     sixteen_bit = bool((ds_cfg.get("bf16") or {}).get("enabled") or (ds_cfg.get("fp16") or {}).get("enabled"))
     w = 2 if sixteen_bit else 4
     psi = parameters // (layout.pipeline_stages * layout.tensor_parallel)
@@ -125,7 +125,7 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
         host["parameters"] = device.pop("parameters")
 
     hidden, layers, ffn, vocab = _dims(config)
-    tokens = train.micro_batch_size * train.seq_len
+    tokens = train.micro_batch_size * train.seq_len // layout.sequence_parallel  # Ulysses: a 1/sp slice per rank
     layers_here = -(-layers // layout.pipeline_stages)
     per_layer = tokens * (8 * hidden + 4 * ffn) * w // layout.tensor_parallel
     head = tokens * vocab * (w + 12)
@@ -187,12 +187,11 @@ def _fmt(b: int) -> str:
 def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_name: str, ds_cfg: dict) -> str:
     from .ds_config import precision
     stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
-    held = (f"{est.params_per_rank / layout.data_parallel / 1e6:,.1f}M parameters held per rank (ZeRO-3 partitions "
-            f"{est.params_per_rank / 1e6:,.1f}M over {layout.data_parallel} ranks)" if stage == 3 else
+    held = (f"{est.params_per_rank / layout.zero_shards / 1e6:,.1f}M parameters held per rank (ZeRO-3 partitions "
+            f"{est.params_per_rank / 1e6:,.1f}M over {layout.zero_shards} ranks)" if stage == 3 else
             f"{est.params_per_rank / 1e6:,.1f}M parameters per rank")
-    lines = [f"preflight: {est.parameters / 1e6:,.1f}M parameters, {ds_name}, {precision(ds_cfg)}, world "
-             f"{layout.world_size} = {layout.data_parallel} data-parallel x {layout.pipeline_stages} pipeline x "
-             f"{layout.tensor_parallel} tensor-parallel; {held}",
+    lines = [f"preflight: {est.parameters / 1e6:,.1f}M parameters, {ds_name}, {precision(ds_cfg)}, "
+             f"{layout.describe()}; {held}",
              "per rank, on the device:"]
     for kind, value in est.device.items():
         lines.append(f"  {kind:<18}{_fmt(value)}")

@@ -4,6 +4,8 @@ Loss normalisation: the gradient of every step is that of the mean loss over all
 global batch, however they are spread over micro-batches and ranks (so SFT batches with uneven
 response lengths weigh every token equally, unlike a mean of per-micro-batch means). Each micro-batch
 contributes sum_loss * (accum * dp) / global_tokens: DeepSpeed divides by accum and averages over dp.
+Under sequence parallelism each rank's sum covers its slice of the sequences, and the sp ranks' gradients add
+up (Layout.gradients_averaged_over: what DeepSpeed divides by, dp x sp on one ZeRO-3 path).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from .layout import Layout
 
 
 def label_count(batch: dict[str, torch.Tensor]) -> int:
+    if "shift_labels" in batch:  # a sequence-parallel slice: its targets are already aligned (data.shard_sequence)
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
@@ -25,16 +29,28 @@ def real_count(batch: dict[str, torch.Tensor]) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model is called with. Rows with position_ids (packed, or a sequence-parallel slice) go without
+    the attention mask: transformers then derives a causal mask per document from position_ids (and padding
+    sits at the end of a row, behind every real token, so a causal mask never lets a real token see it)."""
+    if "position_ids" in batch:
+        return {k: batch[k] for k in ("input_ids", "position_ids")}
+    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+
+
 def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's label tokens (fp32 logits)."""
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    inputs = model_inputs(batch)
+    shifted = "shift_labels" in batch  # a sequence-parallel slice: position t's target is shift_labels[t]
+    labels = batch["shift_labels"] if shifted else batch["labels"]
     if chunked_loss(model):  # dstrain/loss.py: no full logits
-        return model(**inputs, use_cache=False, sum_loss_labels=batch["labels"],
+        return model(**inputs, use_cache=False, sum_loss_labels=labels, labels_shifted=shifted,
                      label_positions=batch.get("label_positions")).loss
     logits = model(**inputs, use_cache=False).logits
-    shift_logits = logits[:, :-1].float().reshape(-1, logits.size(-1))
-    shift_labels = batch["labels"][:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def chunked_loss(model) -> bool:
@@ -46,7 +62,9 @@ def to_device(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     are found here, on the host, so the device never has to report how many there are (no sync in the step)."""
     if chunked_loss(engine):
         from .loss import label_positions_of
-        batch = dict(batch, label_positions=label_positions_of(batch["labels"]))
+        shifted = "shift_labels" in batch
+        batch = dict(batch, label_positions=label_positions_of(batch["shift_labels" if shifted else "labels"],
+                                                               shifted))
     return {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -60,13 +78,13 @@ def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, t
     Stages of one replica see the same batches, so counts are summed over the world and divided by stages."""
     counted, real = all_reduce_sum([sum(label_count(b) for b in batches), sum(real_count(b) for b in batches)],
                                    engine.device)
-    global_tokens = max(counted / layout.samples_shared_by, 1.0)
+    global_tokens = max(counted / layout.token_replicas, 1.0)
     engine.module.loss_fn.scale = len(batches) * layout.data_parallel / global_tokens
     if train:
         loss = engine.train_batch(data_iter=_pipe_items(batches))
     else:
         loss = engine.eval_batch(data_iter=_pipe_items(batches), num_micro_batches=len(batches))
-    return float(loss), int(global_tokens), int(real / layout.samples_shared_by)
+    return float(loss), int(global_tokens), int(real / layout.token_replicas)
 
 
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout) -> tuple[float, int, int]:
@@ -75,11 +93,11 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Lay
     if layout.is_pipeline:
         return _pipe_step(engine, micro_batches, layout, train=True)
     device = engine.device
-    replicas = layout.samples_shared_by  # tensor-parallel peers see the same samples; count them once
+    replicas = layout.token_replicas  # tensor-parallel peers see the same tokens; count them once
     counted, real = all_reduce_sum([sum(label_count(b) for b in micro_batches),  # CPU counts: no GPU wait
                                     sum(real_count(b) for b in micro_batches)], device)
     global_tokens = max(counted / replicas, 1.0)
-    scale = len(micro_batches) * layout.data_parallel / global_tokens
+    scale = len(micro_batches) * layout.gradients_averaged_over / global_tokens
     local_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device: no sync per micro-batch
     for batch in micro_batches:
         batch = to_device(engine, batch)  # pinned on GPUs (TrainStream)

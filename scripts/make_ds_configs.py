@@ -61,6 +61,9 @@ TRAFFIC = {
     "zero1_sign": {"zero_optimization": ZERO1, "gradient_compression": {"method": "sign", "warmup_steps": 20}},
     "zero1_bf16comm": {"zero_optimization": ZERO1, "communication_data_type": "bf16"},
     "zero1_fp16comm": {"zero_optimization": ZERO1, "communication_data_type": "fp16"},
+    # long sequences: DeepSpeed Ulysses sequence parallelism (2 ranks share each sequence; raise for longer ones)
+    "sp2_zero2": {"zero_optimization": {"stage": 2, **ZERO12}, "sequence_parallel_size": 2},
+    "sp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 2},
     "zero3_zeropp": {"zero_optimization": {"stage": 3, **ZERO3, "zero_quantized_weights": True,
                                            "zero_quantized_gradients": True, "zero_hpz_partition_size": "auto"}},
 }

@@ -63,3 +63,14 @@ def medium_llama(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
                  tmp_path_factory.mktemp("models") / "medium-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_mha(tmp_path_factory) -> Path:
+    """tiny_llama with as many key/value heads as query heads (multi-head, not grouped-query, attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.update({"num_hidden_layers": 2, "num_key_value_heads": config.num_attention_heads})
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-llama-mha")

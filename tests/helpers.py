@@ -100,7 +100,8 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     sampling contract: global batch s holds stream samples [s*G, (s+1)*G), sample k being element k % n of
     numpy's permutation seeded by (seed, k // n). `record`, when given, receives per-step lists: grad_norm (the
     pre-clip global norm, which AdamW's scale invariance and clipping hide from the losses), tokens (input
-    tokens that are not padding) and label_tokens. `sequences`, when given, replaces the run's tokenized cache
+    tokens that are not padding) and label_tokens. Packed rows (a position_ids column) reach the model with their
+    position_ids and no mask: transformers builds the per-document causal mask itself. `sequences`, when given, replaces the run's tokenized cache
     (the caller tokenized the data itself). `lora`, when given, is peft's LoraConfig keywords: adapters are added
     with peft's get_peft_model right after torch.manual_seed(seed) (the documented adapter-init contract) and only
     they train."""
@@ -120,7 +121,7 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
             idx.append(int(np.random.default_rng([seed, k // n]).permutation(n)[k % n]))
         rows = {"input_ids": train["input_ids"][idx]} if sequences is not None else train[idx]
         labels = rows["labels"] if "labels" in rows else rows["input_ids"]
-        return rows["input_ids"].long(), labels.long(), rows.get("attention_mask")
+        return rows["input_ids"].long(), labels.long(), rows.get("attention_mask"), rows.get("position_ids")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if lora is not None:
@@ -144,8 +145,12 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * lr_scale * factor(step + 1)
-        input_ids, labels, mask = batch(step)
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
+        input_ids, labels, mask, positions = batch(step)
+        if positions is not None:  # packed rows: transformers keeps attention within each document (position_ids),
+            # but only without a cache: with use_cache it skips the packed-row detection and attends across documents
+            logits = model(input_ids=input_ids, position_ids=positions.long(), use_cache=False).logits
+        else:
+            logits = model(input_ids=input_ids, attention_mask=mask).logits
         target = labels[:, 1:]
         loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1),
                                    ignore_index=-100, reduction="sum")

@@ -79,11 +79,12 @@ class Component:
 
 def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     """The components this recipe and DeepSpeed JSON turn on, in the order their hooks run."""
-    from . import chunked_loss, compile, compression, flops_profile, lora, pipeline
+    from . import chunked_loss, compile, compression, flops_profile, lora, pipeline, sequence_parallel
 
     # the chunked loss patches the HF model before lora wraps it (peft passes its keyword arguments through)
-    found = [pipeline.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe), compression.make(raw_ds),
-             flops_profile.make(recipe), compile.make(recipe)]
+    # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
+    found = [pipeline.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe), sequence_parallel.make(raw_ds),
+             compression.make(raw_ds), flops_profile.make(recipe), compile.make(recipe)]
     return [c for c in found if c is not None]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import pipeline
 from ..checkpoint import write_pipeline_names
+from ..errors import UserError
 from . import Component, Setup
 
 
@@ -11,6 +12,11 @@ class Pipeline(Component):
 
     def __init__(self, stages: int):
         self.stages = stages
+
+    def validate(self, setup: Setup) -> None:
+        if setup.recipe.data.packing:  # stages pass hidden states only: no position_ids reach the attention
+            raise UserError(f"data.packing with pipeline stages ({self.stages}) is not supported; set "
+                            f"data.packing=false or use a ZeRO config")
 
     def describe(self) -> dict:
         return {"stages": self.stages}

@@ -53,8 +53,8 @@ CASES = {
     # seq_len too long, an unreachable hub id, data and model mistakes: on an existing run, further down
     "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),
     # issue 16: an AssertionError traceback from deepspeed.initialize; a hub hint for a mistyped local path
-    "sequence parallel": (["--ds.sequence_parallel_size=2"], "sequence_parallel_size=2 (Ulysses sequence "
-                          "parallelism) is not supported by dstrain yet"),
+    "sequence parallel": (["--ds.sequence_parallel_size=2"], "world size 1 is not divisible by pipeline stages (1) x "
+                          "tensor-parallel size (1) x sequence-parallel size (2)"),
     "missing local model": (["--model.name_or_path=./no/such/model"], "cannot load './no/such/model': no such "
                             "directory"),
     "learning_rate": (["--train.learning_rate=1e-4"], "(here it is 'train.lr')"),

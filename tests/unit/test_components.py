@@ -66,3 +66,31 @@ def test_compression_conflicts_and_state():
 
 def test_nothing_is_on_unless_asked():
     assert components.build(load_recipe("tiny/pretrain"), load("zero3.json")) == []
+
+
+@pytest.mark.parametrize("overrides,config_changes,message", [
+    (["--model.attn_implementation=eager"], {}, "needs model.attn_implementation sdpa or flash_attention_2"),
+    ([], {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 32},
+     "sequence_parallel_size=2 must divide the model's 3 attention heads"),
+    (["--train.seq_len=129"], {}, "train.seq_len=129 is not divisible by sequence_parallel_size=2"),
+    (["--train.compile=true"], {}, "train.compile with sequence_parallel_size=2 is not supported yet"),
+])
+def test_sequence_parallel_conflicts_are_refused(overrides, config_changes, message):
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.update(config_changes)
+    features, setup = setup_for(overrides, "sp2_zero3.json", model_config=config)
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        components.validate_all(features, setup)
+
+
+def test_sequence_parallel_passes_the_shipped_tiny_model():
+    features, setup = setup_for([], "sp2_zero3.json")
+    assert [f.name for f in features] == ["sequence_parallel"]
+    components.validate_all(features, setup)
+    assert setup.layout.data_parallel == 1 and setup.layout.zero_shards == 2 and setup.layout.token_replicas == 1
+
+
+def test_packing_is_refused_with_pipeline_stages():
+    features, setup = setup_for(["--data.packing=true"], "pipe2_zero1.json")
+    with pytest.raises(UserError, match="data.packing with pipeline stages"):
+        components.validate_all(features, setup)

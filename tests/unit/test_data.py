@@ -19,7 +19,7 @@ def tok():
 
 def test_packing_has_no_padding_and_separates_documents_with_eos(tok):
     docs = ["It was a sunny day.", "Mira had two keys.", "Tom ran to the hill."] * 20
-    blocks = data.pack_texts(docs, tok, seq_len=16)
+    blocks = data.pack_texts(docs, tok, seq_len=16)["input_ids"]
     flat = [t for b in blocks for t in b]
     expected = []
     for d in docs:
@@ -28,6 +28,50 @@ def test_packing_has_no_padding_and_separates_documents_with_eos(tok):
     assert flat == expected[:len(flat)]               # nothing dropped or padded inside
     assert len(expected) - len(flat) < 16             # only the tail that cannot fill a block
     assert tok.pad_token_id not in flat
+
+
+def test_separated_documents_restart_their_positions_after_each_eos(tok):
+    docs = ["It was a sunny day.", "Mira had two keys.", "Tom ran to the hill."] * 4
+    packed = data.pack_texts(docs, tok, seq_len=16, separate=True)
+    assert packed["input_ids"] == data.pack_texts(docs, tok, seq_len=16)["input_ids"]  # the same tokens
+    for ids, positions in zip(packed["input_ids"], packed["position_ids"]):
+        assert positions[0] == 0  # every block starts a document (a cut one starts again)
+        for t in range(1, 16):
+            assert positions[t] == (0 if ids[t - 1] == tok.eos_token_id else positions[t - 1] + 1)
+
+
+def test_pack_examples_keeps_every_example_whole_and_masks_its_first_label():
+    examples = [([1, 2, 3, 4], [-100, -100, 3, 4]), ([5, 6, 7], [-100, 6, 7]), ([8, 9, 10, 11, 12], [-100] * 3 + [11, 12]),
+                ([13, 14], [-100, 14])]
+    out = data.pack_examples(examples, seq_len=8, pad=0)
+    assert out["input_ids"] == [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 10, 11, 12, 13, 14, 0]]  # first fit, in order
+    assert out["position_ids"] == [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0, 1, 0]]
+    assert out["labels"] == [[-100, -100, 3, 4, -100, 6, 7, -100], [-100, -100, -100, 11, 12, -100, 14, -100]]
+    assert out["attention_mask"] == [[1] * 7 + [0], [1] * 7 + [0]]
+
+
+def test_sequence_slices_hold_every_label_once_with_its_position():
+    batch = {"input_ids": torch.arange(16).reshape(2, 8), "labels": torch.arange(100, 116).reshape(2, 8),
+             "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    batch["labels"][0, 5] = data.IGNORE_INDEX
+    slices = [data.shard_sequence(batch, r, 2) for r in range(2)]
+    for key in ("input_ids", "attention_mask"):
+        assert torch.equal(torch.cat([s[key] for s in slices], 1), batch[key])
+    assert torch.equal(torch.cat([s["position_ids"] for s in slices], 1), torch.arange(8).expand(2, 8))
+    targets = torch.cat([s["shift_labels"] for s in slices], 1)  # position t's target is token t + 1's label
+    assert torch.equal(targets[:, :-1], batch["labels"][:, 1:]) and (targets[:, -1] == data.IGNORE_INDEX).all()
+    assert "labels" not in slices[0]
+    with pytest.raises(UserError, match="does not split over sequence_parallel_size=3"):
+        data.shard_sequence(batch, 0, 3)
+
+
+def test_short_eval_batches_are_filled_with_rows_that_count_nothing():
+    batch = {"input_ids": torch.ones(3, 4, dtype=torch.long), "labels": torch.ones(3, 4, dtype=torch.long),
+             "attention_mask": torch.ones(3, 4, dtype=torch.long)}
+    filled = data._fill_rows(batch, 4)
+    assert filled["input_ids"].shape == (4, 4)
+    assert (filled["labels"][3] == data.IGNORE_INDEX).all() and filled["attention_mask"][3].sum() == 0
+    assert torch.equal(filled["labels"][:3], batch["labels"])
 
 
 def _trained_text(example, tok):

@@ -1,6 +1,7 @@
 """DeepSpeed JSON loading, "auto" filling, batch arithmetic and key validation; every shipped config and
 every real recipe is resolved and then accepted by DeepSpeed's own config parser."""
 import json
+import re
 
 import pytest
 
@@ -53,7 +54,7 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     cfg = dsc.resolve(raw, r, world_size=4, caps=GPU, hidden_size=128)
     assert dsc._find_auto(cfg) is None
     dp = Layout.from_ds_config(cfg, 4).data_parallel
-    assert dp == (2 if ("pipe2" in name or "tp2" in name) else 4)
+    assert dp == (2 if ("pipe2" in name or "tp2" in name or "sp2" in name) else 4)
     parsed = deepspeed_accepts(cfg, dp)
     assert parsed.train_batch_size == 8 * 3 * dp
     assert parsed.gradient_accumulation_steps == 3
@@ -170,9 +171,19 @@ def test_zero3_sizes_scale_with_the_model():
     assert explicit["zero_optimization"]["reduce_bucket_size"] == 123   # a value in the JSON is kept
 
 
-def test_sequence_parallel_size_is_refused_before_deepspeed_asserts():
-    """Issue 16: --ds.sequence_parallel_size=2 was accepted and then failed with DeepSpeed's AssertionError."""
-    raw = dsc.load("zero2.json") | {"sequence_parallel_size": 2}
-    with pytest.raises(UserError, match=r"sequence_parallel_size=2 \(Ulysses sequence parallelism\) is not "
-                                        r"supported by dstrain yet"):
-        dsc.resolve(raw, recipe(), 2, CPU)
+def test_sequence_parallel_combinations_are_checked_before_deepspeed_asserts():
+    """Issue 16: --ds.sequence_parallel_size=2 failed with DeepSpeed's AssertionError. Issue 19: it trains; what
+    cannot combine with it is refused in one line, and the data-parallel size counts it."""
+    cfg = dsc.resolve(dsc.load("zero2.json") | {"sequence_parallel_size": 2}, recipe(), 4, CPU)
+    assert cfg["train_batch_size"] == 8 * 2  # micro 8 x 2 data-parallel groups of 2 sequence-parallel ranks
+    cases = {"pipe2_zero1.json": "together with pipeline stages is not supported",
+             "tp2_zero1.json": "together with tensor parallelism (AutoTP) is not supported",
+             "zero1_powersgd.json": "not with pipeline stages, tensor or sequence parallelism"}
+    for name, message in cases.items():
+        with pytest.raises(UserError, match=re.escape(message)):
+            dsc.resolve(dsc.load(name) | {"sequence_parallel_size": 2}, recipe(), 4, CPU)
+    with pytest.raises(UserError, match=re.escape("sequence_parallel_size='2' must be a positive integer")):
+        dsc.resolve(dsc.load("zero2.json") | {"sequence_parallel_size": "2"}, recipe(), 4, CPU)
+    with pytest.raises(UserError, match=re.escape("world size 4 is not divisible by pipeline stages (1) x "
+                                                  "tensor-parallel size (1) x sequence-parallel size (3)")):
+        dsc.resolve(dsc.load("zero2.json") | {"sequence_parallel_size": 3}, recipe(), 4, CPU)

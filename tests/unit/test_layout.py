@@ -57,3 +57,15 @@ def test_batch_hints_name_only_sizes_that_work():
     from dstrain.layout import batch_hint
     assert "do not split over 3 data-parallel ranks" in batch_hint(8, 3) and "1, 2, 4, 8" in batch_hint(8, 3)
     assert batch_hint(24, 3) == "choose train.micro_batch_size among 1, 2, 4, 8 (divisors of 8)"
+
+
+def test_sequence_parallel_groups_are_consecutive_ranks():
+    """deepspeed.runtime.sequence_parallel.parallel_state_sp: sp group i = ranks [i*sp, (i+1)*sp); its ranks read
+    the same samples (one data-parallel index), hold disjoint tokens, and ZeRO spans all of them."""
+    cfg = {"sequence_parallel_size": 4}
+    layouts = [Layout.from_ds_config(cfg, 8, rank) for rank in range(8)]
+    assert [(x.data_parallel_rank, x.sequence_parallel_rank) for x in layouts] == \
+        [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+    x = layouts[0]
+    assert (x.data_parallel, x.samples_shared_by, x.token_replicas, x.zero_shards) == (2, 4, 1, 8)
+    assert x.gradients_averaged_over == 2 and x.describe().endswith("x sequence-parallel 4")

@@ -1,0 +1,110 @@
+"""sequence_parallel_size > 1: DeepSpeed Ulysses sequence parallelism for Hugging Face models (Arctic Long
+Sequence Training, deepspeed.runtime.sequence_parallel.ulysses_sp).
+
+DeepSpeed does the parallel attention: UlyssesSPAttentionHF.register_with_transformers makes the groups (sp
+consecutive ranks) and replaces the model's attention function with one that exchanges heads for sequence
+(all-to-all), attends over the whole sequence with 1/sp of the heads, and exchanges back. What is left to the
+training script, and done here and in dstrain.data / dstrain.steps:
+  - the sp ranks of a group read the same samples (Layout.data_parallel_rank) and each keeps its 1/sp slice of
+    every sequence with position_ids and labels shifted before slicing (data.shard_sequence). This replaces
+    DeepSpeed's UlyssesSPDataLoaderAdapter, which all-gathers each rank's batch to shard it: our batches are a
+    pure function of (seed, step), so every rank can cut its slice without any communication;
+  - the loss: each rank sums cross-entropy over its slice's labels; DeepSpeed sums gradients over the sp ranks
+    and averages over data parallelism, and steps.train_step divides by the label tokens of the global batch;
+  - packing without cross-document attention: Ulysses hands the attention function no mask (the model built one
+    for the local slice only), so sdpa would attend across packed documents. Before registering, the sdpa entry
+    is wrapped (packed_sdpa) to build the block-diagonal causal mask from the gathered position_ids. Flash
+    attention takes position_ids itself (varlen) and needs no wrapper.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from . import Component, Setup
+
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def attention_of(setup: Setup) -> str:
+    """The attention implementation the model will load with: the recipe's, else transformers' default (sdpa)."""
+    return setup.recipe.model.attn_implementation or "sdpa"
+
+
+class SequenceParallel(Component):
+    name = "sequence_parallel"
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def validate(self, setup: Setup) -> None:
+        recipe, sp = setup.recipe, self.size
+        attention = attention_of(setup)
+        if attention not in SUPPORTED_ATTENTION:
+            raise UserError(f"sequence_parallel_size={sp} needs model.attn_implementation sdpa or flash_attention_2 "
+                            f"(Ulysses drops the 4D masks {attention} attention needs); set "
+                            f"model.attn_implementation=sdpa")
+        config = setup.model_config.get_text_config() if hasattr(setup.model_config, "get_text_config") \
+            else setup.model_config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if not heads or heads % sp:
+            raise UserError(f"sequence_parallel_size={sp} must divide the model's {heads} attention heads (Ulysses "
+                            f"gives each rank heads/sp of them); choose a divisor of {heads}")
+        if kv_heads % sp and sp % kv_heads:
+            raise UserError(f"sequence_parallel_size={sp} and the model's {kv_heads} key/value heads: one must divide "
+                            f"the other; choose a sequence_parallel_size that divides {kv_heads} or a multiple of it")
+        if recipe.train.seq_len % sp:
+            raise UserError(f"train.seq_len={recipe.train.seq_len} is not divisible by sequence_parallel_size={sp} "
+                            f"(each rank holds seq_len/sp tokens); choose a multiple of {sp}")
+        if recipe.train.compile:
+            raise UserError(f"train.compile with sequence_parallel_size={sp} is not supported yet (Ulysses' "
+                            f"all-to-all inside compiled blocks is untested here); set train.compile=false")
+
+    def convert(self, model, setup: Setup):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attention = model.config._attn_implementation
+        if attention == "sdpa" and not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "dstrain_packed", False):
+            # wrapped before Ulysses captures it (see the module docstring)
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
+        # seq_length_is_variable: evaluation and the last packed rows may be shorter than the configured length
+        UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=self.size,
+            micro_batch_size=setup.recipe.train.micro_batch_size, seq_length_is_variable=True)
+        setup.log(f"sequence parallelism: Ulysses over {self.size} ranks ({attention} attention); each holds "
+                  f"{setup.recipe.train.seq_len // self.size} of {setup.recipe.train.seq_len} tokens per sequence")
+        return model
+
+    def describe(self) -> dict:
+        return {"size": self.size}
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[b, 1, s, s] boolean mask (True: may attend) that is causal within each document of a packed row, a
+    document starting wherever position_ids do not continue by one; None when no row holds more than one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not starts[:, 1:].any():
+        return None
+    document = starts.cumsum(-1)
+    same = document[:, :, None] == document[:, None, :]
+    causal = torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool,
+                        device=position_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+def packed_sdpa(sdpa):
+    """transformers' sdpa attention, with the packed-row mask built from position_ids when it gets no mask."""
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is None and kwargs.get("position_ids") is not None:
+            attention_mask = document_mask(kwargs["position_ids"])
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+    attend.dstrain_packed = True
+    return attend
+
+
+def make(raw_ds: dict) -> SequenceParallel | None:
+    size = int(raw_ds.get("sequence_parallel_size", 1) or 1)
+    return SequenceParallel(size) if size > 1 else None

@@ -1,0 +1,54 @@
+"""Ulysses sequence parallelism (sequence_parallel_size=2 on 2 CPU ranks: one data-parallel replica whose two ranks
+each hold half of every sequence) against the plain single-process PyTorch loop of test_vs_reference, which sees
+whole sequences. Same global batches, same weights, fp32: only summation order may differ, so the reference tests'
+tolerances apply. Each rank holds a different number of label tokens (SFT prompts, packing), so a loss normalised
+per rank or per slice instead of over the global batch's label tokens fails here.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.e2e.test_lora import LORA, LORA_ARGS, PARTITIONED
+from tests.e2e.test_lora import LR as LORA_LR
+from tests.e2e.test_vs_reference import COMMON, LR, MIN_LR, RTOL, STEPS, WARMUP, assert_export_matches, run_and_compare
+from tests.helpers import launch, metrics, reference_losses
+
+SFT_PACKED = ["--data.path=data/tiny_sft", "--data.format=prompt_response", "--data.packing=true"]
+
+
+def test_zero3_packed_sft_on_grouped_query_attention(tmp_path, cache, tiny_llama):
+    """4 query / 2 key-value heads (one kv head per rank), packed SFT rows (no attention across examples: the
+    reference gets position_ids and transformers' own per-document mask), activation checkpointing; export."""
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json",
+                                         extra=SFT_PACKED + ["--train.activation_checkpointing=true"], learns=0.1)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["components"]["sequence_parallel"] == {"size": 2}
+    assert info["data_parallel"] == 1 and info["world_size"] == 2
+    assert "examples packed" in info["data"]
+    rows = json.loads((run_dir / "ds_config.json").read_text())
+    assert rows["train_batch_size"] == 8  # micro 4 x accumulation 2 x data-parallel 1: the sp group shares samples
+    assert_export_matches(run_dir, ref_model, 1e-4, torch.float32)
+
+
+def test_zero2_multi_head_chunked_loss_resumes_exactly(tmp_path, cache, tiny_llama_mha):
+    """4 query = 4 key-value heads; the fused chunked loss on pre-shifted slices; stopped after step 4 and resumed:
+    the 8 losses of the two launches together are the reference's."""
+    run_dir = tmp_path / "run"
+    args = COMMON + [f"--model.name_or_path={tiny_llama_mha}", "--ds_config", "sp2_zero2.json",
+                     "--train.loss_chunk_tokens=64", "--output_dir", str(run_dir)]
+    launch(args + ["--train.exit_at_step=4"], cache)
+    launch(args, cache)
+    got, _ = metrics(run_dir)
+    want, _ = reference_losses(tiny_llama_mha, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1)
+    print(f"sp2_zero2 resumed: max relative gap {max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
+    assert len(got) == STEPS
+    assert got == pytest.approx(want, rel=RTOL)
+
+
+def test_lora_under_zero3(tmp_path, cache, tiny_llama):
+    """peft's adapters partitioned to nothing per rank (persistence threshold 0) and trained over sp slices."""
+    run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json", extra=LORA_ARGS + PARTITIONED, lora=LORA,
+                    lr=LORA_LR, learns=0.1)
