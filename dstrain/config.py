@@ -81,6 +81,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the decoder blocks, in the background while the first steps run eager
     compile_wait: bool = False  # with compile: compile in step 1 instead (every step compiled: reproducible runs)
     loss_chunk_tokens: int = 0  # >0: LM head + cross-entropy fused, this many label tokens at a time (big vocabularies)
+    mlp_chunk_tokens: int = 0  # >0: each MLP runs on this many tokens at a time, recomputed in backward (long sequences)
     seed: int = 42
     exit_at_step: int | None = None  # checkpoint and exit after this step; --resume auto continues later
 
@@ -99,6 +100,9 @@ class TrainConfig:
         if self.loss_chunk_tokens < 0:
             raise UserError(f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be 0 (off) or a token count, "
                             f"e.g. 4096")
+        if self.mlp_chunk_tokens < 0:
+            raise UserError(f"train.mlp_chunk_tokens={self.mlp_chunk_tokens} must be 0 (off) or a token count, "
+                            f"e.g. 8192")
         if self.compile_wait and not self.compile:
             raise UserError("train.compile_wait=true only applies with train.compile=true; set both or neither")
         _one_of("train.lr_schedule", self.lr_schedule, ("cosine", "linear", "constant"))

@@ -24,6 +24,9 @@ Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, v
   the LM head keeps logits s*b*V in w bytes plus 12 bytes of fp32 softmax/loss state per logit; with
   train.loss_chunk_tokens=c (dstrain/loss.py) only c*V logits exist at a time (w-byte matmul output, fp32
   copy, w-byte gradient) plus the gradients it keeps for backward: s*b*h for the hidden states, V*h weight.
+  train.mlp_chunk_tokens=m (DeepSpeed's TiledMLP) keeps the MLP's 4f intermediates for m tokens only.
+  Ulysses sequence parallelism: s is the rank's slice, seq_len/sp (attention's all-to-all buffers are the size of
+  q/k/v, already counted).
 """
 from __future__ import annotations
 
@@ -127,7 +130,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     hidden, layers, ffn, vocab = _dims(config)
     tokens = train.micro_batch_size * train.seq_len // layout.sequence_parallel  # Ulysses: a 1/sp slice per rank
     layers_here = -(-layers // layout.pipeline_stages)
-    per_layer = tokens * (8 * hidden + 4 * ffn) * w // layout.tensor_parallel
+    mlp_tokens = min(tokens, train.mlp_chunk_tokens or tokens)  # tiled MLP: one slice's intermediates at a time
+    per_layer = (tokens * 8 * hidden + mlp_tokens * 4 * ffn) * w // layout.tensor_parallel
     head = tokens * vocab * (w + 12)
     if train.loss_chunk_tokens:
         head = min(tokens, train.loss_chunk_tokens) * vocab * (2 * w + 4) + (tokens + vocab) * hidden * w

@@ -21,11 +21,14 @@ SFT_PACKED = ["--data.path=data/tiny_sft", "--data.format=prompt_response", "--d
 
 def test_zero3_packed_sft_on_grouped_query_attention(tmp_path, cache, tiny_llama):
     """4 query / 2 key-value heads (one kv head per rank), packed SFT rows (no attention across examples: the
-    reference gets position_ids and transformers' own per-document mask), activation checkpointing; export."""
-    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json",
-                                         extra=SFT_PACKED + ["--train.activation_checkpointing=true"], learns=0.1)
+    reference gets position_ids and transformers' own per-document mask), activation checkpointing, the tiled MLP
+    (8 slices per micro-batch: ZeRO-3 must hold each gradient until the last slice); export."""
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json", learns=0.1,
+                                         extra=SFT_PACKED + ["--train.activation_checkpointing=true",
+                                                             "--train.mlp_chunk_tokens=16"])
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["components"]["sequence_parallel"] == {"size": 2}
+    assert info["components"]["mlp_chunk_tokens"] == {"tokens": 16}
     assert info["data_parallel"] == 1 and info["world_size"] == 2
     assert "examples packed" in info["data"]
     rows = json.loads((run_dir / "ds_config.json").read_text())
