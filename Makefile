@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner lint assets clean
+.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner bench-long-context lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -95,6 +95,11 @@ bench-lora: setup
 bench-planner: setup
 	$(call apt_install,iproute2)
 	$(PY) bench/planner.py --write $(BENCH_ARGS)
+
+# Ulysses sequence parallelism: longest sequence within a per-rank budget at sp=1 and sp=2; packing's padding and
+# tokens/s on the SFT recipe (about 15 min on 2 cores)
+bench-long-context: setup
+	$(PY) bench/long_context.py --lengths 4096 8192 16384 32768 --results docs/long_context_bench.json --write $(BENCH_ARGS)
 
 bench-compression: setup
 	$(call apt_install,iproute2)

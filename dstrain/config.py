@@ -81,7 +81,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the decoder blocks, in the background while the first steps run eager
     compile_wait: bool = False  # with compile: compile in step 1 instead (every step compiled: reproducible runs)
     loss_chunk_tokens: int = 0  # >0: LM head + cross-entropy fused, this many label tokens at a time (big vocabularies)
-    mlp_chunk_tokens: int = 0  # >0: each MLP runs on this many tokens at a time, recomputed in backward (long sequences)
+    mlp_chunk_tokens: int = 0  # >0: each MLP on this many tokens at a time, recomputed in backward (long sequences)
     seed: int = 42
     exit_at_step: int | None = None  # checkpoint and exit after this step; --resume auto continues later
 

@@ -74,11 +74,15 @@ def bind_groups(engine, layout):
 
 def sequence_parallel_gradient_divisor(engine, layout) -> int:
     """What DeepSpeed 0.19 divides summed gradients by under Ulysses. The sp ranks hold disjoint parts of one
-    loss, so their gradients must be summed, and ZeRO-0/1/2 and ZeRO-3's all-reduce path divide by dp x sp / sp
-    = dp. ZeRO-3's default reduce-scatter path (runtime/comm/coalesced_collectives.reduce_scatter_coalesced)
-    pre-divides by its whole group, dp x sp: measured as a pre-clip gradient norm of exactly 1/sp of the
-    reference's (tests/e2e/test_sequence_parallel.py). train_step's loss scale makes up for it."""
-    if engine.zero_optimization_stage() == 3 and engine.zero_reduce_scatter():
+    loss, so their gradients must be summed: ZeRO-0/1/2 divide by dp x sp / sp = dp. ZeRO-3's reduce-scatter
+    (runtime/comm/coalesced_collectives.reduce_scatter_coalesced) pre-divides by its whole group, dp x sp:
+    measured as a pre-clip gradient norm of exactly 1/sp of the reference's (tests/e2e/test_sequence_parallel.py).
+    Its other path (reduce_scatter false, a bucket within reduce_bucket_size) divides by dp, so the sequence-
+    parallel component requires reduce_scatter on under ZeRO-3 and every bucket takes the first. train_step's
+    loss scale makes up for the divisor."""
+    if engine.zero_optimization_stage() == 3:
+        if not engine.zero_reduce_scatter():
+            raise RuntimeError("sequence parallelism under ZeRO-3 needs reduce_scatter (components/sequence_parallel)")
         return layout.data_parallel * layout.sequence_parallel
     return layout.data_parallel
 

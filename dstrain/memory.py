@@ -238,6 +238,11 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         per_rank = sum(est.host.values())
         text += (f"\nhost memory: {per_rank * ranks_per_node / GiB:,.1f} GiB per node for what is offloaded "
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
+    longest = longest_seq_len(config, parameters, recipe, resolved, layout, trained, quantized or 0, capacity)
+    text += (f"\nlongest train.seq_len that fits with this config: {longest:,}" if longest else
+             "\nno train.seq_len fits with this config") + \
+        (f" ({longest // layout.sequence_parallel:,} tokens on each of {layout.sequence_parallel} sequence-parallel "
+         f"ranks)" if longest and layout.sequence_parallel > 1 else "")
     if est.device_total <= capacity:
         return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
     for candidate in LADDER:
@@ -252,6 +257,28 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                 return False, text + f"\ndoes not fit; {fix} would (or lower train.micro_batch_size)"
     return False, text + "\ndoes not fit with any shipped config at this world size; add ranks or lower " \
                          "train.micro_batch_size / train.seq_len"
+
+
+def longest_seq_len(config, parameters: int, recipe, ds_cfg: dict, layout, trained, quantized: int,
+                    capacity: int) -> int:
+    """The longest sequence (a multiple of 128 x sp) whose estimate fits in `capacity`, everything else as given;
+    0 when none does. The estimate grows with seq_len, so a binary search over multiples finds it."""
+    from dataclasses import replace
+    unit = 128 * layout.sequence_parallel
+
+    def fits(units: int) -> bool:
+        trial = replace(recipe, train=replace(recipe.train, seq_len=units * unit))
+        return estimate(config, parameters, trial, ds_cfg, layout, trained, quantized).device_total <= capacity
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high) and high < 2 ** 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * unit
 
 
 def _with(recipe, checkpointing: bool):

@@ -64,6 +64,7 @@ TRAFFIC = {
     # long sequences: DeepSpeed Ulysses sequence parallelism (2 ranks share each sequence; raise for longer ones)
     "sp2_zero2": {"zero_optimization": {"stage": 2, **ZERO12}, "sequence_parallel_size": 2},
     "sp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 2},
+    "sp8_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 8},
     "zero3_zeropp": {"zero_optimization": {"stage": 3, **ZERO3, "zero_quantized_weights": True,
                                            "zero_quantized_gradients": True, "zero_hpz_partition_size": "auto"}},
 }

@@ -57,6 +57,10 @@ class SequenceParallel(Component):
         if recipe.train.seq_len % sp:
             raise UserError(f"train.seq_len={recipe.train.seq_len} is not divisible by sequence_parallel_size={sp} "
                             f"(each rank holds seq_len/sp tokens); choose a multiple of {sp}")
+        zero = setup.ds_cfg.get("zero_optimization") or {}
+        if int(zero.get("stage", 0)) == 3 and zero.get("reduce_scatter", True) is False:
+            raise UserError(f"sequence_parallel_size={sp} with ZeRO-3 needs zero_optimization.reduce_scatter true "
+                            f"(DeepSpeed averages the sp ranks' gradients differently without it); remove that key")
         if recipe.train.compile:
             raise UserError(f"train.compile with sequence_parallel_size={sp} is not supported yet (Ulysses' "
                             f"all-to-all inside compiled blocks is untested here); set train.compile=false")

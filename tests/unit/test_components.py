@@ -83,6 +83,13 @@ def test_sequence_parallel_conflicts_are_refused(overrides, config_changes, mess
         components.validate_all(features, setup)
 
 
+def test_sequence_parallel_under_zero3_needs_reduce_scatter():
+    features, setup = setup_for([], "sp2_zero3.json")
+    setup.ds_cfg["zero_optimization"]["reduce_scatter"] = False
+    with pytest.raises(UserError, match="needs zero_optimization.reduce_scatter true"):
+        components.validate_all(features, setup)
+
+
 def test_sequence_parallel_passes_the_shipped_tiny_model():
     features, setup = setup_for([], "sp2_zero3.json")
     assert [f.name for f in features] == ["sequence_parallel"]

@@ -51,10 +51,11 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     raw = dsc.load(name)
     assert dsc._find_auto(raw), "shipped configs leave recipe-owned values to the recipe"
     r = recipe("--train.grad_accum_steps=3")
-    cfg = dsc.resolve(raw, r, world_size=4, caps=GPU, hidden_size=128)
+    world = 16 if name.startswith("sp8") else 4
+    cfg = dsc.resolve(raw, r, world_size=world, caps=GPU, hidden_size=128)
     assert dsc._find_auto(cfg) is None
-    dp = Layout.from_ds_config(cfg, 4).data_parallel
-    assert dp == (2 if ("pipe2" in name or "tp2" in name or "sp2" in name) else 4)
+    dp = Layout.from_ds_config(cfg, world).data_parallel
+    assert dp == (2 if ("pipe2" in name or "tp2" in name or "sp" in name) else 4)
     parsed = deepspeed_accepts(cfg, dp)
     assert parsed.train_batch_size == 8 * 3 * dp
     assert parsed.gradient_accumulation_steps == 3
@@ -152,9 +153,10 @@ def test_real_recipes_batch_arithmetic_at_their_world_size(path):
     r = load_recipe(path)
     assert r.world_size, "real recipes name the world size they were written for"
     cfg = dsc.resolve(dsc.load(r.ds_config), r, r.world_size, GPU, hidden_size=4096)
-    expected = r.train.micro_batch_size * r.train.grad_accum_steps * r.world_size
+    dp = Layout.from_ds_config(cfg, r.world_size).data_parallel  # sequence-parallel ranks share their samples
+    expected = r.train.micro_batch_size * r.train.grad_accum_steps * dp
     assert cfg["train_batch_size"] == expected
-    assert deepspeed_accepts(cfg, r.world_size).train_batch_size == expected
+    assert deepspeed_accepts(cfg, dp).train_batch_size == expected
     assert cfg["bf16"]["enabled"] is True
 
 

@@ -258,3 +258,37 @@ def test_collective_work_type():
     # (tests/unit/test_compression.py::test_time_waited_in_collectives_is_counted_once waits on one)
     work = ds_internals.collective_work_type()
     assert work is torch.distributed.Work and callable(getattr(work, "wait", None)), moved("torch's c10d Work")
+
+
+def test_sequence_parallel_state_and_zero3_gradient_divisor():
+    """Ulysses' group module (what `mpu` is under sequence parallelism) offers what bind_groups asks, and ZeRO-3's
+    coalesced reduce-scatter still divides by its whole group (dp x sp), which sequence_parallel_gradient_divisor
+    makes up for. If this starts failing because DeepSpeed divides by dp there too, the workaround must go (the
+    e2e sp2_zero3 test would then see gradient norms twice the reference's)."""
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    state = ds_internals.sequence_parallel_state()
+    for name in ("initialize_sequence_parallel", "get_sequence_parallel_world_size", "get_sequence_parallel_rank",
+                 "get_sequence_data_parallel_group"):
+        assert callable(getattr(state, name, None)), f"parallel_state_sp.{name} is gone in {VERSIONS}"
+    module = inspect.getsource(coalesced_collectives)  # the function is wrapped by an nvtx decorator without wraps
+    source = module[module.index("def reduce_scatter_coalesced"):]
+    source = source[:source.find("\ndef ", 1) % len(source)]  # up to the next function, if any
+    assert "div_(world_sz)" in source, f"reduce_scatter_coalesced no longer pre-divides by its group in {VERSIONS}"
+
+    class Engine:
+        def __init__(self, stage, reduce_scatter):
+            self.stage, self.scatter = stage, reduce_scatter
+
+        def zero_optimization_stage(self):
+            return self.stage
+
+        def zero_reduce_scatter(self):
+            return self.scatter
+
+    from dstrain.layout import Layout
+    layout = Layout(8, sequence_parallel=2)
+    assert ds_internals.sequence_parallel_gradient_divisor(Engine(3, True), layout) == 8
+    assert ds_internals.sequence_parallel_gradient_divisor(Engine(2, True), layout) == 4
+    with pytest.raises(RuntimeError, match="needs reduce_scatter"):  # the component refuses this config first
+        ds_internals.sequence_parallel_gradient_divisor(Engine(3, False), layout)
