@@ -173,7 +173,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
         return {"global_batch": stream.global_batch, "samples": step * stream.global_batch + stream.offset,
-                "data_parallel": layout.data_parallel, "run": identity}
+                "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel, "run": identity}
 
     # ---- the loop
     if start == 0 and val:

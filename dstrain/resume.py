@@ -205,6 +205,10 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     saved_dp = manifest.get("data_parallel", manifest.get("world_size"))
     data_parallel = layout.data_parallel
     ours = train.micro_batch_size * train.grad_accum_steps * data_parallel
+    saved_sp = manifest.get("sequence_parallel", 1)
+    if saved_sp != layout.sequence_parallel:
+        raise UserError(f"checkpoint {resume.path} was trained with sequence_parallel_size={saved_sp} and this run has "
+                        f"{layout.sequence_parallel}; resume with the same sequence_parallel_size")
     if saved_dp == data_parallel:
         if global_batch != ours:
             raise UserError(f"checkpoint {resume.path} was trained with a global batch of {global_batch} samples, "
@@ -215,6 +219,12 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
         raise UserError(f"checkpoint {resume.path} was saved with {saved_dp} data-parallel replicas and this run "
                         f"has {data_parallel}; pipeline and tensor-parallel checkpoints resume only on the same "
                         f"layout, so launch {manifest.get('world_size')} ranks")
+    if layout.sequence_parallel > 1 and not list(resume.path.glob("zero_pp_rank_*_model_states.pt")):
+        # ZeRO-0/1/2 under Ulysses save model states per sequence-parallel rank, which DeepSpeed's universal
+        # conversion (ds_to_universal) reads as tensor-parallel shards and refuses; ZeRO-3's per-rank files convert
+        raise UserError(f"checkpoint {resume.path} (ZeRO-0/1/2 with sequence_parallel_size={saved_sp}) resumes only on "
+                        f"the same world size: launch {manifest.get('world_size')} ranks, or train with a ZeRO-3 "
+                        f"config (sp2_zero3.json), whose checkpoints resume on any multiple of the sp size")
     per_step = train.micro_batch_size * data_parallel
     if global_batch % per_step:
         raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "

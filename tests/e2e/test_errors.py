@@ -55,6 +55,8 @@ CASES = {
     # issue 16: an AssertionError traceback from deepspeed.initialize; a hub hint for a mistyped local path
     "sequence parallel": (["--ds.sequence_parallel_size=2"], "world size 1 is not divisible by pipeline stages (1) x "
                           "tensor-parallel size (1) x sequence-parallel size (2)"),
+    "plan with sequence parallelism": (["--plan", "--ds_config", "sp2_zero3.json"], "--plan does not model sequence "
+                                       "parallelism yet"),
     "missing local model": (["--model.name_or_path=./no/such/model"], "cannot load './no/such/model': no such "
                             "directory"),
     "learning_rate": (["--train.learning_rate=1e-4"], "(here it is 'train.lr')"),

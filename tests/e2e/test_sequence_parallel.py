@@ -19,20 +19,23 @@ from tests.helpers import launch, metrics, reference_losses
 SFT_PACKED = ["--data.path=data/tiny_sft", "--data.format=prompt_response", "--data.packing=true"]
 
 
-def test_zero3_packed_sft_on_grouped_query_attention(tmp_path, cache, tiny_llama):
+def test_zero3_packed_sft_on_grouped_query_attention_resumed_on_4_ranks(tmp_path, cache, tiny_llama):
     """4 query / 2 key-value heads (one kv head per rank), packed SFT rows (no attention across examples: the
     reference gets position_ids and transformers' own per-document mask), activation checkpointing, the tiled MLP
-    (8 slices per micro-batch: ZeRO-3 must hold each gradient until the last slice); export."""
-    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json", learns=0.1,
+    (8 slices per micro-batch: ZeRO-3 must hold each gradient until the last slice). Stopped after step 4 on 2
+    ranks (sp 2 x dp 1) and finished on 4 (sp 2 x dp 2: accumulation halved, universal checkpoint); export."""
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json", learns=0.1, resume_on=4,
                                          extra=SFT_PACKED + ["--train.activation_checkpointing=true",
                                                              "--train.mlp_chunk_tokens=16"])
+    resumed = (run_dir / "launch_stderr.txt").read_text()
+    assert "grad_accum_steps 2 -> 1 keeps the global batch at 8" in resumed
+    assert "to a universal checkpoint for the new world size" in resumed
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["components"]["sequence_parallel"] == {"size": 2}
     assert info["components"]["mlp_chunk_tokens"] == {"tokens": 16}
-    assert info["data_parallel"] == 1 and info["world_size"] == 2
     assert "examples packed" in info["data"]
-    rows = json.loads((run_dir / "ds_config.json").read_text())
-    assert rows["train_batch_size"] == 8  # micro 4 x accumulation 2 x data-parallel 1: the sp group shares samples
+    cfg = json.loads((run_dir / "ds_config.json").read_text())
+    assert cfg["train_batch_size"] == 8  # micro 4 x accumulation 1 x data-parallel 2: each sp pair shares samples
     assert_export_matches(run_dir, ref_model, 1e-4, torch.float32)
 
 

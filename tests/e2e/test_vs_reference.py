@@ -25,11 +25,17 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 
 
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher="deepspeed", extra=(), rtol=RTOL, nproc=2,
-                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3):
+                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None):
+    """`resume_on`: stop after half the steps and finish on that many ranks (written for `nproc`)."""
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
-    proc = launch(COMMON + [f"--train.lr={lr}", f"--model.name_or_path={model_dir}", *ds_args, "--output_dir",
-                            str(run_dir), *extra], cache, launcher=launcher, nproc=nproc)
+    args = COMMON + [f"--train.lr={lr}", f"--model.name_or_path={model_dir}", *ds_args, "--output_dir", str(run_dir),
+                     *extra]
+    if resume_on:
+        args.append(f"--world_size={nproc}")
+        launch(args + [f"--train.exit_at_step={STEPS // 2}"], cache, launcher=launcher, nproc=nproc)
+        nproc = resume_on
+    proc = launch(args, cache, launcher=launcher, nproc=nproc)
     (run_dir / "launch_stderr.txt").write_text(proc.stderr)  # what rank 0 said, for tests that check it
     got, _ = metrics(run_dir)
     ref = {}
