@@ -104,8 +104,7 @@ def world_report(world: int, train_argv: list[str]) -> str:
         raise UserError(f"the recipe was written for world_size {declared} (global batch {written}) but "
                         f"this cluster has {world} ranks (global batch {cfg['train_batch_size']}); {fix}, and "
                         f"--world_size={world} to accept the new world")
-    return (f"world {world} = data-parallel {layout.data_parallel} x pipeline {layout.pipeline_stages} x "
-            f"tensor-parallel {layout.tensor_parallel}; global batch {cfg['train_batch_size']} = micro "
+    return (f"{layout.describe()}; global batch {cfg['train_batch_size']} = micro "
             f"{train.micro_batch_size} x accum {train.grad_accum_steps} x data-parallel {layout.data_parallel}")
 
 
