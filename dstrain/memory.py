@@ -239,10 +239,15 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         text += (f"\nhost memory: {per_rank * ranks_per_node / GiB:,.1f} GiB per node for what is offloaded "
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
     longest = longest_seq_len(config, parameters, recipe, resolved, layout, trained, quantized or 0, capacity)
-    text += (f"\nlongest train.seq_len that fits with this config: {longest:,}" if longest else
-             "\nno train.seq_len fits with this config") + \
-        (f" ({longest // layout.sequence_parallel:,} tokens on each of {layout.sequence_parallel} sequence-parallel "
-         f"ranks)" if longest and layout.sequence_parallel > 1 else "")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if longest and positions and longest > positions:
+        text += (f"\nlongest train.seq_len that fits with this config: {positions:,} (the model's maximum positions; "
+                 f"memory would allow {longest:,})")
+    else:
+        text += (f"\nlongest train.seq_len that fits with this config: {longest:,}" if longest else
+                 "\nno train.seq_len fits with this config") + \
+            (f" ({longest // layout.sequence_parallel:,} tokens on each of {layout.sequence_parallel} "
+             f"sequence-parallel ranks)" if longest and layout.sequence_parallel > 1 else "")
     if est.device_total <= capacity:
         return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
     for candidate in LADDER:

@@ -54,7 +54,9 @@ def test_preflight_cli(cache, tmp_path, medium_llama):
     common = ["--preflight", "--world_size", "2", f"--model.name_or_path={medium_llama}", "--ds_config", "zero2.json"]
     ok = launch(common, cache, launcher="python", check=False)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "23.5M parameters, zero2.json, fp32, world 2 = 2 data-parallel" in ok.stdout and "fits:" in ok.stdout
+    assert "23.5M parameters, zero2.json, fp32, world 2 = data-parallel 2 x pipeline 1" in ok.stdout
+    assert "fits:" in ok.stdout and "longest train.seq_len that fits with this config: 512 (the model's maximum" \
+        in ok.stdout
     # a node so crowded that each rank gets a sliver of RAM: refused, with the reason, exit 1
     tight = launch(common + ["--ranks_per_node", "100000"], cache, launcher="python", check=False)
     assert tight.returncode == 1 and "does not fit" in tight.stdout, tight.stdout[-2000:]

@@ -113,8 +113,9 @@ def test_sequence_parallel_preflight_fits_128k_and_names_the_longest_length(tmp_
     """The shipped long-context recipe (Llama-3.1-8B, 128k tokens, sp=8 on one 8-GPU node) fits an 80 GB GPU, and
     the longest length is 8x that of the same run without sequence parallelism (activations split, states not)."""
     from transformers import LlamaConfig
+    # positions far beyond Llama-3.1's 131072, so the preflight's longest length is memory's bound, not the model's
     LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072).save_pretrained(tmp_path)
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2 ** 22).save_pretrained(tmp_path)
     r = load_recipe("llama-3.1-8b/long_context_sft.yaml", parse_overrides([
         f"--model.name_or_path={tmp_path}", "--model.tokenizer=recipes/tiny/model"]))
     h100 = (80 * GiB, "H100 80GB")
@@ -125,6 +126,7 @@ def test_sequence_parallel_preflight_fits_128k_and_names_the_longest_length(tmp_
     for name in ("sp8_zero3.json", "zero3.json"):
         text = memory.preflight(r, dsc.load(name), name, 8, 8, GPU, h100)[1]
         line = next(x for x in text.splitlines() if x.startswith("longest train.seq_len that fits"))
+        assert "maximum positions" not in line
         longest[name] = int(line.split(": ")[1].split()[0].replace(",", ""))
     assert longest["sp8_zero3.json"] >= 131072
     assert longest["sp8_zero3.json"] == pytest.approx(8 * longest["zero3.json"], rel=0.02)
