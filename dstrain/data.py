@@ -270,10 +270,8 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, di
         def pack(batch):  # 1000 examples at a time: rows never mix examples far apart in the data's order
             return pack_examples(list(zip(batch["input_ids"], batch["labels"])), seq_len, pad)
         out = out.map(pack, batched=True, batch_size=1000, remove_columns=out.column_names, desc="packing")
-        real = int(np.minimum(lengths[kept], seq_len).sum())
-        stats |= {"packed_examples": stats["sequences"], "sequences": len(out),
-                  "padding": 1 - real / (len(out) * seq_len)}
-    elif len(out):
+        stats |= {"packed_examples": stats["sequences"], "sequences": len(out)}
+    if len(out):
         stats["padding"] = 1 - int(np.minimum(lengths[kept], seq_len).sum()) / (len(out) * seq_len)
     return out, stats
 

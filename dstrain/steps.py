@@ -5,7 +5,7 @@ global batch, however they are spread over micro-batches and ranks (so SFT batch
 response lengths weigh every token equally, unlike a mean of per-micro-batch means). Each micro-batch
 contributes sum_loss * (accum * dp) / global_tokens: DeepSpeed divides by accum and averages over dp.
 Under sequence parallelism each rank's sum covers its slice of the sequences, and the sp ranks' gradients add
-up (Layout.gradients_averaged_over: what DeepSpeed divides by, dp x sp on one ZeRO-3 path).
+up (Layout.gradients_averaged_over: what DeepSpeed divides by, dp x sp under ZeRO-3).
 """
 from __future__ import annotations
 

@@ -86,13 +86,14 @@ class SequenceParallel(Component):
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """[b, 1, s, s] boolean mask (True: may attend) that is causal within each document of a packed row, a
-    document starting wherever position_ids do not continue by one; None when no row holds more than one."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    if not starts[:, 1:].any():
+    """[b, 1, s, s] boolean mask (True: may attend) that is causal within each document of a packed row, the
+    documents found as transformers finds them (a new one wherever position_ids do not continue by one); None
+    when no row holds more than one."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    document = find_packed_sequence_indices(position_ids)
+    if document is None:
         return None
-    document = starts.cumsum(-1)
     same = document[:, :, None] == document[:, None, :]
     causal = torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool,
                         device=position_ids.device).tril()

@@ -12,7 +12,7 @@ TRAIN = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
 
 
 def checkpoint(tmp_path, files, **manifest):
-    path = tmp_path / "step_00000004"
+    path = tmp_path / f"step_{len(list(tmp_path.iterdir())):08d}"
     path.mkdir()
     for name in files:
         (path / name).write_bytes(b"")
@@ -36,6 +36,6 @@ def test_another_sequence_parallel_size_is_refused(tmp_path):
     ckpt = checkpoint(tmp_path, ["zero_pp_rank_0_mp_rank_00_model_states.pt"])
     with pytest.raises(UserError, match="trained with sequence_parallel_size=2 and this run has 4"):
         adapt_to_world(ckpt, TRAIN, Layout(4, sequence_parallel=4))
-    plain = checkpoint(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path, [], sequence_parallel=1)
+    plain = checkpoint(tmp_path, [], sequence_parallel=1)
     with pytest.raises(UserError, match="trained with sequence_parallel_size=1 and this run has 2"):
         adapt_to_world(plain, TRAIN, Layout(2, sequence_parallel=2))
