@@ -62,7 +62,6 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         components,
         compression,
         data,
-        dist,
         ds_config,
         ds_internals,
         env,
@@ -109,7 +108,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     tokenizer = models.load_tokenizer(recipe.model)
     chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
         if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
-    prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, ctx.is_local_main, dist.barrier)
+    prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, log)
     identity = resume.run_identity(recipe.to_dict())
     if start_from:  # a run directory holds one run; checked last, so a plain input mistake is named first
         resume.check_same_run(start_from, identity, run_dir)

@@ -36,7 +36,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/tiny"  # hub id, local file (json/jsonl/csv/parquet/txt), directory, or saved dataset
+    path: str = "data/tiny"  # hub id, local file (json/jsonl/csv/parquet/txt), directory, saved dataset, prepared dir
+    # prepared corpora read by weight over the whole run: [{path: DIR, weight: 0.7}, ...] (then data.path is not read)
+    mix: list = field(default_factory=list)
     name: str | None = None  # hub dataset configuration name
     format: str = "text"  # text (packed pretraining) | prompt_response | chat (SFT, loss on responses)
     # several examples per row (SFT), or documents kept apart within rows (text): position_ids restart at each,
@@ -60,6 +62,11 @@ class DataConfig:
         check(self.chat_template)
         if not 0.0 <= self.val_fraction < 1.0:
             raise UserError(f"data.val_fraction={self.val_fraction} must be in [0, 1); try 0.05")
+        for entry in self.mix:
+            if not (isinstance(entry, dict) and set(entry) == {"path", "weight"} and isinstance(entry["path"], str)
+                    and isinstance(entry["weight"], (int, float)) and entry["weight"] > 0):
+                raise UserError(f"data.mix entry {entry!r} must be {{path: <prepared directory>, weight: <positive "
+                                f"number>}}")
 
 
 @dataclass

@@ -23,6 +23,9 @@ DOCUMENTED = {
     "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/faults.py); unset in real runs",
     "WANDB_API_KEY": "with log.wandb=true: log online; without it wandb writes offline runs into the run dir",
     "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live (stale build locks there are cleared)",
+    "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
+    "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
+    "SLURM_ARRAY_TASK_MIN": "prepare_data in a SLURM array job: the first task id (0 when absent)",
 }
 
 
@@ -80,3 +83,10 @@ def wandb_online() -> bool:
 
 def torch_extensions_dir() -> Path:
     return Path(_get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+
+
+def array_task() -> tuple[int, int] | None:
+    """(this task's index from 0, task count) inside a SLURM array job, else None."""
+    if not (_get("SLURM_ARRAY_TASK_ID") and _get("SLURM_ARRAY_TASK_COUNT")):
+        return None
+    return int(_get("SLURM_ARRAY_TASK_ID")) - int(_get("SLURM_ARRAY_TASK_MIN", "0")), int(_get("SLURM_ARRAY_TASK_COUNT"))

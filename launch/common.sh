@@ -84,3 +84,12 @@ run_with_retries() {
     extra=(--resume auto)
   done
 }
+
+# Copy a prepared data directory to every node's local disk of a SLURM allocation, once: skipped on a node whose
+# copy has the source's manifest, which is copied last, so a copy cut short is redone.
+stage_data() {
+  # shellcheck disable=SC2016  # expanded by the bash that srun starts on each node
+  srun --ntasks-per-node=1 bash -c 'src=$1 dst=$2; cmp -s "$src/manifest.json" "$dst/manifest.json" && exit 0
+    mkdir -p "$dst" && rsync -a --exclude manifest.json "$src/" "$dst/" && cp "$src/manifest.json" "$dst/"' \
+    _ "$1" "$2"
+}

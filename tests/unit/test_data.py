@@ -209,18 +209,18 @@ def test_prepare_caches_tokenization_and_validates(tok, tmp_path):
     (tmp_path / "d" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(path=str(tmp_path / "d" / "train.jsonl"), text_field="body", val_fraction=0.1,
                      cache_dir=str(tmp_path / "cache"))
-    first = data.prepare(cfg, tok, 32, 0, True, lambda: None)
-    second = data.prepare(cfg, tok, 32, 0, True, lambda: None)
+    first = data.prepare(cfg, tok, 32, 0)
+    second = data.prepare(cfg, tok, 32, 0)
     assert not first.cache_hit and second.cache_hit and first.cache_path == second.cache_path
     assert len(first.train) > 0 and len(first.val) > 0
     assert torch.equal(first.train[:]["input_ids"], second.train[:]["input_ids"])
-    other = data.prepare(DataConfig(**{**cfg.__dict__, "val_fraction": 0.2}), tok, 32, 0, True, lambda: None)
+    other = data.prepare(DataConfig(**{**cfg.__dict__, "val_fraction": 0.2}), tok, 32, 0)
     assert other.cache_path != first.cache_path       # a different split is a different cache entry
     with pytest.raises(UserError, match=r"has no field 'text' \(columns: body\); set data.text_field"):
-        data.prepare(DataConfig(path=cfg.path, cache_dir=cfg.cache_dir), tok, 32, 0, True, lambda: None)
+        data.prepare(DataConfig(path=cfg.path, cache_dir=cfg.cache_dir), tok, 32, 0)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(UserError, match="is empty; point data.path at a file with rows"):
-        data.prepare(DataConfig(path=str(tmp_path / "empty.jsonl")), tok, 32, 0, True, lambda: None)
+        data.prepare(DataConfig(path=str(tmp_path / "empty.jsonl")), tok, 32, 0)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "txt", "saved", "dir"])
@@ -284,11 +284,11 @@ def test_overlong_sft_examples_are_counted_truncated_or_dropped(tok, tmp_path):
         n = len(tok(text, add_special_tokens=False)["input_ids"])
         assert (n <= seq_len) == (row is short), (row, n)
     cfg = DataConfig(path=str(path), format="prompt_response", val_fraction=0.0, cache_dir=str(tmp_path / "c"))
-    prepared = data.prepare(cfg, tok, seq_len, 0, True, lambda: None)
+    prepared = data.prepare(cfg, tok, seq_len, 0)
     assert len(prepared.train) == 8
     assert "10 examples -> 8 sequences" in prepared.summary
     assert "3 longer than seq_len were truncated" in prepared.summary and "2 dropped" in prepared.summary
-    again = data.prepare(cfg, tok, seq_len, 0, True, lambda: None)  # a cache hit reports the same
+    again = data.prepare(cfg, tok, seq_len, 0)  # a cache hit reports the same
     assert again.cache_hit and again.summary == prepared.summary
 
 
@@ -300,4 +300,4 @@ def test_data_that_tokenizes_to_nothing_is_one_clear_error(tok, tmp_path):
     cfg = DataConfig(path=str(path), val_fraction=0.0, cache_dir=str(tmp_path / "c"))
     for _ in range(2):  # and again from the cache
         with pytest.raises(UserError, match="gives no training sequences of length 128: provide longer"):
-            data.prepare(cfg, tok, 128, 0, True, lambda: None)
+            data.prepare(cfg, tok, 128, 0)

@@ -12,7 +12,7 @@ from dstrain.cluster import Host, parse_hostfile
 from dstrain.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted((ROOT / "launch").glob("*.sh")) + [ROOT / "launch/slurm.sbatch"]
+SCRIPTS = sorted((ROOT / "launch").glob("*.sh")) + sorted((ROOT / "launch").glob("*.sbatch"))
 ENTRY_SCRIPTS = [p for p in SCRIPTS if p.name != "common.sh"]
 
 
@@ -30,7 +30,7 @@ def test_scripts_share_one_shape(script):
     assert "set -euo pipefail" in text and "launch/common.sh" in text
     assert "Knobs" in text  # each documents its environment variables at the top
     launcher_lines = [line for line in text.splitlines() if line.lstrip().startswith(
-        ("run_with_retries \"$PYTHON\" -m deepspeed", "srun "))]
+        ("run_with_retries \"$PYTHON\" -m deepspeed", "srun ", "\"$PYTHON\" -m dstrain.prepare_data"))]
     assert len(launcher_lines) == 1, launcher_lines  # exactly one launcher command
 
 

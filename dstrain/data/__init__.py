@@ -10,7 +10,10 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import env
-from .chat_templates import normalize
-from .config import DataConfig, local_or_hub
-from .ds_internals import dataset_fingerprint
-from .errors import UserError
-from .layout import Layout
+from .. import env
+from ..chat_templates import normalize
+from ..config import DataConfig, local_or_hub
+from ..ds_internals import dataset_fingerprint
+from ..errors import UserError
+from ..layout import Layout
+from .order import EpochOrder
 
 IGNORE_INDEX = -100
 STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequences, truncated, dropped
@@ -322,38 +326,33 @@ class Prepared:
     summary: str = ""  # what tokenization made of the training split (data.report)
 
 
-def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, is_local_main: bool, barrier) -> Prepared:
-    """Tokenize on each node's first rank (or reuse the cache), then load on every rank."""
+LARGE_CORPUS_BYTES = 300 * 2**20  # above this, tokenizing in the job costs more than prepare_data once
+LOCK_STALE_S = 120.0  # a cache lock not refreshed for this long belongs to a writer that died
+
+
+def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text: None) -> Prepared:
+    """The run's splits: a prepared corpus (or mix) memory-mapped, or the raw data tokenized into the cache once
+    (or reused from it). One rank writes a missing cache; every other rank waits on its file, not on a collective."""
     import datasets
 
+    from . import prepared
+
+    if cfg.mix or prepared.is_prepared(local_or_hub(cfg.path)):
+        if cfg.mix and cfg.path != DataConfig.path:
+            log(f"data.mix is set: data.path ({cfg.path}) is not read")
+        train, val, summary = prepared.load(cfg, tokenizer, seq_len, log)
+        return Prepared(train, val, prepared.sources_of(cfg)[0][0], True, summary)
     raw = load_raw(cfg)
     train_raw, val_raw = split_train_val(raw, cfg, seed)
-    check_fields(train_raw, cfg)  # on every rank, so a bad field fails everywhere instead of hanging a barrier
+    check_fields(train_raw, cfg)  # on every rank, so a bad field fails everywhere instead of leaving one waiting
     fingerprints = [dataset_fingerprint(d) for d in (train_raw, val_raw) if d is not None]
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     path = root / cache_key(cfg, seq_len, seed, tokenizer, fingerprints)
     hit = (path / "done").exists()
-    if is_local_main and not hit:
-        tmp = root / f".tmp-{path.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"tokenizing {cfg.path} ({len(train_raw):,} training rows) into {path}; once, reused by later runs",
-              file=sys.stderr, flush=True)
-        splits, stats = {}, {}
-        for name, split in (("train", train_raw), ("validation", val_raw)):
-            if split is not None:
-                tokenized, stats[name] = tokenize(split, cfg, tokenizer, seq_len)
-                if len(tokenized):  # datasets cannot load back a saved split with no rows (IndexError)
-                    splits[name] = tokenized
-        if splits:
-            datasets.DatasetDict(splits).save_to_disk(str(tmp))
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / STATS).write_text(json.dumps(stats))
-        (tmp / "done").write_text("ok\n")
-        try:
-            tmp.rename(path)
-        except OSError:  # another node on a shared filesystem published it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
+    if not hit:
+        with CacheWriter(path) as writer:  # None: another rank (here or on a node sharing this disk) writes it
+            if writer is not None:
+                _write_cache(writer.tmp, cfg, tokenizer, seq_len, train_raw, val_raw, log)
     stats = json.loads((path / STATS).read_text())
     if not stats["train"]["sequences"]:  # every rank reads the same record and gives the same answer
         hint = "provide longer or more documents, or lower train.seq_len" if cfg.format == "text" else \
@@ -364,6 +363,108 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, is_local_main: 
     train = loaded["train"].with_format("torch")
     val = loaded["validation"].with_format("torch") if "validation" in loaded else None
     return Prepared(train, val, path, hit, report(stats["train"], seq_len))
+
+
+def _write_cache(tmp: Path, cfg: DataConfig, tokenizer, seq_len: int, train_raw, val_raw, log) -> None:
+    import datasets
+
+    size = train_raw.data.nbytes
+    print(f"tokenizing {cfg.path} ({len(train_raw):,} training rows) into the cache; once, reused by later runs",
+          file=sys.stderr, flush=True)
+    if cfg.format == "text" and size > LARGE_CORPUS_BYTES:
+        print(f"note: {cfg.path} is {size / 2**30:.1f} GiB of text: every run and every node without this cache pays "
+              f"this tokenization inside the job. Tokenize it once, in parallel, with `python -m "
+              f"dstrain.prepare_data --data.path={cfg.path} --output DIR --workers N`, then train with "
+              f"data.path=DIR (memory-mapped shards, no start-up cost; README: Pretraining data)",
+              file=sys.stderr, flush=True)
+    splits, stats = {}, {}
+    for name, split in (("train", train_raw), ("validation", val_raw)):
+        if split is not None:
+            tokenized, stats[name] = tokenize(split, cfg, tokenizer, seq_len)
+            if len(tokenized):  # datasets cannot load back a saved split with no rows (IndexError)
+                splits[name] = tokenized
+    if splits:
+        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / STATS).write_text(json.dumps(stats))
+    (tmp / "done").write_text("ok\n")
+
+
+class CacheWriter:
+    """Exactly one writer for a cache directory among every process that can see it, through a lock file made
+    with O_EXCL: on a node-local disk one rank per node writes; on shared storage one rank of the whole job does.
+    The others wait for the published directory by polling the file system, with no collective (and so no
+    backend timeout) however long tokenizing takes. The writer refreshes its lock; a lock left unrefreshed for
+    LOCK_STALE_S (its writer died) is taken over. Written by hand: `datasets` and filelock offer locks, but not
+    the wait-for-publication with a dead-writer takeover this needs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = path.parent / f"{path.name}.lock"
+        self.tmp = path.parent / f".tmp-{path.name}-{socket.gethostname()}-{os.getpid()}"
+        self._stop = threading.Event()
+        self._owner = False
+
+    def _claim(self) -> bool:
+        try:
+            fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+        os.close(fd)
+        return True
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(LOCK_STALE_S / 6):
+            try:
+                os.utime(self.lock)
+            except OSError:
+                return
+
+    def __enter__(self) -> CacheWriter | None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        said = False
+        while not (self.path / "done").exists():
+            if self._claim():
+                if (self.path / "done").exists():  # published between our check and the claim
+                    self.lock.unlink(missing_ok=True)
+                    return None
+                self._owner = True
+                threading.Thread(target=self._refresh, daemon=True, name="cache-lock").start()
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return self
+            try:
+                age = time.time() - self.lock.stat().st_mtime
+                holder = self.lock.read_text().strip()
+            except OSError:  # released or taken over just now
+                continue
+            if age > LOCK_STALE_S:  # its writer died: one waiter removes it (rename is atomic), all retry
+                try:
+                    os.rename(self.lock, f"{self.lock}.stale-{os.getpid()}")
+                    os.unlink(f"{self.lock}.stale-{os.getpid()}")
+                except OSError:
+                    pass
+                continue
+            if not said:
+                print(f"waiting for {holder} to tokenize into {self.path}", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.5)
+        return None
+
+    def __exit__(self, kind, error, tb) -> None:
+        if not self._owner:
+            return
+        self._stop.set()
+        try:
+            if kind is None:
+                try:
+                    self.tmp.rename(self.path)
+                except OSError:  # published by a writer that took over a lock it thought dead
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        finally:
+            self.lock.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -401,8 +502,9 @@ def _for_layout(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, tor
 
 
 class TrainStream:
-    """Global batch `step` holds stream samples [step*G, (step+1)*G); sample k is element k % n of a
-    permutation seeded by (seed, k // n), so each epoch is reshuffled and any step can be re-created."""
+    """Global batch `step` holds stream samples [step*G, (step+1)*G); sample k is the dataset's own order when it
+    has one (a mix of prepared sources), else element k % n of epoch k // n's permutation keyed by the seed
+    (data/order.py), so each epoch is reshuffled and any step can be re-created."""
 
     def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, layout: Layout, seed: int,
                  pin_memory: bool = False):
@@ -413,20 +515,11 @@ class TrainStream:
         self.layout = layout
         self.global_batch = micro_batch_size * grad_accum_steps * self.dp_size
         self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
-        self._perm: tuple[int, np.ndarray] | None = None
+        self.sample_index = dataset.order(seed) if hasattr(dataset, "order") else EpochOrder(len(dataset), [seed])
 
     def resume(self, step: int, samples: int) -> None:
         """Continue after `samples` stream samples were consumed by `step` steps: none skipped or repeated."""
         self.offset = samples - step * self.global_batch
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset)))
-        return self._perm[1]
-
-    def sample_index(self, k: int) -> int:
-        n = len(self.dataset)
-        return int(self._permutation(k // n)[k % n])
 
     def global_batch_indices(self, step: int) -> list[int]:
         start = step * self.global_batch + self.offset
@@ -435,6 +528,9 @@ class TrainStream:
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's grad_accum_steps micro-batches of global batch `step`."""
         out = []
+        if hasattr(self.dataset, "note_samples"):  # a mix says when a source starts another epoch
+            first = step * self.global_batch + self.offset
+            self.dataset.note_samples(first, first + self.global_batch)
         for m in range(self.accum):
             start = step * self.global_batch + self.offset + (m * self.dp_size + self.dp_rank) * self.micro
             idx = [self.sample_index(k) for k in range(start, start + self.micro)]
