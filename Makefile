@@ -16,7 +16,7 @@ DS_CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner bench-long-context lint assets clean
+.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -100,6 +100,10 @@ bench-planner: setup
 # tokens/s on the SFT recipe (about 15 min on 2 cores)
 bench-long-context: setup
 	$(PY) bench/long_context.py --lengths 4096 8192 16384 32768 --results docs/long_context_bench.json --write $(BENCH_ARGS)
+
+# prepare_data on a generated 2 GiB corpus (1 vs 2 workers), then start-up and RSS per rank on it vs the tiny corpus
+bench-prepare-data: setup
+	$(PY) bench/prepare_data.py $(BENCH_ARGS)
 
 bench-compression: setup
 	$(call apt_install,iproute2)

@@ -89,4 +89,5 @@ def array_task() -> tuple[int, int] | None:
     """(this task's index from 0, task count) inside a SLURM array job, else None."""
     if not (_get("SLURM_ARRAY_TASK_ID") and _get("SLURM_ARRAY_TASK_COUNT")):
         return None
-    return int(_get("SLURM_ARRAY_TASK_ID")) - int(_get("SLURM_ARRAY_TASK_MIN", "0")), int(_get("SLURM_ARRAY_TASK_COUNT"))
+    first = int(_get("SLURM_ARRAY_TASK_MIN", "0"))
+    return int(_get("SLURM_ARRAY_TASK_ID")) - first, int(_get("SLURM_ARRAY_TASK_COUNT"))

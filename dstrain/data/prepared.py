@@ -9,6 +9,7 @@ path packs text); with data.packing, position_ids restart at each document (the 
 """
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,7 @@ MANIFEST = "manifest.json"  # written last: a directory without it is not (yet) 
 PLAN = "plan.json"  # written first: what the shards are made from, so a rerun can tell they are its own
 FORMAT = "dstrain-prepared/1"
 SPLITS = ("train", "validation")
+OPEN_SHARDS = 256
 
 
 def megatron_datasets():
@@ -60,15 +62,20 @@ class TokenBlocks:
     input_ids (and position_ids restarting at each document when `separate`), like a tokenized `datasets` split."""
 
     def __init__(self, directory: Path, shards: list[dict], seq_len: int, separate: bool):
-        indexed_dataset, _ = megatron_datasets()
         self.directory, self.seq_len, self.separate = directory, seq_len, separate
-        self.shards = [indexed_dataset.IndexedDataset(str(directory / s["name"])) for s in shards]  # maps only
+        self.names = [s["name"] for s in shards]
+        # Shards are opened (memory-mapped: one open file each) when a batch first needs them, and at most
+        # OPEN_SHARDS at a time: a corpus of 100,000 shards neither slows start-up nor exhausts file handles.
+        self._open = functools.lru_cache(maxsize=OPEN_SHARDS)(self._open_shard)
         self.tokens_per_shard = np.array([s["tokens"] for s in shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.tokens_per_shard)])
         self.tokens = int(self.starts[-1])
 
     def __len__(self) -> int:
         return self.tokens // self.seq_len
+
+    def _open_shard(self, s: int):
+        return megatron_datasets()[0].IndexedDataset(str(self.directory / self.names[s]))
 
     def _pieces(self, start: int, count: int):
         """(shard, first token in it, tokens) covering stream tokens [start, start + count)."""
@@ -83,7 +90,7 @@ class TokenBlocks:
         ids, restarts = [], []
         at = 0
         for s, offset, take in self._pieces(i * self.seq_len, self.seq_len):
-            shard = self.shards[s]
+            shard = self._open(s)
             size = shard.index.dtype_size
             ids.append(shard.bin_reader.read(shard.index.dtype, take, offset * size))
             if self.separate:  # documents starting inside this piece (each document is one indexed sequence)
@@ -232,7 +239,7 @@ def load(cfg: DataConfig, tokenizer, seq_len: int, log: Callable[[str], None]):
             held_out = TokenBlocks(directory, splits["validation"]["shards"], seq_len, cfg.packing)
             if len(held_out):
                 val.append(held_out)
-        lines.append(f"{directory} ({blocks.tokens:,} tokens in {len(blocks.shards)} shards -> {len(blocks):,} "
+        lines.append(f"{directory} ({blocks.tokens:,} tokens in {len(blocks.names)} shards -> {len(blocks):,} "
                      f"sequences of {seq_len}{f', weight {weight:g}' if cfg.mix else ''})")
     if cfg.mix:
         dataset = Mix(train, names, [w for _, w in sources], log)

@@ -43,11 +43,15 @@ def _blocks_from_bin(directory: Path) -> torch.Tensor:
     return torch.from_numpy(tokens[:usable].reshape(-1, SEQ))
 
 
-def test_prepared_corpus_trains_like_the_reference(tmp_path, cache, tiny_llama, corpora):
-    run_dir = tmp_path / "run"
-    launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", f"--data.path={corpora[0]}",
-                     "--output_dir", str(run_dir)], cache)
+def test_prepared_corpus_trains_like_the_reference_and_the_in_job_path(tmp_path, cache, tiny_llama, corpora):
+    """The reference reads the blocks itself; the in-job path tokenizes the same 620 documents (fewer than its
+    1000-document packing batch, so it cuts the same blocks): the same losses, step for step."""
+    run_dir, in_job = tmp_path / "run", tmp_path / "in_job"
+    args = COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json"]
+    launch(args + [f"--data.path={corpora[0]}", "--output_dir", str(run_dir)], cache)
+    launch(args + [f"--data.path={corpora[0].parent / 'a_src'}", "--output_dir", str(in_job)], cache)
     got, evals = metrics(run_dir)
+    assert got == metrics(in_job)[0] and evals == metrics(in_job)[1]
     want, _ = reference_losses(tiny_llama, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1,
                                sequences=_blocks_from_bin(corpora[0]))
     print(f"prepared data vs reference: max relative gap {max(abs(g - w) / w for g, w in zip(got, want)):.2e}")

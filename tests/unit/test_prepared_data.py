@@ -242,3 +242,13 @@ def test_a_dead_writers_lock_is_taken_over(corpus, tok, tmp_path, monkeypatch):
     os.utime(lock, (0, 0))  # not refreshed for decades: its writer is gone
     got = data.prepare(cfg, tok, 64, 0)
     assert len(got.train) > 0 and not lock.exists()
+
+
+def test_in_job_tokenization_of_a_large_corpus_points_at_prepare_data(corpus, tok, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data, "LARGE_CORPUS_BYTES", 1000)  # the shipped sample stands in for hundreds of MB
+    data.prepare(DataConfig(path=str(corpus), cache_dir=str(tmp_path)), tok, 64, 0)
+    err = capsys.readouterr().err
+    assert "GiB of text: every run and every node without this cache pays" in err
+    assert f"python -m dstrain.prepare_data --data.path={corpus} --output DIR" in err
+    data.prepare(DataConfig(path=str(corpus), cache_dir=str(tmp_path)), tok, 64, 0)  # a cache hit says nothing
+    assert "prepare_data" not in capsys.readouterr().err
