@@ -111,7 +111,7 @@ bench-compression: setup
 
 lint: setup test-deps
 	$(VENV)/bin/ruff check .
-	shellcheck -x launch/*.sh launch/slurm.sbatch
+	shellcheck -x launch/*.sh launch/*.sbatch
 
 # regenerate the shipped tiny corpus, tokenizer and DeepSpeed configs (deterministic)
 assets: setup
