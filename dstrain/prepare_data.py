@@ -168,7 +168,7 @@ def run(argv: list[str] | None = None) -> int:
     plan = {
         "format": prepared.FORMAT,
         "tokenizer": {"name": recipe.model.tokenizer or recipe.model.name_or_path, "class": type(tokenizer).__name__,
-                      "hash": data._tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
+                      "hash": data.tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
                       "eos_token_id": tokenizer.eos_token_id},
         "dtype": dtype.__name__,
         "source": {"path": cfg.path, "name": cfg.name, "text_field": cfg.text_field, "files": source_files(cfg.path),

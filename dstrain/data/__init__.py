@@ -299,7 +299,7 @@ def report(stats: dict, seq_len: int) -> str:
 
 # ----------------------------------------------------------------------------- cache
 
-def _tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str:
     payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template,
                           "eos": tokenizer.eos_token, "bos": tokenizer.bos_token, "pad": tokenizer.pad_token,
                           "class": type(tokenizer).__name__}, sort_keys=True)
@@ -308,7 +308,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 
 def cache_key(cfg: DataConfig, seq_len: int, seed: int, tokenizer, raw_fingerprints: list[str]) -> str:
     payload = json.dumps({"data": asdict(cfg) | {"cache_dir": None, "num_proc": None}, "seq_len": seq_len,
-                          "seed": seed, "tokenizer": _tokenizer_fingerprint(tokenizer), "raw": raw_fingerprints,
+                          "seed": seed, "tokenizer": tokenizer_fingerprint(tokenizer), "raw": raw_fingerprints,
                           "version": 2}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
@@ -340,8 +340,8 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     if cfg.mix or prepared.is_prepared(local_or_hub(cfg.path)):
         if cfg.mix and cfg.path != DataConfig.path:
             log(f"data.mix is set: data.path ({cfg.path}) is not read")
-        train, val, summary = prepared.load(cfg, tokenizer, seq_len, log)
-        return Prepared(train, val, prepared.sources_of(cfg)[0][0], True, summary)
+        train, val, summary, directory = prepared.load(cfg, tokenizer, seq_len, log)
+        return Prepared(train, val, directory, True, summary)
     raw = load_raw(cfg)
     train_raw, val_raw = split_train_val(raw, cfg, seed)
     check_fields(train_raw, cfg)  # on every rank, so a bad field fails everywhere instead of leaving one waiting
@@ -352,7 +352,7 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     if not hit:
         with CacheWriter(path) as writer:  # None: another rank (here or on a node sharing this disk) writes it
             if writer is not None:
-                _write_cache(writer.tmp, cfg, tokenizer, seq_len, train_raw, val_raw, log)
+                _write_cache(writer.tmp, path, cfg, tokenizer, seq_len, train_raw, val_raw)
     stats = json.loads((path / STATS).read_text())
     if not stats["train"]["sequences"]:  # every rank reads the same record and gives the same answer
         hint = "provide longer or more documents, or lower train.seq_len" if cfg.format == "text" else \
@@ -365,11 +365,12 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     return Prepared(train, val, path, hit, report(stats["train"], seq_len))
 
 
-def _write_cache(tmp: Path, cfg: DataConfig, tokenizer, seq_len: int, train_raw, val_raw, log) -> None:
+def _write_cache(tmp: Path, path: Path, cfg: DataConfig, tokenizer, seq_len: int, train_raw, val_raw) -> None:
+    """Tokenize both splits into `tmp`, which CacheWriter publishes as `path`."""
     import datasets
 
     size = train_raw.data.nbytes
-    print(f"tokenizing {cfg.path} ({len(train_raw):,} training rows) into the cache; once, reused by later runs",
+    print(f"tokenizing {cfg.path} ({len(train_raw):,} training rows) into {path}; once, reused by later runs",
           file=sys.stderr, flush=True)
     if cfg.format == "text" and size > LARGE_CORPUS_BYTES:
         print(f"note: {cfg.path} is {size / 2**30:.1f} GiB of text: every run and every node without this cache pays "

@@ -20,12 +20,12 @@ import torch
 
 from ..config import DataConfig, local_or_hub
 from ..errors import UserError
+from . import tokenizer_fingerprint
 from .order import EpochOrder
 
 MANIFEST = "manifest.json"  # written last: a directory without it is not (yet) a prepared corpus
 PLAN = "plan.json"  # written first: what the shards are made from, so a rerun can tell they are its own
 FORMAT = "dstrain-prepared/1"
-SPLITS = ("train", "validation")
 OPEN_SHARDS = 256
 
 
@@ -131,18 +131,15 @@ class Concat:
         single = np.isscalar(idx)
         idx = np.asarray([idx] if single else idx, dtype=np.int64)
         which = np.searchsorted(self.offsets, idx, side="right") - 1
-        parts = {}
+        parts = []  # (rows of the request, what source s returned for them)
         for s in np.unique(which):
             rows = np.flatnonzero(which == s)
-            parts[int(s)] = (rows, self.sources[s][(idx[rows] - self.offsets[s]).tolist()])
-        keys = next(iter(parts.values()))[1].keys()
+            parts.append((torch.from_numpy(rows), self.sources[s][(idx[rows] - self.offsets[s]).tolist()]))
         out = {}
-        for key in keys:
-            first = next(iter(parts.values()))[1][key]
-            column = torch.empty((len(idx), *first.shape[1:]), dtype=first.dtype)
-            for rows, got in parts.values():
-                column[torch.from_numpy(rows)] = got[key]
-            out[key] = column
+        for key, first in parts[0][1].items():
+            out[key] = torch.empty((len(idx), *first.shape[1:]), dtype=first.dtype)
+            for rows, got in parts:
+                out[key][rows] = got[key]
         return {k: v[0] for k, v in out.items()} if single else out
 
 
@@ -193,17 +190,12 @@ class Mix(Concat):
                          f"from global sample ~{first:,} (epoch {after // len(source) + 1} of it, a new order)")
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
-    from . import _tokenizer_fingerprint as fingerprint
-    return fingerprint(tokenizer)
-
-
 def check_entry(directory: Path, manifest: dict, cfg: DataConfig, tokenizer) -> None:
     if cfg.format != "text":
         raise UserError(f"{directory} is a prepared text corpus; set data.format=text (SFT data is tokenized in the "
                         f"job)")
     made_with = manifest["tokenizer"]
-    if made_with["hash"] != _tokenizer_fingerprint(tokenizer):
+    if made_with["hash"] != tokenizer_fingerprint(tokenizer):
         raise UserError(f"{directory} was tokenized with {made_with['name']} (another vocabulary than this run's "
                         f"tokenizer); prepare it again with this model's tokenizer or set model.tokenizer")
 
@@ -222,7 +214,7 @@ def sources_of(cfg: DataConfig) -> list[tuple[Path, float]]:
 
 
 def load(cfg: DataConfig, tokenizer, seq_len: int, log: Callable[[str], None]):
-    """(train, validation or None, summary line) from data.path or data.mix prepared directories."""
+    """(train, validation or None, summary line, first directory) from data.path or data.mix prepared directories."""
     sources = sources_of(cfg)
     train, val, names, lines = [], [], [], []
     for directory, weight in sources:
@@ -248,4 +240,4 @@ def load(cfg: DataConfig, tokenizer, seq_len: int, log: Callable[[str], None]):
     validation = (val[0] if len(val) == 1 else Concat(val, names)) if val else None
     summary = ("memory-mapped, nothing tokenized: " + "; ".join(lines)
                + ("; attention kept within each document" if cfg.packing else ""))
-    return dataset, validation, summary
+    return dataset, validation, summary, sources[0][0]
