@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dstrain import cli
+from dstrain import cli, env, preempt, run_lock  # preempt notes the launchers while they live
 from dstrain.config import Recipe
 from dstrain.errors import EXIT_FAILED, EXIT_OK, UserError
 
@@ -28,8 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan or args.simulate:
         from dstrain import planner
         return planner.run(args, recipe, ds_overrides, sys.argv[1:] if argv is None else argv)
-    run_dir = cli.prepare_run_dir(cli.run_dir_of(args))
+    run_dir = cli.run_dir_of(args)
+    created = not run_dir.exists()
+    cli.prepare_run_dir(run_dir)
+    try:
+        return run(args, recipe, ds_overrides, run_dir)
+    except UserError:
+        if env.rank() == 0:  # bad input leaves no empty run directory behind
+            run_lock.remove_if_unused(run_dir, created)
+        raise
 
+
+def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path) -> int:
     from dstrain import checkpoint, dist, ds_config, resume
     from dstrain.watchdog import Watchdog
 
@@ -37,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     init_from = resume.resolve_init_from(args.init_from)
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
     ctx = dist.init()
+    run_lock.lock_run_dir(run_dir, ctx.is_main)  # one run per directory: a second launch is refused here
     watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang
     try:
         code = train(args, recipe, raw_ds, run_dir, ctx, watchdog, init_from)
@@ -69,7 +80,6 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         faults,
         flops,
         memory,
-        preempt,
         resume,
         schedule,
     )
@@ -163,7 +173,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     memory.reset_peak()  # from here on, the training phase's peak (what the preflight models)
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
-                      flops_per_token, peak.flops * ctx.world_size)
+                      flops_per_token, peak.flops * ctx.world_size,
+                      lambda achieved: flops.record_achieved(engine.device, ds_config.precision(ds_cfg),
+                                                             achieved / ctx.world_size))
     metrics.message(f"data: {prepared.summary}")
     metrics.message(f"{'resumed from ' + str(start_from.path) if start_from else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}; "
@@ -203,16 +215,23 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     counter.stop()
     final = ckpt.save(engine, max(start, last), saved(max(start, last)))
     watchdog.close()  # past the last collective: ranks may now leave at different times
+    resume_hint = f"run the same command again (--resume auto) to continue from {final.name}"
+    outcome = {"status": "finished", "max_steps": train.max_steps, "checkpoint": str(final), "export": None,
+               "next": None}
     if stop.stopped_at:
         metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
                         f"run again with --resume auto to continue")
+        outcome.update(status=f"stopped ({stop.reason})", next=resume_hint)
     elif last < train.max_steps:
         metrics.message(f"stopped at step {last} (train.exit_at_step); run again with --resume auto to continue")
+        outcome.update(status="stopped (train.exit_at_step)", next=resume_hint)
     elif recipe.checkpoint.export_hf and not (start == last and (run_dir / "hf").exists()):
         export.at_end(final, run_dir / "hf", ds_cfg, ctx, metrics.message)
+    if last >= train.max_steps and (run_dir / "hf").exists():
+        outcome["export"] = str(run_dir / "hf")
     memory.record(run_dir / "memory.json", ctx, baseline_memory, setup_peak,
                   memory.estimate(model_config, params_total, recipe, ds_cfg, layout, trained))
-    metrics.close()
+    metrics.close(outcome)
     return preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
 
 

@@ -152,6 +152,7 @@ class FaultConfig:
 class LogConfig:
     wandb: bool = True  # offline when no WANDB_API_KEY is set
     wandb_project: str = "dstrain"
+    tensorboard: bool = False  # TensorBoard event files in <run dir>/tensorboard (`tensorboard --logdir runs`)
     run_name: str | None = None
     progress_bar: bool = True
     plot: bool = True  # loss curve PNG at the end
@@ -391,7 +392,10 @@ def load_recipe(path: str | Path | None, overrides: dict | None = None) -> Recip
         try:
             raw = yaml.safe_load(recipe_path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise UserError(f"recipe {recipe_path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise UserError(f"recipe {recipe_path} is not valid YAML{where}: {problem}; fix that line") from None
         if not isinstance(raw, dict):
             raise UserError(f"recipe {recipe_path} should be a mapping with model/data/train sections")
     return _build(Recipe, merge(raw, overrides or {}), "")

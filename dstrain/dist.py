@@ -53,10 +53,12 @@ def init() -> DistContext:
     ctx = env_context()
     if torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)
+    from .ds_internals import announce_jit_builds  # every rank: they must agree on the op's build directory
     if ctx.is_local_main:
         clear_stale_build_locks()
-        from .ds_internals import announce_jit_builds  # the other ranks wait on the build lock, quietly
         announce_jit_builds(lambda text: print(text, file=sys.stderr, flush=True))
+    else:  # the other ranks wait on the build lock, quietly
+        announce_jit_builds(lambda text: None)
     try:
         deepspeed.init_distributed(dist_init_required=True, verbose=False)
     except Exception as error:  # DistNetworkError's traceback told users nothing they could act on

@@ -142,9 +142,12 @@ def _fill(section: dict, key: str, value: Any, where: str, recipe_key: str) -> N
 
 def _precision(cfg: dict, recipe: Recipe, caps: DeviceCaps) -> str:
     wanted = recipe.train.precision
+    bf16 = (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False)
+    fp16 = (cfg.get("fp16") or {}).get("enabled", False)
+    if bf16 is True and fp16 is True:  # DeepSpeed refuses it too, but only after the run dir was rewritten
+        raise UserError("the DeepSpeed config enables both fp16 and bf16; keep one (bf16 on GPUs that have it) "
+                        "or set both to \"auto\" and choose with --train.precision")
     if wanted == "auto":
-        bf16 = (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled", False)
-        fp16 = (cfg.get("fp16") or {}).get("enabled", False)
         wanted = "bf16" if bf16 in (True, "auto") else "fp16" if fp16 in (True, "auto") else "fp32"
         if wanted == "bf16" and caps.name == "cpu":
             # The CPU accelerator emulates bf16: measured ~10x slower than fp32 here (README, "Precision").
@@ -305,7 +308,31 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
     if leftover:
         raise UserError(f"DeepSpeed config key '{leftover}' is \"auto\" but no recipe value fills it; "
                         f"give it a value in the JSON")
+    validate_values(cfg)
     return cfg
+
+
+def validate_values(cfg: dict) -> None:
+    """DeepSpeed's own pydantic models check each section's values here, in the validation pass, instead of
+    inside deepspeed.initialize after the run directory was written (a pydantic traceback and exit 1, which
+    launch/ scripts retry). One line names the key, the value and what DeepSpeed expects."""
+    import pydantic
+
+    for dotted, model in _section_models().items():
+        node: Any = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        try:
+            model(**node)
+        except pydantic.ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join([dotted, *(str(part) for part in first.get("loc", ()))])
+            value = first.get("input")
+            shown = f"={value!r}" if not isinstance(value, dict) else ""
+            raise UserError(f"DeepSpeed config {where}{shown} is not valid: {first.get('msg', error)}; "
+                            f"fix it in the JSON or the --ds.{where}=... override") from None
 
 
 def write(cfg: dict, path: Path) -> None:

@@ -7,6 +7,9 @@ Supported range: deepspeed 0.19.8 - 0.19.x, torch 2.4 - 2.13, datasets 5.x (requ
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -133,21 +136,64 @@ def jit_build_needed(builder) -> bool:
     return not (Path(_get_build_directory(builder.name, False)) / f"{builder.name}.so").exists()
 
 
+def jit_build_key(builder) -> str:
+    """A digest of everything that goes into the op's build.ninja (sources, include paths, compiler and linker
+    flags, the torch and Python it builds against, the compiler). torch keeps one build directory per op name
+    and rebuilds, silently, whenever the flags differ from the last build: two environments sharing
+    ~/.cache/torch_extensions (two venvs or checkouts, launchers that set different variables) rebuilt the
+    shm_comm op back and forth, 25-73 s per run (issue 29). Keyed by this digest, each variant is built once."""
+    import sysconfig
+
+    def _safe(call):
+        try:
+            return builder.strip_empty_entries(call())
+        except Exception as error:  # noqa: BLE001 - e.g. the oneCCL builder raises without CCL_ROOT
+            return f"unavailable: {type(error).__name__}"
+
+    import deepspeed
+    parts = [builder.name, deepspeed.__version__, torch.__version__, str(Path(torch.__file__).parent),
+             sysconfig.get_paths().get("include", ""), os.environ.get("CXX", "c++"),
+             [os.path.abspath(builder.deepspeed_src_path(p)) for p in _safe(builder.sources) or []],
+             [os.path.abspath(builder.deepspeed_src_path(p)) for p in _safe(builder.include_paths) or []],
+             _safe(builder.cxx_args), _safe(builder.extra_ldflags)]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:12]
+
+
+def jit_build_dir_root(builder) -> Path:
+    """TORCH_EXTENSIONS_DIR for one op: <torch extensions dir>/<op>-<jit_build_key>."""
+    from . import env
+    return env.torch_extensions_dir() / f"{builder.name}-{jit_build_key(builder)}"
+
+
 def announce_jit_builds(say: Callable[[str], None]) -> None:
-    """Say one line before DeepSpeed compiles an op (OpBuilder.jit_load): the first run on a machine otherwise
-    sat silent for 1-3 minutes of gcc (shm_comm at process-group start, cpu_adam with offload)."""
+    """Every JIT load of a DeepSpeed op (OpBuilder.jit_load) builds in a directory keyed by its build inputs
+    (jit_build_key), and one line is said before it compiles: the first run on a machine otherwise sat silent
+    for 1-3 minutes of gcc (shm_comm at process-group start, cpu_adam with offload). Install it on every rank
+    (they must agree on the directory); `say` does nothing on all but one rank per node."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     if getattr(OpBuilder.jit_load, "dstrain_announces", False):
+        OpBuilder.jit_load.dstrain_say[0] = say
         return
     original = OpBuilder.jit_load
+    said = [say]
 
     def jit_load(self, verbose=True):
-        if jit_build_needed(self):
-            say(f"building DeepSpeed's {self.name} op with the compiler: once per machine, 1-3 minutes "
-                f"(`make setup` builds them ahead)")
-        return original(self, verbose)
+        saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(jit_build_dir_root(self))
+        try:
+            if jit_build_needed(self):
+                said[0](f"building DeepSpeed's {self.name} op with the compiler into "
+                        f"{os.environ['TORCH_EXTENSIONS_DIR']}: once per machine and build setting, 1-3 minutes "
+                        f"(`make setup` builds them ahead)")
+            return original(self, verbose)
+        finally:
+            if saved is None:
+                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+            else:
+                os.environ["TORCH_EXTENSIONS_DIR"] = saved
     jit_load.dstrain_announces = True
+    jit_load.dstrain_say = said
     OpBuilder.jit_load = jit_load
 
 

@@ -140,6 +140,13 @@ def _replace_dir(out_dir: Path, write) -> Path:
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
+    # transformers writes model.safetensors through a private temporary file (mode 0600): give every file the
+    # mode a plain write would have, so the people and jobs that share the run can read the model
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
     old = out_dir.with_name(f".old-{out_dir.name}")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():

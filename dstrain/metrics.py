@@ -9,6 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
+
 from . import env
 from .config import LogConfig
 from .dist import DistContext
@@ -25,16 +27,20 @@ def read_metrics(path: Path) -> list[dict]:
 
 class Metrics:
     def __init__(self, run_dir: Path, cfg: LogConfig, ctx: DistContext, start_step: int, total_steps: int,
-                 resolved_config: dict, flops_per_token: float = 0.0, peak_flops: float = 0.0):
+                 resolved_config: dict, flops_per_token: float = 0.0, peak_flops: float = 0.0,
+                 on_peak_too_low=None):
         self.enabled = ctx.is_main
         self.run_dir, self.cfg = run_dir, cfg
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops  # peak: all ranks together
+        self.on_peak_too_low = on_peak_too_low  # called with the FLOP/s (all ranks) a step reached above the peak
         self.rates: list[float] = []
         self.resolved_config = resolved_config
         self.comm_fractions: list[float] = []
         self.comm_warned = False
         self.path = run_dir / "metrics.jsonl"
-        self.bar = self.wandb = None
+        self.bar = self.wandb = self.tensorboard = None
+        self.started = psutil.Process().create_time()  # wall time counts from the launch of this rank
+        self.start_step = start_step
         if not self.enabled:
             return
         # A resumed run continues the log from its checkpoint: rows past it came from the lost attempt.
@@ -46,7 +52,9 @@ class Metrics:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                             file=sys.stderr, mininterval=1.0)
         if cfg.wandb:
-            self._init_wandb(resolved_config)
+            self._sink("wandb", self._init_wandb, resolved_config)
+        if cfg.tensorboard:
+            self._sink("tensorboard", self._init_tensorboard)
 
     def _init_wandb(self, resolved_config: dict) -> None:
         import wandb
@@ -57,12 +65,36 @@ class Metrics:
         mode = "online" if env.wandb_online() else "offline"
         self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.run_name or self.run_dir.name,
                                 id=id_file.read_text().strip(), resume="allow", dir=str(self.run_dir),
-                                config=resolved_config, mode=mode)
+                                config=resolved_config, mode=mode, settings=wandb.Settings(quiet=True))
+
+    def _init_tensorboard(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1)
+
+    def _tensorboard_row(self, row: dict) -> None:
+        for key, value in row.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tensorboard.add_scalar(key if key.startswith(("eval_", "perplexity")) else f"train/{key}",
+                                            value, row["step"])
+
+    def _sink(self, name: str, call, *args) -> None:
+        """Call a metrics sink (wandb, TensorBoard); one that fails is dropped with a warning, never taking the
+        run or its next checkpoint with it. Seen: Ctrl-C makes DeepSpeed's launch.py terminate each rank's
+        process tree, wandb's service process included, and the next wandb.log raised ConnectionResetError."""
+        try:
+            call(*args)
+        except Exception as error:  # noqa: BLE001 - any failure of a logger is the logger's, not the run's
+            setattr(self, name, None)
+            self.message(f"warning: {name} failed ({type(error).__name__}: {str(error)[:200]}); it is off for the "
+                         f"rest of this run, metrics.jsonl has every row")
 
     def _write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            self._sink("wandb", self.wandb.log, {k: v for k, v in row.items() if k != "step"}, row["step"])
+        if self.tensorboard is not None:
+            self._sink("tensorboard", self._tensorboard_row, row)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, label_tokens: int,
              seconds: float, comm: dict | None = None) -> None:
@@ -73,6 +105,9 @@ class Metrics:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
         mfu = tokens_per_s * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        if mfu is not None and mfu > 1.0:  # impossible: the peak was measured low; never print it
+            self._peak_too_low(tokens_per_s * self.flops_per_token)
+            mfu = None
         self.rates.append(tokens_per_s)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                "label_tokens": label_tokens, "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu,
@@ -90,6 +125,16 @@ class Metrics:
                                      + (f" comm={row['comm_fraction']:.0%}" if row.get("comm_fraction") is not None
                                         else ""), refresh=False)
             self.bar.update(1)
+
+    def _peak_too_low(self, achieved: float) -> None:
+        """A step beat the peak: from here on no MFU (in the log, the bar or the summary), and the cached peak
+        is raised to what was achieved so the next run on this machine starts from a truer figure."""
+        if self.on_peak_too_low is not None:
+            self.on_peak_too_low(achieved)
+        self.message(f"warning: a step reached {achieved / 1e12:.3g} TFLOP/s, above the measured peak of "
+                     f"{self.peak_flops / 1e12:.3g} TFLOP/s (all ranks; measured on a busy machine?); MFU is not "
+                     f"shown for this run, and the next run on this machine uses the higher figure")
+        self.peak_flops = 0.0
 
     def _watch_comm(self, fraction: float | None) -> None:
         """Say once when communication keeps taking more than COMM_WARN of the steps, with the cheapest remedy."""
@@ -119,20 +164,64 @@ class Metrics:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, outcome: dict | None = None) -> None:
+        """Flush the sinks; with `outcome` (what train.py knows of the end: why it stopped, the checkpoint, the
+        export), end on a short summary, also written as summary.json."""
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.close()
-        if len(self.rates) > 1:  # the first step of a run carries warm-up costs
-            median = statistics.median(self.rates[1:])
-            mfu = f", MFU {median * self.flops_per_token / self.peak_flops:.1%}" if self.peak_flops else ""
-            self.message(f"median {median:,.0f} tokens/s{mfu}")
         self.file.close()
         if self.cfg.plot:
             plot_losses(self.path, self.run_dir / "loss.png")
         if self.wandb is not None:
-            self.wandb.finish()
+            self._sink("wandb", self.wandb.finish)
+        if self.tensorboard is not None:
+            self._sink("tensorboard", self.tensorboard.close)
+        if outcome is not None:
+            summary = self.summary(outcome)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.message(format_summary(summary))
+
+    def summary(self, outcome: dict) -> dict:
+        """The run in a few figures: steps, losses, tokens, time, throughput, where its outputs are."""
+        rows = read_metrics(self.path)
+        train = [r for r in rows if "loss" in r]
+        evals = [r for r in rows if "eval_loss" in r]
+        this_session = [r for r in train if r["step"] > self.start_step]
+        rates = [r["tokens_per_s"] for r in this_session[1:]]  # the first step of a session carries warm-up
+        median = statistics.median(rates) if rates else None
+        mfu = median * self.flops_per_token / self.peak_flops if median and self.peak_flops else None
+        return {"steps": train[-1]["step"] if train else self.start_step, "started_at_step": self.start_step,
+                "final_loss": train[-1]["loss"] if train else None,
+                "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+                "eval_step": evals[-1]["step"] if evals else None,
+                "tokens": sum(r["tokens"] for r in train),
+                "tokens_this_session": sum(r["tokens"] for r in this_session),
+                "wall_s": round(time.time() - self.started, 1), "median_tokens_per_s": median, "mfu": mfu,
+                "run_dir": str(self.run_dir), "metrics": str(self.path), **outcome}
+
+
+def format_summary(summary: dict) -> str:
+    """The last screen of a run: a few lines a person reads, from summary.json's fields."""
+    def num(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    lines = [f"run {summary['status']}: step {summary['steps']}"
+             + (f" of {summary['max_steps']}" if summary.get("max_steps") else ""),
+             f"  loss {num(summary['final_loss'], '.4f')}  eval loss {num(summary['final_eval_loss'], '.4f')}"
+             + (f" (step {summary['eval_step']})" if summary.get("eval_step") is not None else ""),
+             f"  {summary['tokens_this_session']:,} tokens in {summary['wall_s']:,.0f} s, median "
+             f"{num(summary['median_tokens_per_s'], ',.0f')} tokens/s"
+             + (f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else "")]
+    if summary.get("checkpoint"):
+        lines.append(f"  checkpoint  {summary['checkpoint']}")
+    if summary.get("export"):
+        lines.append(f"  model       {summary['export']}  (Hugging Face format)")
+    if summary.get("next"):
+        lines.append(f"  next        {summary['next']}")
+    lines.append(f"  summary     {Path(summary['run_dir']) / 'summary.json'}")
+    return "\n".join(lines)
 
 
 def plot_losses(metrics_path: Path, out: Path) -> None:

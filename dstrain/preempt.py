@@ -18,15 +18,20 @@ run resumes from the checkpoint (--resume auto).
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
-from .dist import DistContext, all_reduce_sum
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+
+if TYPE_CHECKING:  # dist imports torch (seconds): this module is imported first, to see the launchers early
+    from .dist import DistContext
 
 EXIT_CODE = EXIT_STOPPED
 STOP_FILE = "STOP"
@@ -43,7 +48,7 @@ class StopRequest:
             self.path.unlink()  # left from an earlier run that finished before it saw the file
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        self._launchers = launchers()
+        self._launchers = LAUNCHERS if LAUNCHERS is not None else launchers()
         if self._launchers:
             threading.Thread(target=self._watch, name="dstrain-launcher-watch", daemon=True).start()
 
@@ -53,15 +58,20 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
 
     def _watch(self) -> None:
+        # Names were read while the launchers lived: a launcher that is gone (reaped by its shell at once, or a
+        # zombie until its parent waits) can no longer be asked. Nothing in this loop may raise: a watch thread
+        # that dies leaves the rank training on, orphaned.
         stop = threading.Event()
         while not stop.wait(1.0):
-            gone = [p for p in self._launchers if not _running(p)]
-            if gone:
-                self.reason = self.reason or f"the launcher {gone[0].name()} (pid {gone[0].pid}) exited"
+            gone = next((launcher for launcher in self._launchers if not launcher.running()), None)
+            if gone is not None:
+                self.reason = self.reason or f"the launcher {gone.name} (pid {gone.pid}) exited"
                 return
 
     def agreed(self, step: int, device) -> bool:
         """True on every rank when any rank was signalled or rank 0 sees the STOP file."""
+        from .dist import all_reduce_sum
+
         if self.ctx.is_main and self.reason is None and self.path.exists():
             self.reason = f"{STOP_FILE} file"
         (votes,) = all_reduce_sum([1.0 if self.reason else 0.0], device)
@@ -75,30 +85,85 @@ class StopRequest:
 
 
 _LAUNCHERS = ("deepspeed.launcher.launch", "torchrun", "torch.distributed.run", "accelerate")
+# What a process is reparented to when its parent dies: init, or a subreaper (a container's init, systemd).
+_ADOPTERS = ("systemd", "init", "tini", "dumb-init", "docker-init", "catatonit", "conmon")
 
 
-def launchers() -> list[psutil.Process]:
+@dataclass(frozen=True)
+class Launcher:
+    """A launcher process, identified by pid and start time (so a reused pid is not taken for it), and its name
+    read while it lived."""
+    process: psutil.Process
+    name: str
+    pid: int
+    gone_at_start: bool = False
+
+    def running(self) -> bool:
+        if self.gone_at_start:
+            return False
+        try:  # is_running() also compares the start time; a zombie has exited but still answers
+            return self.process.is_running() and self.process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # NoSuchProcess once reaped, AccessDenied, ...
+            return False
+        except Exception:  # noqa: BLE001 - the watch must never die: treat anything unexpected as gone
+            return False
+
+
+def _launcher(process: psutil.Process, name: str | None = None) -> Launcher:
+    return Launcher(process, name or _describe(process), process.pid)
+
+
+def _describe(process: psutil.Process) -> str:
+    try:
+        command = " ".join(process.cmdline())
+    except psutil.Error:
+        return "launcher"
+    for name in _LAUNCHERS:
+        if name in command:
+            return {"deepspeed.launcher.launch": "deepspeed launch.py", "torch.distributed.run": "torchrun"}.get(
+                name, name)
+    return "deepspeed" if "deepspeed" in command else process.name() if process.is_running() else "launcher"
+
+
+def _adopted(process: psutil.Process) -> bool:
+    """True when process's parent is gone: it now belongs to init or a subreaper."""
+    parent = process.parent()
+    if parent is None or parent.pid == 1:
+        return True
+    try:
+        return any(parent.name().startswith(name) for name in _ADOPTERS)
+    except psutil.Error:
+        return True
+
+
+def launchers() -> list[Launcher]:
     """The processes that started this rank and whose death should stop it: deepspeed's per-node launch.py and
     what started it (the runner, or on other nodes pdsh's ssh session), torchrun, accelerate. A plain
-    `python train.py` watches nothing: `nohup python train.py &` must survive its shell."""
+    `python train.py` watches nothing: `nohup python train.py &` must survive its shell.
+
+    Read as early as train.py starts (LAUNCHERS below), so a launcher that dies while the rank builds its model
+    is still known; one already gone by then (launch.py or this rank adopted by init) counts as gone."""
     try:
-        parent = psutil.Process().parent()
+        me = psutil.Process()
+        parent = me.parent()
         if parent is None or parent.pid == 1:
             return []
         command = " ".join(parent.cmdline())
         if "deepspeed.launcher.launch" in command:
+            watched = [_launcher(parent, "deepspeed launch.py")]
             grand = parent.parent()
-            return [parent] + ([grand] if grand is not None and grand.pid != 1 else [])
-        return [parent] if any(name in command for name in _LAUNCHERS) else []
+            if _adopted(parent):  # the runner above launch.py died before this rank looked
+                watched.append(Launcher(parent, "deepspeed", -1, gone_at_start=True))
+            elif grand is not None:
+                watched.append(_launcher(grand))
+            return watched
+        return [_launcher(parent)] if any(name in command for name in _LAUNCHERS) else []
     except psutil.Error:
         return []
 
 
-def _running(process: psutil.Process) -> bool:
-    try:  # is_running() also compares the start time, so a reused pid is not taken for the launcher
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+# Taken at import (train.py imports this module first thing under a launcher), before seconds of model building.
+LAUNCHERS: list[Launcher] | None = launchers() if "LOCAL_RANK" in os.environ else None
 
 
 def signal_ranks(root: int, signum: int = signal.SIGTERM) -> int:

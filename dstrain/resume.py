@@ -89,6 +89,12 @@ def check_same_run(resume: Resume, identity: dict, run_dir: Path) -> None:
         key = differ[0]
         changes = f"{key} {_short(saved[key])} -> {_short(identity[key])}" + (
             f" and {len(differ) - 1} more" if len(differ) > 1 else "")
+        if run_dir.resolve() not in resume.path.resolve().parents:  # --resume named another run's checkpoint
+            origin = resume.path.resolve().parent.parent
+            model = f" --model.name_or_path={saved['model.name_or_path']}" if "model.name_or_path" in differ else ""
+            raise UserError(f"--resume {resume.path} is a checkpoint of another run ({changes}); continue that run "
+                            f"with --output_dir {origin} and its recipe ({origin / 'recipe.yaml'}), or start this one "
+                            f"from its weights with --init_from {resume.path}{model}")
         raise UserError(f"{run_dir} holds another run ({changes}); use a new --output_dir, adding "
                         f"--init_from {run_dir} to start from its weights")
 

@@ -8,9 +8,12 @@ import sys
 
 from deepspeed.accelerator import get_accelerator
 
+from dstrain.ds_internals import announce_jit_builds
+
 
 def main(names: list[str]) -> None:
     accelerator = get_accelerator()
+    announce_jit_builds(print)  # the same keyed build directories the runs load from
     for name in names:
         builder = accelerator.create_op_builder(name)
         if builder is None or not builder.is_compatible(verbose=False):

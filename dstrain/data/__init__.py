@@ -37,6 +37,38 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 
 # ----------------------------------------------------------------------------- loading
 
+def _first_bad_json_line(path: Path) -> str | None:
+    """For a JSON-lines file (or a directory of them) that datasets could not read: the first line that is not a
+    JSON object, as a one-line error with its file and line number (datasets names neither)."""
+    files = [path] if path.is_file() else sorted(path.glob("**/*.jsonl")) if path.is_dir() else []
+    for file in files:
+        if file.suffix.lower() not in (".jsonl", ".json") or (file.suffix.lower() == ".json" and file.stat().st_size
+                                                              and file.read_bytes()[:1] in (b"[", b"{")
+                                                              and _is_json(file)):
+            continue
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    return (f"dataset file {file} line {number} is not valid JSON ({error.msg}, column {error.colno}); "
+                            f"fix or remove that line")
+                if not isinstance(row, dict):
+                    return (f"dataset file {file} line {number} is a JSON {type(row).__name__}, not an object; each "
+                            f"line should be one record such as {{\"text\": ...}}")
+    return None
+
+
+def _is_json(file: Path) -> bool:
+    try:
+        json.loads(file.read_text())
+        return True
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
 def load_raw(cfg: DataConfig):
     """A DatasetDict from a hub id, a local file, a local directory, or a dataset saved with save_to_disk."""
     import datasets
@@ -61,6 +93,9 @@ def load_raw(cfg: DataConfig):
     except UserError:
         raise
     except (FileNotFoundError, ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        bad = _first_bad_json_line(path)
+        if bad:
+            raise UserError(bad) from None
         raise UserError(f"cannot load dataset '{cfg.path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                         f"; check data.path (a local file/dir, or a hub id reachable from here)") from None
     if isinstance(loaded, datasets.Dataset):
@@ -253,21 +288,22 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, di
 
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        out = {k: [] for k in (*SFT_COLUMNS, "full_length")}
+        out = {k: [] for k in (*SFT_COLUMNS, "full_length", "has_reply")}
         for row in rows:
             ids, labels = _sft_tokens(_to_messages(row, cfg), tokenizer)
             example = _fit(ids, labels, seq_len, tokenizer, pad_to=not cfg.packing)
             for key in SFT_COLUMNS:  # a dropped example stays as an empty row until it is counted
                 out[key].append(example[key] if example else [])
             out["full_length"].append(len(ids) if example else -len(ids))
+            out["has_reply"].append(any(label != IGNORE_INDEX for label in labels))  # at any length
         return out
     marked = dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
                          num_proc=num_proc, desc="tokenizing")
     lengths = np.asarray(marked["full_length"], dtype=np.int64)
     kept = np.flatnonzero(lengths >= 0)
-    out = marked.select(kept).remove_columns("full_length")
+    out = marked.select(kept).remove_columns(["full_length", "has_reply"])
     stats = {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
-             "dropped": int((lengths < 0).sum())}
+             "dropped": int((lengths < 0).sum()), "no_reply": int(len(dataset) - sum(marked["has_reply"]))}
     if cfg.packing and len(out):
         pad = _pad_id(tokenizer)
 
@@ -355,9 +391,15 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
                 _write_cache(writer.tmp, path, cfg, tokenizer, seq_len, train_raw, val_raw)
     stats = json.loads((path / STATS).read_text())
     if not stats["train"]["sequences"]:  # every rank reads the same record and gives the same answer
-        hint = "provide longer or more documents, or lower train.seq_len" if cfg.format == "text" else \
-            f"all {stats['train']['examples']:,} examples are longer than train.seq_len (no reply token fits); " \
-            f"raise train.seq_len"
+        train_stats = stats["train"]
+        if cfg.format == "text":
+            hint = "provide longer or more documents, or lower train.seq_len"
+        elif train_stats.get("no_reply", 0) == train_stats["examples"]:  # seq_len would not help
+            hint = (f"none of its {train_stats['examples']:,} examples has a reply to learn from (an assistant turn "
+                    f"or a response: the loss is taken on those); check data.format={cfg.format} and its fields")
+        else:
+            hint = (f"all {train_stats['examples']:,} examples are longer than train.seq_len (no reply token "
+                    f"fits); raise train.seq_len")
         raise UserError(f"dataset '{cfg.path}' gives no training sequences of length {seq_len}: {hint}")
     loaded = datasets.load_from_disk(str(path))
     train = loaded["train"].with_format("torch")

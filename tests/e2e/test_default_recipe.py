@@ -11,7 +11,8 @@ from tests.helpers import launch, metrics
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory, cache):
     run = tmp_path_factory.mktemp("default") / "run"
-    return run, launch(["--ds_config", "zero3.json", "--output_dir", str(run)], cache)  # wandb on: offline here
+    # wandb on (offline here), TensorBoard on
+    return run, launch(["--ds_config", "zero3.json", "--output_dir", str(run), "--log.tensorboard=true"], cache)
 
 
 def test_default_recipe_learns_and_reports(default_run):
@@ -30,17 +31,20 @@ def test_default_recipe_learns_and_reports(default_run):
         assert set(row) == keys
     steps = [r for r in rows if "loss" in r]
     assert steps[0]["tokens"] == 2 * 8 * 128 and all(r["tokens_per_s"] > 0 for r in steps)
-    # MFU = tokens/s x FLOPs per token / peak: one constant ratio per run, a plausible fraction, stamped in order
-    assert all(0 < r["mfu"] < 1.5 for r in steps)
+    # MFU = tokens/s x FLOPs per token / peak: one constant ratio per run, never above 100% (issue 29: the peak
+    # measured on a busy machine gave 107-233%); a step beyond the peak turns MFU off for the rest of the run
+    shown = [r["mfu"] for r in steps if r["mfu"] is not None]
+    assert len(shown) >= 10 and all(0 < mfu <= 1.0 for mfu in shown)
+    assert [r["mfu"] is None for r in steps] == sorted(r["mfu"] is None for r in steps)
     # 2 ranks, ZeRO-2, fp32: every step all-reduces the gradients and all-gathers the parameters (1.5 x 4 bytes
     # per parameter, tests/e2e/test_planner.py checks the count) and waits some time for it
     sent = [r["comm_bytes"] for r in steps]
     assert min(sent) > 1e6 and max(sent) < 1.01 * min(sent)
     assert all(0 < r["comm_s"] < r["step_s"] and r["comm_fraction"] == pytest.approx(r["comm_s"] / r["step_s"])
                for r in steps)
-    assert len({round(r["mfu"] / r["tokens_per_s"], 15) for r in steps}) == 1
+    assert len({round(r["mfu"] / r["tokens_per_s"], 15) for r in steps if r["mfu"] is not None}) == 1
     assert all(a["time"] < b["time"] for a, b in zip(steps, steps[1:]))
-    assert "median" in proc.stderr and "tokens/s, MFU" in proc.stderr
+    assert "median" in proc.stderr and ("tokens/s, MFU" in proc.stderr or "MFU is not shown" in proc.stderr)
     assert max(r["lr"] for r in steps) == pytest.approx(3e-3) and steps[0]["lr"] == pytest.approx(3e-4)
 
     assert Image.open(run / "loss.png").size[0] > 100
@@ -49,6 +53,23 @@ def test_default_recipe_learns_and_reports(default_run):
     assert len(offline) == 1
     record = next(offline[0].glob("*.wandb")).read_bytes()  # the run's protobuf log: config and metrics
     assert b"micro_batch_size" in record and b"zero_optimization" in record and b"eval_loss" in record
+    # TensorBoard has every training and eval row of metrics.jsonl, read back with its own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("train/loss")] == \
+        [(r["step"], r["loss"]) for r in steps]
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("eval_loss")] == \
+        [(r["step"], r["eval_loss"]) for r in evals]
+    # the last screen: a short summary, also as summary.json, agreeing with metrics.jsonl
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 150 and summary["status"] == "finished" and summary["final_loss"] == losses[-1]
+    assert summary["final_eval_loss"] == last["eval_loss"] and summary["tokens"] == sum(r["tokens"] for r in steps)
+    assert summary["export"] == str(run / "hf") and summary["checkpoint"].endswith("step_00000150")
+    assert 0 < summary["wall_s"] and summary["median_tokens_per_s"] > 0
+    tail = proc.stderr.rstrip().splitlines()[-8:]
+    assert tail[0].startswith("run finished: step 150 of 150") and tail[-1].endswith("summary.json"), tail
+    assert len(proc.stderr.splitlines()[-30:][-1]) < 200
+    assert (run / "hf" / "model.safetensors").stat().st_mode & 0o044 == 0o044, "the export must be readable"
     # rank 0 alone reports: one evaluation line per evaluation, one progress bar
     assert proc.stderr.count("step 150: eval_loss=") == 1
     assert proc.stderr.count("step 0: eval_loss=") == 1

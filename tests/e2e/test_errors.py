@@ -12,13 +12,16 @@ QUICK = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.micro_batch_s
          "--eval.max_batches=1", "--log.wandb=false", "--log.progress_bar=false"]
 
 
-def fails(args, cache, tmp_path, expected: str, **env):
-    proc = launch(QUICK + ["--output_dir", str(tmp_path / "run")] + args, cache, launcher="python", check=False,
+def fails(args, cache, tmp_path, expected: str, launcher: str = "python", **env):
+    fresh = not (tmp_path / "run").exists()
+    proc = launch(QUICK + ["--output_dir", str(tmp_path / "run")] + args, cache, launcher=launcher, check=False,
                   HF_HUB_OFFLINE="1", **env)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(lines) == 1 and expected in lines[0], proc.stderr[-3000:]
+    if fresh and "--output_dir" not in args:  # issue 29 item 7: bad input left an empty run directory behind
+        assert not (tmp_path / "run").exists(), "a refused run left its run directory behind"
     return lines[0]
 
 
@@ -37,6 +40,10 @@ def data_files(tmp_path_factory):
     (d / "empty.jsonl").write_text("")
     (d / "bad_batch.json").write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 1}}))
     (d / "a_file").write_text("")
+    (d / "bad_line.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three\n{"text": "four"}\n')
+    (d / "bad.yaml").write_text("model:\n  name_or_path: recipes/tiny/model\ntrain:\n  max_steps: [3\n")
+    (d / "no_reply.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Hi there."}]})
+                                              + "\n" for _ in range(40)))
     return d
 
 
@@ -77,6 +84,31 @@ def test_simple_mistakes(name, cache, tmp_path):
     fails(args, cache, tmp_path, expected)
 
 
+def _everything(run: Path) -> dict:
+    """Every path in the run directory with its bytes' digest (directories: None)."""
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+            for p in sorted(run.rglob("*")) if p.name != ".lock"}
+
+
+@pytest.mark.parametrize("launcher", ["python", "deepspeed"])
+def test_a_bad_deepspeed_value_leaves_an_existing_run_untouched(cache, tmp_path, two_rank_run, launcher):
+    """Issue 29 item 4: --ds.zero_optimization.stage=4 on an existing 2-rank run rewrote recipe.yaml,
+    ds_config.json and run_info.json, made step_N.universal/ and stacks/, printed pydantic's traceback and exited
+    1 (which launch/ scripts retry). Both fp16 and bf16 enabled trained silently in one of them. DeepSpeed's own
+    models now check the values in the validation pass: exit 2, one line, nothing written."""
+    run = two_rank_run
+    before = _everything(run)
+    for args, expected in ((["--ds.zero_optimization.stage=4"], "zero_optimization.stage=4 is not valid: Input "
+                             "should be 0, 1, 2, 3"),
+                           (["--ds.zero_optimization.offload_optimizer.device=gpu"],
+                            "zero_optimization.offload_optimizer.device='gpu' is not valid"),
+                           (["--ds.fp16.enabled=true", "--ds.bf16.enabled=true"], "enables both fp16 and bf16")):
+        fails(args + ["--output_dir", str(run)], cache, tmp_path, expected, launcher=launcher)
+        assert _everything(run) == before, f"{args} changed the run directory"
+        if launcher == "deepspeed":  # under the launcher (2 ranks) once is enough: the check is the same
+            break
+
+
 def test_a_busy_master_port_is_one_line(cache, tmp_path):
     """Issue 16: a busy rendezvous port gave a DistNetworkError traceback."""
     import socket
@@ -94,6 +126,14 @@ def test_data_and_model_mistakes(cache, tmp_path, data_files):
     fails(["--ds_config", str(data_files / "bad_batch.json")], cache, tmp_path,
           "train_batch_size=64 but micro_batch_size 2 x grad_accum_steps 1 x data-parallel world 1 = 2")
     fails(["--output_dir", str(data_files / "a_file" / "run")], cache, tmp_path, "cannot write to output_dir")
+    # issue 29 item 7: no line numbers, and a hint that pointed at data.path for a malformed line
+    fails([f"--data.path={data_files / 'bad_line.jsonl'}"], cache, tmp_path,
+          f"dataset file {data_files / 'bad_line.jsonl'} line 3 is not valid JSON")
+    fails(["--recipe", str(data_files / "bad.yaml")], cache, tmp_path, "is not valid YAML (line 5, column 1)")
+    # issue 29 item 7: chat data without an assistant turn was told to raise train.seq_len (also at 512)
+    line = fails(["--recipe", "tiny/chat_sft", f"--data.path={data_files / 'no_reply.jsonl'}",
+                  "--train.seq_len=512"], cache, tmp_path, "has a reply to learn from")
+    assert "seq_len" not in line.split(":", 2)[-1], line
 
 
 def _digest(run: Path) -> dict:

@@ -31,6 +31,17 @@ def test_another_run_in_the_same_directory_is_refused_and_init_from_starts_from_
         assert "Traceback" not in proc.stderr
         assert _snapshot(pretrain) == before, "a refused run touched the existing run directory"
 
+    # issue 29 item 7: --resume of another model's checkpoint into a new directory blamed the new directory and
+    # suggested --init_from <the new directory>
+    ckpt = pretrain / "checkpoints" / "step_00000003"
+    proc = launch(COMMON + ["--model.name_or_path=recipes/tiny/model", "--train.max_steps=5", "--resume", str(ckpt),
+                            "--output_dir", str(tmp_path / "new")], cache, launcher="python", check=False)
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(error) == 1, proc.stderr[-3000:]
+    assert f"--resume {ckpt} is a checkpoint of another run" in error[0], error[0]
+    assert f"--init_from {ckpt} --model.name_or_path={tiny_llama}" in error[0], error[0]
+    assert not (tmp_path / "new").exists() and _snapshot(pretrain) == before
+
     # on purpose: SFT from the pretraining checkpoint's weights, 2 ranks under ZeRO-3 (built inside zero.Init);
     # lr so small that the exported weights must still be the pretraining run's
     sft = tmp_path / "sft"
@@ -66,3 +77,48 @@ def test_a_recipe_written_for_more_ranks_keeps_its_global_batch(tmp_path, cache,
                   launcher="python")
     assert "written for world_size" not in proc.stderr
     assert json.loads((accepted / "ds_config.json").read_text())["train_batch_size"] == 2
+
+
+def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, tiny_llama):
+    """Issue 29 item 3: two launches into one directory (different master ports) both trained to the end, their
+    metrics and checkpoints interleaved. The second is now refused in one line naming the live run; the first
+    trains on untouched. After the first ends (the kernel drops its lock), the directory takes a run again."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import BIN, ROOT, env, free_port, kill_tree, metrics
+
+    run = tmp_path / "run"
+    args = COMMON + [f"--model.name_or_path={tiny_llama}", "--train.max_steps=400", "--checkpoint.every=0",
+                     "--output_dir", str(run)]
+    first = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                              "train.py", *args], cwd=ROOT, env=env(cache), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not ((run / "metrics.jsonl").exists() and metrics(run)[0]):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        holder = json.loads((run / ".lock").read_text())
+        second = launch(args, cache, check=False)  # another master port: nothing else would stop it
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
+        assert f"is in use by another run (pid {holder['pid']} on {holder['host']}" in errors[0], errors[0]
+        assert "another --output_dir" in errors[0] and "Traceback" not in second.stderr
+        assert first.poll() is None, "the refused launch must not disturb the live run"
+        assert json.loads((run / ".lock").read_text()) == holder
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: checkpoint and stop
+        first.communicate(timeout=300)
+    finally:
+        kill_tree(first.pid)
+    losses = metrics(run)[0]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, len(losses) + 1)), "one writer: every step once, in order"
+    # the holder is gone: the same directory resumes (a lock a dead run cannot keep)
+    proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", f"--train.max_steps={len(losses) + 1}",
+                            "--checkpoint.every=0", "--output_dir", str(run)], cache, launcher="python")
+    assert f"resumed from {run / 'checkpoints'}" in proc.stderr, proc.stderr[-3000:]

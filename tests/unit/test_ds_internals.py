@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 
@@ -206,18 +207,40 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
     assert callable(getattr(OpBuilder, "jit_load", None)), moved("OpBuilder.jit_load")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
+    keyed = ds_internals.jit_build_dir_root(builder)
+    assert keyed.parent == tmp_path and keyed.name.startswith(f"{builder.name}-")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(keyed))
     assert ds_internals.jit_build_needed(builder), moved("torch.utils.cpp_extension._get_build_directory")
     built = [p for p in tmp_path.rglob(builder.name) if p.is_dir()]
     assert len(built) == 1, moved("torch's extension build layout") + f": {list(tmp_path.rglob('*'))}"
     (built[0] / f"{builder.name}.so").write_bytes(b"")
     assert not ds_internals.jit_build_needed(builder)
 
-    said = []
-    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: "loaded")
+    said, build_dirs = [], []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(OpBuilder, "jit_load",
+                        lambda self, verbose=True: build_dirs.append(os.environ["TORCH_EXTENSIONS_DIR"]) or "loaded")
     ds_internals.announce_jit_builds(said.append)
     assert builder.jit_load() == "loaded" and said == []  # built: quiet
+    assert build_dirs == [str(keyed)] and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)  # restored after
     (built[0] / f"{builder.name}.so").unlink()
     assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
+
+
+def test_jit_builds_with_other_flags_go_to_their_own_directory(monkeypatch):
+    """Issue 29 item 6: two environments sharing ~/.cache/torch_extensions rebuilt shm_comm back and forth,
+    silently (torch keeps one directory per op name and rebuilds when the flags differ). Keyed by the build
+    inputs, each variant has its own directory: same inputs, same key; other flags or paths, another."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    key = ds_internals.jit_build_key(builder)
+    assert key == ds_internals.jit_build_key(get_accelerator().create_op_builder("ShareMemCommBuilder"))
+    monkeypatch.setattr(type(builder), "cxx_args", lambda self: ["-O3", "-fopenmp"])
+    assert ds_internals.jit_build_key(builder) != key
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++")
+    assert ds_internals.jit_build_key(builder) != key
 
 
 def test_frozen_tied_weights_leave_lora_checkpoints():
