@@ -103,6 +103,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     if start_from and init_from:
         log(f"note: {run_dir} already holds this run's checkpoints; resuming it (--init_from only starts a run)")
         init_from = None
+    # a run begun with --init_from resumes on the same base (a LoRA checkpoint holds only the adapters)
+    started_from = resume.started_from(run_dir) if start_from else None
     if start_from:  # same global batch on a new world size: grad_accum_steps re-derived, universal conversion
         train_cfg, start_from = resume.adapt_to_world(start_from, recipe.train, layout, log)
         recipe = replace(recipe, train=train_cfg)
@@ -112,7 +114,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         resume.check_init_from(init_from, model_config)
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
                                models.hidden_size(model_config), env.ranks_per_node())
-    setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log)
+    setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
+                             init_from or started_from)
     features = components.build(recipe, raw_ds)
     components.validate_all(features, setup)
     tokenizer = models.load_tokenizer(recipe.model)
@@ -131,9 +134,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for feature in features:
         feature.configure(ds_cfg, setup)
     baseline_memory = memory.current_bytes()  # everything after this is the model and its training
-    model_source = recipe.model if not init_from else replace(  # the other run's weights, as transformers loads
-        recipe.model, name_or_path=str(resume.materialize_init_from(init_from, run_dir, ctx, log)),
-        from_scratch="false")
+    base = resume.materialize_init_from(init_from, run_dir, ctx, log) if init_from else started_from
+    model_source = recipe.model if not base else replace(  # the other run's weights, as transformers loads
+        recipe.model, name_or_path=str(base), from_scratch="false")
     model, _hf_ds_config = models.build(model_source, train, ds_cfg, tokenizer,
                                         components.load_kwargs(features, setup))
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held

@@ -35,7 +35,8 @@ def _unreachable(name: str, error: Exception) -> UserError:
         first = first[:80].rsplit(" ", 1)[0] + " ..."
     return UserError(f"cannot load '{name}': not a local directory, and the Hugging Face Hub did not provide it "
                      f"({first}); where the Hub is reachable run `hf download {name} --local-dir DIR` and set "
-                     f"model.name_or_path=DIR")
+                     f"model.name_or_path=DIR (--preflight and --plan need only its config: `hf download {name} "
+                     f"config.json --local-dir DIR`)")
 
 
 def load_config(cfg: ModelConfig, seq_len: int):

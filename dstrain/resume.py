@@ -155,6 +155,12 @@ def materialize_init_from(ckpt: Path, run_dir: Path, ctx: DistContext, log=print
     return out
 
 
+def started_from(run_dir: Path) -> Path | None:
+    """run_dir/init_weights when the run began with --init_from (materialize_init_from wrote it), else None."""
+    out = run_dir / "init_weights"
+    return out if (out / "config.json").is_file() else None
+
+
 @dataclass
 class Resume:
     path: Path  # checkpoints/step_N

@@ -10,13 +10,14 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "ds_configs"
 
+# No "scheduler": without one the recipe's schedule runs (dstrain.schedule), and the Hugging Face Trainer, which
+# people carry these files to, builds its own ({"params": "auto"} broke its TrainingArguments, issue 29).
 BASE = {
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "auto", "params": "auto"},
     "bf16": {"enabled": True},
 }
 FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,

@@ -38,6 +38,7 @@ class Setup:
     run_dir: Path
     ctx: DistContext
     log: Callable[[str], None]
+    init_from: Path | None = None  # the weights the run starts from instead of model.name_or_path's (--init_from)
 
 
 class Component:

@@ -41,7 +41,7 @@ class Lora(Component):
             raise UserError(f"lora is not supported with {what}: they split the base model's layers that peft wraps; "
                             f"use a ZeRO config (zero3.json shards the frozen base too)")
         location = models.load_config(setup.recipe.model, setup.recipe.train.seq_len)[0]
-        if models.from_scratch(setup.recipe.model, location):
+        if models.from_scratch(setup.recipe.model, location) and setup.init_from is None:
             raise UserError(f"lora.r={self.section.r} on {setup.recipe.model.name_or_path}, which has no weights: the "
                             f"frozen base would be random; point model.name_or_path at a trained model, or set "
                             f"lora.r=0 to train every weight")

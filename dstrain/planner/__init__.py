@@ -110,6 +110,7 @@ def report_measurements(meas) -> str:
              + f"; AdamW {c.adam_elements_per_s / 1e6:,.0f}M elements/s"
              + (f", CPU Adam {c.cpu_adam_elements_per_s / 1e6:,.0f}M/s" if c.cpu_adam_elements_per_s else "")
              + (f", host copies {_rate(c.host_copy_bytes_per_s)}" if c.host_copy_bytes_per_s else ""),
+             *(f"  warning: {note}" for note in c.notes),
              f"  memory: {meas.device_memory / 2**30:.1f} GiB per rank, {meas.host_memory / 2**30:.1f} GiB host RAM "
              f"per node",
              "  collectives (nccl-tests convention: size = full tensor, busbw = algbw x 2(n-1)/n all-reduce, "

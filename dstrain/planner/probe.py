@@ -78,6 +78,7 @@ class Compute:
     copy_bytes_per_s: float = 0.0                    # device memory copies (DeepSpeed's gradient buckets)
     engine_overhead: dict = field(default_factory=dict)  # ZeRO stage -> seconds per micro-batch per parameter
     #                                                   tensor that DeepSpeed's engine adds (hooks, bucket copies)
+    notes: list = field(default_factory=list)        # why a figure is not a plain measurement (said by --plan)
 
     def micro_seconds(self, micro: int, layers: float, checkpointing: bool) -> float:
         """One micro-batch's forward + backward for `layers` decoder layers and the head."""
@@ -188,26 +189,58 @@ def measure_compute(model_config, precision: str, seq_len: int, micro_sizes: lis
     w = torch.finfo(dtype).bits // 8
     fits = parameters and device_memory and parameters * 3 * w < device_memory * 0.3
     depths = (1, full) if fits and full > 1 else (1, 2)
-    for layers in depths:
-        config = copy.deepcopy(model_config)
-        for key in ("num_hidden_layers", "n_layer"):
-            if hasattr(config, key):
-                setattr(config, key, layers)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).train()
-        totals[layers], forwards[layers] = {}, {}
-        for micro in micro_sizes:
-            ids = torch.randint(0, vocab, (micro, seq_len), device=device)
+    layer_params = 0
 
-            batch = {"input_ids": ids, "labels": ids}
-            totals[layers][micro] = _time(partial(_forward_backward, model, batch), 3, 2.0, sync)
-            forwards[layers][micro] = _time(partial(_forward, model, batch), 3, 1.0, sync)
-        del model
-    compute = Compute()
+    def time_depths(repeats: int, budget_s: float) -> None:
+        nonlocal layer_params
+        counts = {}
+        for layers in depths:
+            config = copy.deepcopy(model_config)
+            for key in ("num_hidden_layers", "n_layer"):
+                if hasattr(config, key):
+                    setattr(config, key, layers)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).train()
+            counts[layers] = sum(p.numel() for p in model.parameters())
+            totals.setdefault(layers, {})
+            forwards.setdefault(layers, {})
+            for micro in micro_sizes:
+                ids = torch.randint(0, vocab, (micro, seq_len), device=device)
+                batch = {"input_ids": ids, "labels": ids}
+                # the fastest of the rounds: interference (other processes, the other ranks) only adds time
+                total = _time(partial(_forward_backward, model, batch), repeats, budget_s, sync)
+                forward = _time(partial(_forward, model, batch), repeats, budget_s / 2, sync)
+                totals[layers][micro] = min(totals[layers].get(micro, total), total)
+                forwards[layers][micro] = min(forwards[layers].get(micro, forward), forward)
+            del model
+        layer_params = (counts[depths[1]] - counts[1]) // (depths[1] - 1)
+
     deeper, extra = depths[1], depths[1] - 1
+
+    def per_layer(table: dict) -> dict:
+        return {micro: (table[deeper][micro] - table[1][micro]) / extra for micro in micro_sizes}
+
+    time_depths(3, 2.0)
+    problem = inconsistent_layer_times(per_layer(totals), totals[1])
+    if problem:  # a busy machine: measure again, longer, and keep the faster figures
+        time_depths(7, 4.0)
+        problem = inconsistent_layer_times(per_layer(totals), totals[1])
+    compute = Compute()
+    layer_times, forward_times = per_layer(totals), per_layer(forwards)
+    if problem:
+        # still noise: a layer's time from its FLOPs at the matmul rate measured at the model's own shapes
+        rate = _matmul_rate(model_config, dtype, device, sync, max(micro_sizes) * seq_len)
+        from ..memory import _dims
+        hidden = _dims(model_config)[0]
+        for micro in micro_sizes:
+            flops = micro * seq_len * (6.0 * layer_params + 12.0 * seq_len * hidden)
+            layer_times[micro], forward_times[micro] = flops / rate, flops / rate / 3
+        compute.notes.append(f"one layer's forward+backward was timed inconsistently twice ({problem}; a busy "
+                             f"machine?): layer times are estimated from its FLOPs at the measured matmul rate "
+                             f"instead, and predictions are less certain")
     for micro in micro_sizes:
-        layer = max((totals[deeper][micro] - totals[1][micro]) / extra, 1e-6)
+        layer = max(layer_times[micro], 1e-6)
         compute.layer[str(micro)] = layer
-        compute.layer_forward[str(micro)] = max((forwards[deeper][micro] - forwards[1][micro]) / extra, 1e-6)
+        compute.layer_forward[str(micro)] = max(forward_times[micro], 1e-6)
         compute.rest[str(micro)] = max(totals[1][micro] - layer, 0.0)
     compute.adam_elements_per_s = _adam_rate(device, cpu_adam=False)
     if device.type == "cuda":
@@ -425,6 +458,22 @@ def _collective_seconds(op: str, nbytes: int, ranks: int, group, device, sync) -
     return _time(calls[op], 3, 1.0, sync)
 
 
+def inconsistent_layer_times(layer: dict, whole: dict) -> str | None:
+    """Why per-layer times (micro-batch size -> seconds) cannot be right, or None: a layer lost in the noise of the
+    whole model's time, or a larger micro-batch timed faster than a smaller one (less than 0.8x) or far slower than
+    its extra work explains (more than 2x the proportional time)."""
+    sizes = sorted(layer)
+    for micro in sizes:
+        if layer[micro] <= 0.02 * whole[micro]:
+            return (f"{1e3 * layer[micro]:.2f} ms at micro-batch {micro}, within the noise of the "
+                    f"{1e3 * whole[micro]:.1f} ms of the 1-layer model")
+    for small, large in zip(sizes, sizes[1:]):
+        if layer[large] < 0.8 * layer[small] or layer[large] > 2.0 * (large / small) * layer[small]:
+            return (f"{1e3 * layer[small]:.2f} ms at micro-batch {small} but {1e3 * layer[large]:.2f} ms at "
+                    f"{large}")
+    return None
+
+
 def _slowest(compute: Compute) -> Compute:
     """The slowest rank's compute times and the lowest rates: one all-reduce of a flat vector."""
     if not tdist.is_initialized() or tdist.get_world_size() == 1:
@@ -447,7 +496,7 @@ def _slowest(compute: Compute) -> Compute:
     return Compute({m: values[i] for i, m in enumerate(keys)}, {m: values[n + i] for i, m in enumerate(keys)},
                    {m: values[2 * n + i] for i, m in enumerate(keys)}, adam, cpu_adam, host_copy, matmul,
                    compression={m: values[3 * n + i] for i, m in enumerate(methods)}, copy_bytes_per_s=copies,
-                   engine_overhead={st: values[3 * n + k + i] for i, st in enumerate(stages)})
+                   engine_overhead={st: values[3 * n + k + i] for i, st in enumerate(stages)}, notes=compute.notes)
 
 
 def _memory(ranks_per_node: int) -> tuple[int, int]:

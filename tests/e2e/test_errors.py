@@ -130,6 +130,9 @@ def test_data_and_model_mistakes(cache, tmp_path, data_files):
     fails([f"--data.path={data_files / 'bad_line.jsonl'}"], cache, tmp_path,
           f"dataset file {data_files / 'bad_line.jsonl'} line 3 is not valid JSON")
     fails(["--recipe", str(data_files / "bad.yaml")], cache, tmp_path, "is not valid YAML (line 5, column 1)")
+    # issue 29 item 7: the offline --preflight of a hub recipe did not say that a config alone is enough
+    fails(["--preflight", "--recipe", "llama-3.2-1b/sft.yaml"], cache, tmp_path,
+          "--preflight and --plan need only its config: `hf download meta-llama/Llama-3.2-1B-Instruct config.json")
     # issue 29 item 7: chat data without an assistant turn was told to raise train.seq_len (also at 512)
     line = fails(["--recipe", "tiny/chat_sft", f"--data.path={data_files / 'no_reply.jsonl'}",
                   "--train.seq_len=512"], cache, tmp_path, "has a reply to learn from")

@@ -64,7 +64,25 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     assert cfg["optimizer"]["params"]["betas"] == r.train.betas
     assert parsed.bfloat16_config.enabled == (not name.endswith("_fp16.json"))
     assert parsed.float16_config.enabled == name.endswith("_fp16.json")
-    assert "scheduler" not in cfg  # "auto": dstrain.schedule from the recipe
+    assert "scheduler" not in cfg  # none: dstrain.schedule from the recipe
+
+
+def test_an_auto_scheduler_is_the_recipes_schedule():
+    raw = dict(dsc.load("zero2"), scheduler={"type": "auto", "params": "auto"})
+    assert "scheduler" not in dsc.resolve(raw, recipe(), 2, GPU)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_loads_in_the_hugging_face_trainer(name, tmp_path):
+    """Issue 29 item 7: people carry these JSONs to their own Trainer scripts; {"scheduler": {"params": "auto"}}
+    failed in transformers' fill_match. TrainingArguments fills the "auto" values from its own arguments."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(dsc.DS_CONFIGS_DIR / name), use_cpu=True,
+                             report_to=[], per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    filled = args.hf_deepspeed_config.config
+    assert filled["train_micro_batch_size_per_gpu"] == 2 and filled["gradient_accumulation_steps"] == 3
+    assert filled["optimizer"]["params"]["lr"] == args.learning_rate
 
 
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n.endswith("_fp16.json")])

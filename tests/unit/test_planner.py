@@ -167,3 +167,39 @@ def test_simulated_scaling_is_limited_by_the_slower_network(tmp_path):
     from dstrain.memory import count_parameters
     mfu = per_gpu("ib-hdr")[1] * flops_per_token(config, count_parameters(config), 2048) / 312e12
     assert 0.6 < mfu < simulate.GPUS["a100-80gb"].gemm
+
+
+def test_inconsistent_layer_timings_are_caught():
+    """Issue 29 item 5: on a busy machine --plan timed one layer at 0.00 ms at micro-batch 16 and 383 / 1256 / 17 /
+    99 ms at 1 / 2 / 4 / 8, and used the figures silently."""
+    from dstrain.planner.probe import inconsistent_layer_times
+
+    whole = {1: 0.05, 2: 0.09, 4: 0.17, 8: 0.33, 16: 0.65}
+    seen = {1: 0.383, 2: 1.256, 4: 0.017, 8: 0.099, 16: 0.0}
+    assert "0.00 ms at micro-batch 16" in inconsistent_layer_times(seen, whole)
+    assert "1256.00 ms at micro-batch 2 but 17.00 ms at 4" in inconsistent_layer_times({**seen, 16: 1.0}, whole)
+    assert "at micro-batch 1 but" in inconsistent_layer_times({1: 0.01, 2: 0.05, 4: 0.1}, whole)  # 5x for 2x
+    assert inconsistent_layer_times({1: 0.010, 2: 0.018, 4: 0.035, 8: 0.07, 16: 0.14}, whole) is None
+    assert inconsistent_layer_times({1: 0.010, 2: 0.007}, whole)  # more work, less time
+
+
+def test_noisy_layer_timings_are_measured_again_then_estimated(monkeypatch):
+    import torch
+    from transformers import AutoConfig
+
+    from dstrain.config import REPO_ROOT
+    from dstrain.planner import probe
+
+    calls = []
+    noise = iter([0.5, 0.1] * 100)  # every other call much slower: no consistent difference between depths
+
+    def timed(fn, repeats, budget_s, sync):
+        calls.append(repeats)
+        return next(noise)
+    monkeypatch.setattr(probe, "_time", timed)
+    config = AutoConfig.from_pretrained(REPO_ROOT / "recipes/tiny/model")
+    compute = probe.measure_compute(config, "fp32", 32, [1, 2, 4], torch.device("cpu"))
+    assert 7 in calls, "measured once more, longer"
+    assert compute.notes and "estimated from its FLOPs" in compute.notes[0]
+    layers = [compute.layer[str(m)] for m in (1, 2, 4)]
+    assert layers[0] > 0 and layers[1] == pytest.approx(2 * layers[0]) and layers[2] == pytest.approx(4 * layers[0])
