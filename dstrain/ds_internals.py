@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from . import env
+
 
 def consolidated_16bit_state_dict(engine) -> dict:
     """The full 16-bit weights, gathered: every rank must call it; rank 0 receives the dict. No public API
@@ -152,7 +154,7 @@ def jit_build_key(builder) -> str:
 
     import deepspeed
     parts = [builder.name, deepspeed.__version__, torch.__version__, str(Path(torch.__file__).parent),
-             sysconfig.get_paths().get("include", ""), os.environ.get("CXX", "c++"),
+             sysconfig.get_paths().get("include", ""), env.compiler(),
              [os.path.abspath(builder.deepspeed_src_path(p)) for p in _safe(builder.sources) or []],
              [os.path.abspath(builder.deepspeed_src_path(p)) for p in _safe(builder.include_paths) or []],
              _safe(builder.cxx_args), _safe(builder.extra_ldflags)]
@@ -161,7 +163,6 @@ def jit_build_key(builder) -> str:
 
 def jit_build_dir_root(builder) -> Path:
     """TORCH_EXTENSIONS_DIR for one op: <torch extensions dir>/<op>-<jit_build_key>."""
-    from . import env
     return env.torch_extensions_dir() / f"{builder.name}-{jit_build_key(builder)}"
 
 
@@ -179,19 +180,12 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     said = [say]
 
     def jit_load(self, verbose=True):
-        saved = os.environ.get("TORCH_EXTENSIONS_DIR")
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(jit_build_dir_root(self))
-        try:
+        root = jit_build_dir_root(self)
+        with env.overridden("TORCH_EXTENSIONS_DIR", str(root)):  # torch builds in <root>/<op name>
             if jit_build_needed(self):
-                said[0](f"building DeepSpeed's {self.name} op with the compiler into "
-                        f"{os.environ['TORCH_EXTENSIONS_DIR']}: once per machine and build setting, 1-3 minutes "
-                        f"(`make setup` builds them ahead)")
+                said[0](f"building DeepSpeed's {self.name} op with the compiler into {root}: once per machine and "
+                        f"build setting, 1-3 minutes (`make setup` builds them ahead)")
             return original(self, verbose)
-        finally:
-            if saved is None:
-                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-            else:
-                os.environ["TORCH_EXTENSIONS_DIR"] = saved
     jit_load.dstrain_announces = True
     jit_load.dstrain_say = said
     OpBuilder.jit_load = jit_load

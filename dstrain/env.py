@@ -6,6 +6,8 @@ Writing os.environ elsewhere is fine (dist.init fills in a world of one for plai
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # name -> what it means; README's table is checked against this list by tests/unit/test_package.py
@@ -22,7 +24,9 @@ DOCUMENTED = {
     "DSTRAIN_CACHE": "where tokenized datasets are cached (default ~/.cache/dstrain)",
     "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/faults.py); unset in real runs",
     "WANDB_API_KEY": "with log.wandb=true: log online; without it wandb writes offline runs into the run dir",
-    "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live (stale build locks there are cleared)",
+    "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live, one directory per op and build setting (stale "
+                            "build locks there are cleared)",
+    "CXX": "the C++ compiler DeepSpeed's JIT-built ops are compiled with (part of their build directory's key)",
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
     "SLURM_ARRAY_TASK_MIN": "prepare_data in a SLURM array job: the first task id (0 when absent)",
@@ -79,6 +83,25 @@ def fault_spec() -> str:
 
 def wandb_online() -> bool:
     return bool(_get("WANDB_API_KEY"))
+
+
+def compiler() -> str:
+    return _get("CXX", "c++")
+
+
+@contextmanager
+def overridden(name: str, value: str) -> Iterator[None]:
+    """os.environ[name] = value inside the block, restored (or removed) after it."""
+    assert name in DOCUMENTED, f"{name} is set but not documented in dstrain/env.py"
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def torch_extensions_dir() -> Path:

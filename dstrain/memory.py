@@ -325,13 +325,29 @@ def reset_peak() -> None:
         pass
 
 
+# Below this estimate the measured/estimated ratio of a CPU rank is dominated by fixed per-process costs (issue 29:
+# 2.9-5.1 on the tiny recipe, 0.87-1.24 at 100M parameters where model states dominate)
+SMALL_ESTIMATE = 512 * 2**20
+
+
 def record(path: Path, ctx, baseline: int, setup_peak: int, estimate: Estimate) -> None:
     """Rank 0 writes memory.json: the measured peak of the training phase (train.py resets the mark once the
     model is built and loaded) next to the estimate (bench/memory.py reads it), and the peak of setup."""
     if ctx.is_main:
-        write_measurement(path, baseline, {"estimated_device_bytes": estimate.device_total,
-                                           "estimate": estimate.device,
-                                           "setup_peak_above_baseline_bytes": setup_peak - baseline})
+        measured = peak_bytes() - baseline
+        ratio = measured / estimate.device_total if estimate.device_total else None
+        extra = {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
+                 "setup_peak_above_baseline_bytes": setup_peak - baseline,
+                 "measured_over_estimated": round(ratio, 3) if ratio else None}
+        if not torch.cuda.is_available() and estimate.device_total < SMALL_ESTIMATE:
+            # measured on the tiny recipe: 201 MB above the baseline against 68 MB estimated (2.9x); the gap is
+            # the process's own fixed cost of training, not the model's (see SMALL_ESTIMATE)
+            extra["note"] = (f"the estimate ({estimate.device_total / 2**20:.0f} MiB) is below "
+                             f"{SMALL_ESTIMATE / 2**20:.0f} MiB: what a CPU rank allocates beyond the model's states "
+                             f"(the allocator, library workspaces, evaluation and checkpoint buffers: about 130 MiB "
+                             f"above the estimate on the tiny recipe) dominates, so the ratio says little; at 100M "
+                             f"parameters it was 0.87-1.24 (docs/benchmarks.md)")
+        write_measurement(path, baseline, extra)
 
 
 def write_measurement(path: Path, baseline: int, extra: dict | None = None) -> None:

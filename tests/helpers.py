@@ -167,6 +167,37 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     return losses, model
 
 
+def reference_eval(model, run_dir: Path, data_parallel: int, micro_batch_size: int, max_batches: int | None) -> float:
+    """The eval loss by the documented contract, in plain PyTorch: data-parallel rank r evaluates validation
+    samples r, r + dp, ... (an equal share per rank), in micro-batches, the first max_batches of them; the loss is
+    summed over every label token of every rank and divided by their count."""
+    import datasets
+
+    info = json.loads((run_dir / "run_info.json").read_text())
+    val = datasets.load_from_disk(info["data_cache"])["validation"].with_format("torch")
+    per_rank = len(val) // data_parallel
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for rank in range(data_parallel):
+            idx = list(range(rank, per_rank * data_parallel, data_parallel))
+            batches = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)][:max_batches]
+            for batch in batches:
+                rows = val[batch]
+                input_ids = rows["input_ids"].long()
+                labels = (rows["labels"] if "labels" in rows else rows["input_ids"]).long()
+                if "position_ids" in rows:
+                    logits = model(input_ids=input_ids, position_ids=rows["position_ids"].long(),
+                                   use_cache=False).logits
+                else:
+                    logits = model(input_ids=input_ids, attention_mask=rows.get("attention_mask")).logits
+                target = labels[:, 1:]
+                total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1),
+                                         ignore_index=-100, reduction="sum").item()
+                count += int((target != -100).sum())
+    return total / count
+
+
 def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config: str) -> None:
     """Stop at step 4 (train.exit_at_step), resume, and get the losses of an uninterrupted 10-step run."""
     import pytest

@@ -80,3 +80,31 @@ def test_mix_killed_and_resumed_on_another_data_parallel_size(tmp_path, cache, t
           f"{max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
     assert len(got) == len(want) == 12
     assert got == pytest.approx(want, rel=RTOL)
+
+
+def test_a_mix_reads_its_sources_in_proportion_to_their_weights(corpora):
+    """Issue 29: reversing the weights where prepared.load builds the mix passed every test (the mix was only
+    compared with itself). Here the samples the training stream hands out are traced back to their corpus by
+    content, with the blocks read straight from each corpus's .bin files."""
+    from transformers import AutoTokenizer
+
+    from dstrain import data
+    from dstrain.config import DataConfig
+    from dstrain.data import prepared
+    from dstrain.layout import Layout
+
+    cfg = DataConfig(mix=[{"path": str(corpora[0]), "weight": 0.7}, {"path": str(corpora[1]), "weight": 0.3}])
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "recipes" / "tiny" / "model")
+    train, *_ = prepared.load(cfg, tokenizer, SEQ, lambda line: None)
+    a, b = ({tuple(row) for row in _blocks_from_bin(c).tolist()} for c in corpora)
+    assert not a & b
+    stream = data.TrainStream(train, 4, 2, Layout(1), seed=42)
+    sources = []
+    for step in range(100):
+        for batch in stream.micro_batches(step):
+            for row in batch["input_ids"].tolist():
+                assert (tuple(row) in a) != (tuple(row) in b), "every sample is a block of exactly one corpus"
+                sources.append(int(tuple(row) in b))
+    assert len(sources) == 800
+    for n in (100, 800):
+        assert abs(sum(sources[:n]) / n - 0.3) <= 0.01 + 1 / n, (n, sum(sources[:n]))

@@ -14,7 +14,15 @@ import torch
 from tests.e2e.test_lora import LORA, LORA_ARGS, PARTITIONED
 from tests.e2e.test_lora import LR as LORA_LR
 from tests.e2e.test_vs_reference import COMMON, LR, MIN_LR, RTOL, STEPS, WARMUP, assert_export_matches, run_and_compare
-from tests.helpers import launch, metrics, reference_losses
+from tests.helpers import launch, metrics, reference_eval, reference_losses
+
+
+def assert_eval_matches(run_dir, ref_model, data_parallel: int, max_batches: int | None = 2) -> None:
+    """The last eval loss (through Ulysses' filler rows where a batch is short) against the reference model's."""
+    evals = metrics(run_dir)[1]
+    want = reference_eval(ref_model, run_dir, data_parallel, 4, max_batches)
+    print(f"eval at step {evals[-1]['step']}: {evals[-1]['eval_loss']:.6f} vs reference {want:.6f}")
+    assert evals[-1]["step"] == STEPS and evals[-1]["eval_loss"] == pytest.approx(want, rel=1e-5)
 
 SFT_PACKED = ["--data.path=data/tiny_sft", "--data.format=prompt_response", "--data.packing=true"]
 
@@ -37,6 +45,7 @@ def test_zero3_packed_sft_on_grouped_query_attention_resumed_on_4_ranks(tmp_path
     cfg = json.loads((run_dir / "ds_config.json").read_text())
     assert cfg["train_batch_size"] == 8  # micro 4 x accumulation 1 x data-parallel 2: each sp pair shares samples
     assert_export_matches(run_dir, ref_model, 1e-4, torch.float32)
+    assert_eval_matches(run_dir, ref_model, data_parallel=2)  # evaluated on the final layout (sp 2 x dp 2)
 
 
 def test_zero2_multi_head_chunked_loss_resumes_exactly(tmp_path, cache, tiny_llama_mha):
@@ -44,17 +53,23 @@ def test_zero2_multi_head_chunked_loss_resumes_exactly(tmp_path, cache, tiny_lla
     the 8 losses of the two launches together are the reference's."""
     run_dir = tmp_path / "run"
     args = COMMON + [f"--model.name_or_path={tiny_llama_mha}", "--ds_config", "sp2_zero2.json",
-                     "--train.loss_chunk_tokens=64", "--output_dir", str(run_dir)]
+                     "--train.loss_chunk_tokens=64", "--output_dir", str(run_dir), "--eval.max_batches=null"]
     launch(args + ["--train.exit_at_step=4"], cache)
     launch(args, cache)
     got, _ = metrics(run_dir)
-    want, _ = reference_losses(tiny_llama_mha, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1)
+    want, ref_model = reference_losses(tiny_llama_mha, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1)
     print(f"sp2_zero2 resumed: max relative gap {max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
     assert len(got) == STEPS
     assert got == pytest.approx(want, rel=RTOL)
+    # the whole validation split, whose last batch is short: Ulysses fills it with rows that must count nothing
+    import datasets
+    val = datasets.load_from_disk(json.loads((run_dir / "run_info.json").read_text())["data_cache"])["validation"]
+    assert len(val) % 4, "the filler rows are only exercised by a short last batch"
+    assert_eval_matches(run_dir, ref_model, data_parallel=1, max_batches=None)
 
 
 def test_lora_under_zero3(tmp_path, cache, tiny_llama):
     """peft's adapters partitioned to nothing per rank (persistence threshold 0) and trained over sp slices."""
-    run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json", extra=LORA_ARGS + PARTITIONED, lora=LORA,
-                    lr=LORA_LR, learns=0.1)
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2_zero3.json", extra=LORA_ARGS + PARTITIONED,
+                                         lora=LORA, lr=LORA_LR, learns=0.1)
+    assert_eval_matches(run_dir, ref_model, data_parallel=1)

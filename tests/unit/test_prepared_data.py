@@ -206,6 +206,12 @@ def test_sample_order_past_numpy_size_is_a_lazy_permutation():
     assert isinstance(big.epoch_permutation(0), FeistelPermutation)
     firsts = [big(k) for k in range(1000)]
     assert len(set(firsts)) == 1000 and max(firsts) > LAZY_ABOVE // 2
+    # issue 29: every epoch its own order, keyed by the epoch (a key that ignored it repeated epoch 0 forever)
+    n = LAZY_ABOVE + 1
+    second = [big(k) for k in range(n, n + 1000)]
+    assert second == [FeistelPermutation(n, [9, 1])(i) for i in range(1000)]
+    assert len(set(second)) == 1000 and len(set(second) & set(firsts)) < 10
+    assert [big(k) for k in range(2 * n, 2 * n + 10)] == [FeistelPermutation(n, [9, 2])(i) for i in range(10)]
 
 
 def test_one_writer_tokenizes_a_missing_cache_while_the_others_wait(corpus, tok, tmp_path, monkeypatch):

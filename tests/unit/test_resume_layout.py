@@ -1,6 +1,8 @@
 """resume.adapt_to_world on sequence-parallel checkpoints: the same sp size is required; another data-parallel size
 is served by universal conversion of ZeRO-3's per-rank files only (tests/e2e/test_sequence_parallel.py resumes a
 ZeRO-3 sp run on twice the ranks); ZeRO-0/1/2's files are refused in one line before anything is converted."""
+import re
+
 import pytest
 
 from dstrain.config import TrainConfig
@@ -39,3 +41,47 @@ def test_another_sequence_parallel_size_is_refused(tmp_path):
     plain = checkpoint(tmp_path, [], sequence_parallel=1)
     with pytest.raises(UserError, match="trained with sequence_parallel_size=1 and this run has 2"):
         adapt_to_world(plain, TRAIN, Layout(2, sequence_parallel=2))
+
+
+# Each identity key changed alone (issue 29: every refused case changed several keys at once, so dropping data.path
+# or seq_len from the identity passed): recipe overrides of a base recipe -> the key the refusal must name.
+ONE_KEY_CHANGES = {
+    "model.name_or_path": ["--model.name_or_path=other/model", "--model.tokenizer=recipes/tiny/model"],
+    "model.tokenizer": ["--model.tokenizer=other/tokenizer"],
+    "model.config_overrides": ["--model.config_overrides={rope_theta: 1000.0}"],
+    "data.format": ["--data.format=prompt_response"],
+    "data.path": ["--data.path=other/data"],
+    "data.name": ["--data.name=subset"],
+    "train.seq_len": ["--train.seq_len=64"],
+    "data.text_field": ["--data.text_field=body"],
+    "data.chat_template": ["--data.chat_template=chatml"],
+}
+LORA_KEY_CHANGES = {"lora.r": ["--lora.r=8"], "lora.target_modules": ["--lora.target_modules=[q_proj]"], "lora.quantize": ["--lora.quantize=4bit"]}
+
+
+@pytest.mark.parametrize("key", [*ONE_KEY_CHANGES, *LORA_KEY_CHANGES])
+def test_each_identity_key_alone_refuses_another_run(key, tmp_path):
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.resume import check_same_run, run_identity
+
+    base_args = ["--model.tokenizer=recipes/tiny/model"] + (["--lora.r=4"] if key in LORA_KEY_CHANGES else [])
+    changes = {**ONE_KEY_CHANGES, **LORA_KEY_CHANGES}[key]
+    base = run_identity(load_recipe("tiny/pretrain.yaml", parse_overrides(base_args)).to_dict())
+    changed = run_identity(load_recipe("tiny/pretrain.yaml", parse_overrides(base_args + changes)).to_dict())
+    both = [k for k in changed if k in base]  # a format's own fields come and go with data.format
+    assert [k for k in both if changed[k] != base[k]] == [key], "the case must change exactly one key"
+    run_dir = tmp_path / "run"
+    resume = Resume(run_dir / "checkpoints" / "step_00000003", {"run": base})
+    check_same_run(resume, base, run_dir)  # the same run continues
+    with pytest.raises(UserError, match=rf"holds another run \({re.escape(key)} "):
+        check_same_run(resume, changed, run_dir)
+
+
+def test_every_identity_key_has_a_one_key_case():
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.resume import run_identity
+
+    keys = set(run_identity(load_recipe("tiny/pretrain.yaml", parse_overrides(["--lora.r=4",
+                                                                               "--data.chat_template=chatml"]))
+                            .to_dict()))
+    assert keys <= set(ONE_KEY_CHANGES) | set(LORA_KEY_CHANGES), keys - set(ONE_KEY_CHANGES) - set(LORA_KEY_CHANGES)
