@@ -53,6 +53,8 @@ def init() -> DistContext:
     ctx = env_context()
     if torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)
+    else:
+        share_cores(ctx)
     from .ds_internals import announce_jit_builds  # every rank: they must agree on the op's build directory
     if ctx.is_local_main:
         clear_stale_build_locks()
@@ -70,6 +72,26 @@ def init() -> DistContext:
                         f"free one: deepspeed --master_port N, torchrun --master_port N, or MASTER_PORT=N") from None
     _unlink_shm_buffer(ctx)
     return ctx
+
+
+def share_cores(ctx: DistContext) -> None:
+    """CPU ranks on one node split its cores when OMP_NUM_THREADS is unset. torchrun sets it to 1 and the Makefile
+    to cores / ranks; DeepSpeed's launcher leaves it unset, so each of 2 ranks ran as many threads as the machine
+    has cores: OpenMP threads then wait on each other across ranks, and matmuls ran 5-10x slower (issue 29: a
+    measured peak of 0.018-0.045 TFLOP/s against 0.16-0.30 under torchrun)."""
+    if env.omp_threads():
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    ranks = max(env.ranks_per_node(), 1)
+    per_rank = max(1, cores // ranks)
+    if per_rank < torch.get_num_threads():
+        torch.set_num_threads(per_rank)
+        if ctx.is_main:
+            print(f"OMP_NUM_THREADS is not set: {per_rank} thread(s) per rank for the {ranks} ranks sharing this "
+                  f"node's {cores} cores (set OMP_NUM_THREADS to choose)", file=sys.stderr, flush=True)
 
 
 def shutdown() -> None:

@@ -26,6 +26,8 @@ DOCUMENTED = {
     "WANDB_API_KEY": "with log.wandb=true: log online; without it wandb writes offline runs into the run dir",
     "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live, one directory per op and build setting (stale "
                             "build locks there are cleared)",
+    "OMP_NUM_THREADS": "threads per CPU rank; when unset, ranks sharing a node split its cores (DeepSpeed's launcher "
+                       "leaves it unset, and 2 ranks x all cores each ran matmuls 5-10x slower)",
     "CXX": "the C++ compiler DeepSpeed's JIT-built ops are compiled with (part of their build directory's key)",
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
@@ -83,6 +85,10 @@ def fault_spec() -> str:
 
 def wandb_online() -> bool:
     return bool(_get("WANDB_API_KEY"))
+
+
+def omp_threads() -> str:
+    return _get("OMP_NUM_THREADS")
 
 
 def compiler() -> str:

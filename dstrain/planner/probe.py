@@ -135,18 +135,29 @@ def measure(model_config, precision: str, seq_len: int, micro_sizes: list[int], 
     """Every rank takes part; rank 0 returns the joined figures (other ranks too, identical)."""
     began = time.perf_counter()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    phase = [time.perf_counter()]
+
+    def done(what: str) -> None:  # every phase says when it ends and what it took: no silent minutes
+        now = time.perf_counter()
+        log(f"plan: {what} in {now - phase[0]:.1f} s")
+        phase[0] = now
+
     log(f"plan: measuring compute at micro-batch sizes {', '.join(map(str, micro_sizes))} x {seq_len} tokens")
     memory, host = _memory(ranks_per_node)
     compute = measure_compute(model_config, precision, seq_len, micro_sizes, device, parameters, memory)
-    log("plan: measuring collectives")
+    done("compute measured")
+    log(f"plan: measuring collectives up to {max_bytes / MB:,.0f} MiB")
     links = measure_links(ctx.world_size, ctx.rank, ranks_per_node, device, max_bytes, op_budget_s)
+    done("collectives measured")
     if compressed_shapes[0]:
         compute.compression = measure_compression(*compressed_shapes, embedding_shapes, ctx.world_size, ctx.rank,
                                                   device)
+        done("gradient compression measured")
     if stages and ctx.world_size > 1:
         log(f"plan: measuring DeepSpeed's own cost per micro-batch under ZeRO-{', '.join(map(str, stages))}")
         compute.engine_overhead = measure_engine_overhead(model_config, precision, seq_len, micro_sizes, device,
                                                           stages)
+        done("DeepSpeed's cost measured")
     compute = _slowest(compute)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return Measurements(name, precision, ctx.world_size, ranks_per_node, compute, links, memory, host,

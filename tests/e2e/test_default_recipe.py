@@ -66,9 +66,9 @@ def test_default_recipe_learns_and_reports(default_run):
     assert summary["final_eval_loss"] == last["eval_loss"] and summary["tokens"] == sum(r["tokens"] for r in steps)
     assert summary["export"] == str(run / "hf") and summary["checkpoint"].endswith("step_00000150")
     assert 0 < summary["wall_s"] and summary["median_tokens_per_s"] > 0
-    tail = proc.stderr.rstrip().splitlines()[-8:]
-    assert tail[0].startswith("run finished: step 150 of 150") and tail[-1].endswith("summary.json"), tail
-    assert len(proc.stderr.splitlines()[-30:][-1]) < 200
+    lines = proc.stderr.rstrip().splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("run finished: step 150 of 150"))
+    assert len(lines) - start <= 7 and lines[-1].endswith("summary.json"), lines[-10:]  # the run's last words
     assert (run / "hf" / "model.safetensors").stat().st_mode & 0o044 == 0o044, "the export must be readable"
     # memory.json: the ratio, and on a model this small a note that it says little (issue 29: 2.9-5.1 unexplained)
     memory = json.loads((run / "memory.json").read_text())
