@@ -59,6 +59,18 @@ def _section_models() -> dict[str, Any]:
     }
 
 
+def _sections(cfg: dict) -> list[tuple[str, Any, dict]]:
+    """(dotted name, DeepSpeed's pydantic model, the section) for each validated section the config has."""
+    out = []
+    for dotted, model in _section_models().items():
+        node: Any = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            out.append((dotted, model, node))
+    return out
+
+
 def _model_keys(model: Any) -> set[str]:
     keys = set()
     for name, info in model.model_fields.items():
@@ -81,12 +93,7 @@ def validate_keys(cfg: dict) -> None:
     for key in cfg.get("pipeline") or {}:
         if key not in PIPELINE_KEYS:
             raise UserError(f"unknown DeepSpeed config key 'pipeline.{key}'{closest(key, PIPELINE_KEYS)}")
-    for dotted, model in _section_models().items():
-        node: Any = cfg
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            continue
+    for dotted, model, node in _sections(cfg):
         valid = _model_keys(model)
         for key in node:
             if key not in valid:
@@ -318,12 +325,7 @@ def validate_values(cfg: dict) -> None:
     launch/ scripts retry). One line names the key, the value and what DeepSpeed expects."""
     import pydantic
 
-    for dotted, model in _section_models().items():
-        node: Any = cfg
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            continue
+    for dotted, model, node in _sections(cfg):
         try:
             model(**node)
         except pydantic.ValidationError as error:

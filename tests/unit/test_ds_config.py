@@ -207,3 +207,16 @@ def test_sequence_parallel_combinations_are_checked_before_deepspeed_asserts():
     with pytest.raises(UserError, match=re.escape("world size 4 is not divisible by pipeline stages (1) x "
                                                   "tensor-parallel size (1) x sequence-parallel size (3)")):
         dsc.resolve(dsc.load("zero2.json") | {"sequence_parallel_size": 3}, recipe(), 4, CPU)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage=4 is not valid: Input should be 0, 1, 2, 3"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+     r"zero_optimization.offload_optimizer.device='gpu' is not valid"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
+])
+def test_deepspeeds_own_value_checks_are_part_of_validation(override, message):
+    """Issue 29 item 4: these failed inside deepspeed.initialize, after the run directory was written."""
+    from dstrain.config import merge
+    with pytest.raises(UserError, match=message):
+        dsc.resolve(merge(dsc.load("zero2"), override), recipe(), 2, GPU)
