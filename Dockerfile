@@ -54,7 +54,7 @@ RUN python3 -m venv --system-site-packages "$VIRTUAL_ENV" \
 COPY scripts/prebuild_ops.py scripts/
 COPY dstrain/env.py dstrain/ds_internals.py dstrain/
 RUN DS_ACCELERATOR=$(python -c "import torch; print('cuda' if torch.version.cuda else 'cpu')") \
-    python scripts/prebuild_ops.py ${DS_PREBUILD_OPS}
+    PYTHONPATH=/workspace/dstrain python scripts/prebuild_ops.py ${DS_PREBUILD_OPS}
 
 COPY . .
 # docker stop sends SIGTERM to the CMD: launch/single_node.sh passes it to the ranks (checkpoint, exit 75);

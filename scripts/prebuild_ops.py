@@ -5,12 +5,10 @@
 Used by the Dockerfile. An op the accelerator does not offer (FusedAdam on CPU) is skipped with a line.
 """
 import sys
-from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dstrain (the Dockerfile installs none)
-from dstrain.ds_internals import announce_jit_builds  # noqa: E402
+from dstrain.ds_internals import announce_jit_builds  # the Dockerfile, which installs no dstrain, sets PYTHONPATH
 
 
 def main(names: list[str]) -> None:
