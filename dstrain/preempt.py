@@ -18,7 +18,6 @@ run resumes from the checkpoint (--resume auto).
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from . import env
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:  # dist imports torch (seconds): this module is imported first, to see the launchers early
@@ -163,7 +163,7 @@ def launchers() -> list[Launcher]:
 
 
 # Taken at import (train.py imports this module first thing under a launcher), before seconds of model building.
-LAUNCHERS: list[Launcher] | None = launchers() if "LOCAL_RANK" in os.environ else None
+LAUNCHERS: list[Launcher] | None = launchers() if env.launched() else None
 
 
 def signal_ranks(root: int, signum: int = signal.SIGTERM) -> int:
