@@ -4,7 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
+
+# a side-by-side speed measurement: run alone (make test runs `serial` tests after the parallel part)
+pytestmark = pytest.mark.serial
 
 
 def test_speed_bench_runs_both_sides_on_the_same_job(tmp_path):

@@ -11,7 +11,12 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from tests.helpers import BIN, ROOT, env, free_port, kill_tree
+
+# loads the machine on purpose and measures under that load: run alone
+pytestmark = pytest.mark.serial
 
 SPIN = "import time\nend = time.time() + 600\nwhile time.time() < end: pass\n"
 

@@ -12,6 +12,9 @@ import pytest
 
 from tests.helpers import ROOT, env, launch
 
+# measures compute and links and checks the prediction's scale: run alone
+pytestmark = pytest.mark.serial
+
 COMMON = ["--recipe", "recipes/tiny/pretrain.yaml", "--train.precision=fp32", "--log.wandb=false"]
 
 
