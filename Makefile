@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -78,6 +78,14 @@ test: system-deps $(VENV)/.installed
 
 test-fast: lint
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+# the documentation site (mkdocs.yml): reference pages regenerated from the code, then built with --strict
+docs: setup
+	$(PY) scripts/gen_reference_docs.py
+	$(VENV)/bin/mkdocs build --strict -q
+
+docs-serve: docs
+	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 # side-by-side measurements, printed and written to docs/benchmarks.md (BENCH_ARGS="--preset large" for a bigger job)
 BENCH_ARGS ?=

@@ -312,7 +312,7 @@ def main() -> None:
     gpus = gpu_count()
     ranks = gpus or 2
     if not gpus and preset["precision"] == "bf16":
-        preset["precision"] = "fp32"  # the CPU accelerator emulates bf16 (README, "Precision")
+        preset["precision"] = "fp32"  # the CPU accelerator emulates bf16 (docs/strategies.md, "Precision")
     if preset["steps"] <= args.skip + 1:
         raise SystemExit(f"--steps must exceed --skip + 1 ({args.skip + 1})")
 

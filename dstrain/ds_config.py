@@ -157,7 +157,7 @@ def _precision(cfg: dict, recipe: Recipe, caps: DeviceCaps) -> str:
     if wanted == "auto":
         wanted = "bf16" if bf16 in (True, "auto") else "fp16" if fp16 in (True, "auto") else "fp32"
         if wanted == "bf16" and caps.name == "cpu":
-            # The CPU accelerator emulates bf16: measured ~10x slower than fp32 here (README, "Precision").
+            # The CPU accelerator emulates bf16: measured ~10x slower than fp32 here (docs/strategies.md, "Precision").
             wanted = "fp32"
     if wanted == "fp16" and not caps.fp16:
         raise UserError(f"fp16 is not supported on this device ({caps.name}); use a bf16 config such as "

@@ -1,4 +1,5 @@
-"""Every environment variable dstrain reads, read here and nowhere else (README, "Environment variables").
+"""Every environment variable dstrain reads, read here and nowhere else (docs/reference/environment.md is
+generated from DOCUMENTED).
 
 Launchers (deepspeed, torchrun, srun via launch/, accelerate) set the rank variables; users set the rest.
 Writing os.environ elsewhere is fine (dist.init fills in a world of one for plain `python train.py`).
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-# name -> what it means; README's table is checked against this list by tests/unit/test_package.py
+# name -> what it means; docs/reference/environment.md's table is generated from it (scripts/gen_reference_docs.py)
 DOCUMENTED = {
     "RANK": "this process's global rank (set by the launcher; 0 when absent)",
     "LOCAL_RANK": "this process's rank on its node (set by the launcher)",
@@ -24,8 +25,9 @@ DOCUMENTED = {
     "DSTRAIN_CACHE": "where tokenized datasets are cached (default ~/.cache/dstrain)",
     "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/faults.py); unset in real runs",
     "WANDB_API_KEY": "with log.wandb=true: log online; without it wandb writes offline runs into the run dir",
-    "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live, one directory per op and build setting (stale "
-                            "build locks there are cleared)",
+    "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live, one directory per op and build setting "
+                            "(`<op>-<key>`: two environments never rebuild each other's op); stale build locks there "
+                            "are cleared at start",
     "OMP_NUM_THREADS": "threads per CPU rank; when unset, ranks sharing a node split its cores (DeepSpeed's launcher "
                        "leaves it unset, and 2 ranks x all cores each ran matmuls 5-10x slower)",
     "CXX": "the C++ compiler DeepSpeed's JIT-built ops are compiled with (part of their build directory's key)",

@@ -5,6 +5,8 @@ import glob
 import json
 import math
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -16,6 +18,45 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+
+def doc_commands(pages: list[Path] | None = None) -> list[tuple[str, str]]:
+    """(where, command) for each command line in the pages' ```bash blocks: continuation lines joined, the
+    trailing comment dropped."""
+    found = []
+    for page in pages or [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        lines, in_bash, pending = page.read_text().splitlines(), False, ""
+        for number, line in enumerate(lines, 1):
+            if line.startswith("```"):
+                in_bash = not in_bash and line.strip() in ("```bash", "```sh")
+                continue
+            if not in_bash:
+                continue
+            text = pending + line.strip()
+            if text.endswith("\\"):
+                pending = text[:-1] + " "
+                continue
+            pending = ""
+            command = re.sub(r"\s+#.*$", "", text).strip()
+            if command and not command.startswith("#"):
+                found.append((f"{page.relative_to(ROOT)}:{number}", command))
+    return found
+
+
+def train_argv(command: str) -> list[str] | None:
+    """The arguments after train.py of a `... train.py ...` command (env assignments, launcher flags dropped)."""
+    words = shlex.split(command.split("&&")[-1])
+    return words[words.index("train.py") + 1:] if "train.py" in words else None
+
+
+
+def readme_command(*words: str) -> list[str]:
+    """The arguments after train.py of the one README command containing every word: tests run the README's
+    commands as written (plus their own --output_dir and logging), so an edited command is what is tested."""
+    found = [train_argv(c) for where, c in doc_commands([ROOT / "README.md"])
+             if all(w in c for w in words) and train_argv(c) is not None]
+    assert len(found) == 1, f"README has {len(found)} train.py commands with {words}"
+    return found[0]
 
 
 def free_port() -> int:

@@ -5,14 +5,16 @@ import json
 import pytest
 from PIL import Image
 
-from tests.helpers import launch, metrics
+from tests.helpers import launch, metrics, readme_command
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory, cache):
+    """The README's first command (the default recipe under ZeRO-3), as written."""
     run = tmp_path_factory.mktemp("default") / "run"
     # wandb on (offline here), TensorBoard on
-    return run, launch(["--ds_config", "zero3.json", "--output_dir", str(run), "--log.tensorboard=true"], cache)
+    return run, launch(readme_command("--ds_config zero3.json") + ["--output_dir", str(run),
+                                                                  "--log.tensorboard=true"], cache)
 
 
 def test_default_recipe_learns_and_reports(default_run):
@@ -80,11 +82,12 @@ def test_default_recipe_learns_and_reports(default_run):
     assert proc.stderr.count("step 0: eval_loss=") == 1
 
 
-@pytest.mark.parametrize("recipe", ["tiny/sft.yaml", "tiny/chat_sft.yaml"])
+@pytest.mark.parametrize("recipe", ["tiny/sft", "tiny/chat_sft"])
 def test_sft_recipes_learn(tmp_path, cache, recipe):
+    """The README's SFT commands, as written."""
     run = tmp_path / "run"
-    launch(["--recipe", recipe, "--output_dir", str(run), "--train.max_steps=40", "--eval.every=0",
-            "--log.wandb=false"], cache)
+    command = readme_command(f"--recipe {recipe} ", "--train.max_steps=40")  # 40 steps: enough to see it learn
+    launch(command + ["--output_dir", str(run), "--eval.every=0", "--log.wandb=false"], cache)
     _, evals = metrics(run)
     print(f"{recipe}: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.3f}")
     assert evals[-1]["eval_loss"] < 0.6 * evals[0]["eval_loss"]
@@ -94,8 +97,8 @@ def test_tiny_lora_recipe_on_the_default_runs_export(tmp_path, cache, default_ru
     """The README's LoRA walk-through: `make train`, then tiny/lora_chat_sft.yaml on its hf/ (the recipe names
     runs/tiny-pretrain/hf; here the default run lives elsewhere). Adapters on chat data must learn."""
     run = tmp_path / "run"
-    proc = launch(["--recipe", "tiny/lora_chat_sft.yaml", f"--model.name_or_path={default_run[0] / 'hf'}",
-                   "--output_dir", str(run), "--log.wandb=false"], cache)
+    proc = launch(readme_command("tiny/lora_chat_sft") + [f"--model.name_or_path={default_run[0] / 'hf'}",
+                                                          "--output_dir", str(run), "--log.wandb=false"], cache)
     _, evals = metrics(run)
     print(f"tiny LoRA recipe: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.3f}")
     assert evals[-1]["eval_loss"] < 0.8 * evals[0]["eval_loss"]

@@ -103,28 +103,3 @@ def test_not_found_errors_stay_short():
     assert len(str(err.value)) < 160 and "(ls ds_configs)" in str(err.value), str(err.value)
 
 
-def test_readme_documents_exactly_the_recipe_keys():
-    """Issue 16: every documented key exists and every existing key is documented (the Recipes table)."""
-    import dataclasses
-    import re
-
-    from dstrain.config import REPO_ROOT, Recipe
-
-    def keys(cls, prefix=""):
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-                yield from keys(f.default_factory, f"{prefix}{f.name}.")
-            else:
-                yield f"{prefix}{f.name}"
-
-    readme = (REPO_ROOT / "README.md").read_text()
-    table = readme[readme.index("## Recipes"):readme.index("Shipped recipes:")]
-    documented = set()
-    for row in table.splitlines():
-        if not row.startswith("| `") and not row.startswith("| **`"):
-            continue
-        names = re.findall(r"`([a-z_.]+)`", row.split("|")[1])
-        section = names[0].rpartition(".")[0]
-        documented |= {n if "." in n or not section else f"{section}.{n}" for n in names}
-    assert documented == set(keys(Recipe)), (sorted(documented - set(keys(Recipe))),
-                                             sorted(set(keys(Recipe)) - documented))

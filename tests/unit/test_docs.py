@@ -1,0 +1,118 @@
+"""The documentation cannot rot: the reference pages are the code's, the site builds with --strict, the README
+stays short, and every command the pages show is checked as written (the runnable ones are launched by
+tests/e2e/test_default_recipe.py::test_readme_tour_runs_as_written)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dstrain import config, env, errors
+from tests.helpers import ROOT, doc_commands, train_argv
+
+
+def test_reference_pages_are_generated_fresh():
+    proc = subprocess.run([sys.executable, "scripts/gen_reference_docs.py", "--check"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_recipe_key_and_environment_variable_and_exit_code_is_in_the_reference():
+    import dataclasses
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+                yield from keys(f.default_factory, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+
+    page = (ROOT / "docs/reference/recipe-keys.md").read_text()
+    rows = set(re.findall(r"^\| `([a-z_.]+)` \|", page, re.M))
+    assert rows == set(keys(config.Recipe))
+    assert all(not row.endswith("|  |") for row in page.splitlines()), "a key without a meaning"
+    page = (ROOT / "docs/reference/environment.md").read_text()
+    assert [name for name in env.DOCUMENTED if f"| `{name}` |" not in page] == []
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_") and isinstance(v, int)}
+    assert codes == set(errors.EXIT_CODES) and all(f"| {code} |" in page for code in codes)
+
+
+def test_an_undocumented_recipe_key_stops_the_generator(tmp_path, monkeypatch):
+    """A key added without its comment must not reach the page as an empty cell."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts/gen_reference_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    source = Path(config.__file__).read_text().replace(
+        "    seed: int = 42  # model init, data order, validation carve-out\n", "    seed: int = 42\n")
+    assert source != Path(config.__file__).read_text()
+    monkeypatch.setattr(gen.Path, "read_text", lambda self, *a, **k: source)
+    with pytest.raises(AssertionError, match="TrainConfig.seed has no comment"):
+        gen.recipe_keys()
+
+
+def test_readme_is_short_and_links_into_the_docs():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 12 * 1024
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert [link for link in links if not link.startswith("http") and not (ROOT / link).exists()] == []
+    for must in ("make train", "make test", "--lora.r", "--preflight", "--plan", "multi_node.sh", "slurm.sbatch",
+                 "docker build"):
+        assert must in readme, must
+
+
+def test_docs_site_builds_strict(tmp_path):
+    """mkdocs --strict: a broken link, anchor or snippet, or a page missing from the nav, fails."""
+    proc = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-q", "-d",
+                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "recipe-keys" / "index.html").exists()
+
+
+COMMANDS = doc_commands()
+
+
+def test_the_pages_show_commands():
+    where = {w.split(":")[0] for w, _ in COMMANDS}
+    assert {"README.md", "docs/getting-started.md", "docs/clusters.md", "docs/fine-tuning.md"} <= where
+    assert sum(train_argv(c) is not None for _, c in COMMANDS) >= 15
+
+
+@pytest.mark.parametrize("where,command", [c for c in COMMANDS if train_argv(c[1]) is not None],
+                         ids=[w for w, c in COMMANDS if train_argv(c) is not None])
+def test_every_train_command_in_the_docs_parses_as_written(where, command, monkeypatch):
+    """Each `train.py` command a page shows: its flags, recipe, recipe keys, DeepSpeed config and --ds. keys are
+    checked by the code train.py runs first (a renamed key or recipe in the code fails here, with the page line).
+    Placeholders (R, ..., [optional]) are left alone."""
+    from dstrain import cli, ds_config
+    argv = train_argv(command)
+    if any(word in ("R", "...", "H") or word.startswith("[") for word in argv):
+        pytest.skip("a template, not a command")
+    monkeypatch.chdir(ROOT)
+    args, recipe, ds_overrides = cli.load_inputs(argv)
+    cfg = ds_config.load(recipe.ds_config, ds_overrides)
+    ds_config.validate_keys(cfg)
+    ds_config.validate_values(cfg)
+
+
+@pytest.mark.parametrize("where,command", [c for c in COMMANDS if train_argv(c[1]) is None],
+                         ids=[w for w, c in COMMANDS if train_argv(c) is None])
+def test_every_other_command_names_what_exists(where, command):
+    """make targets, launch/ scripts and python -m modules the pages name exist (the real runs of them are in
+    tests/cluster and tests/e2e)."""
+    words = shlex.split(command.replace("&&", " "))
+    makefile = (ROOT / "Makefile").read_text()
+    for i, word in enumerate(words):
+        if word == "make" and i + 1 < len(words) and not words[i + 1].startswith("-"):
+            assert re.search(rf"^{re.escape(words[i + 1])}:", makefile, re.M), f"no make target {words[i + 1]}"
+        if word.startswith("launch/") or word.startswith("scripts/") or word.startswith("bench/"):
+            assert (ROOT / word).exists(), f"{word} does not exist"
+        if word == "-m" and words[i + 1].startswith("dstrain."):
+            module = words[i + 1].replace(".", "/")
+            assert (ROOT / f"{module}.py").exists() or (ROOT / module).is_dir(), f"no module {words[i + 1]}"
