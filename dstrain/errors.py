@@ -11,8 +11,9 @@ from collections.abc import Iterable
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
-EXIT_SAVE_FAILED = 74  # EX_IOERR
-EXIT_STOPPED = 75  # EX_TEMPFAIL
+# 74 and 75 are sysexits.h's EX_IOERR and EX_TEMPFAIL
+EXIT_SAVE_FAILED = 74
+EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
 
 EXIT_CODES = {
