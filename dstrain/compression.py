@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import ds_internals
 from .errors import UserError, closest
-from .layout import Layout
+from .layout import Layout, parallel_sizes
 
 KEY = "gradient_compression"
 SIGN_BLOCK = 128  # sign: elements sharing one scale (1/8 + 4/128 bytes per element: 25.6x less than fp32)
@@ -91,9 +91,7 @@ def check_combination(cfg: dict, compression: CompressionConfig) -> None:
     if stage > 1:
         raise UserError(f"{KEY} works with ZeRO stage 0 or 1, but this config uses ZeRO-{stage} (it reduce-scatters "
                         f"gradients during backward); {fix}")
-    if int((cfg.get("pipeline") or {}).get("stages", 1) or 1) > 1 or \
-            int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) > 1 or \
-            int(cfg.get("sequence_parallel_size", 1) or 1) > 1:
+    if parallel_sizes(cfg).model > 1:
         raise UserError(f"{KEY} works with data parallelism only, not with pipeline stages, tensor or sequence "
                         f"parallelism; remove '{KEY}' or the pipeline / tensor_parallel / sequence_parallel_size key")
     if any(((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")):

@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import REPO_ROOT, Recipe, find_file, merge
 from .errors import UserError, closest
-from .layout import Layout
+from .layout import Layout, parallel_sizes
 
 DS_CONFIGS_DIR = REPO_ROOT / "ds_configs"
 
@@ -243,15 +243,12 @@ def zero3_sizes(hidden_size: int) -> dict:
 
 def check_sequence_parallel(cfg: dict) -> None:
     """Ulysses sequence parallelism (sequence_parallel_size) combines with ZeRO-0/1/2/3 and offload only."""
-    sp = cfg.get("sequence_parallel_size", 1)
-    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        raise UserError(f"sequence_parallel_size={sp!r} must be a positive integer (the ranks that share each "
-                        f"sequence); use e.g. 2, or 1 for none")
+    sizes = parallel_sizes(cfg)
+    sp = sizes.sequence
     if sp == 1:
         return
-    for section, key, what in (("pipeline", "stages", "pipeline stages"),
-                               ("tensor_parallel", "autotp_size", "tensor parallelism (AutoTP)")):
-        if int((cfg.get(section) or {}).get(key, 1) or 1) > 1:
+    for size, what in ((sizes.pipeline, "pipeline stages"), (sizes.tensor, "tensor parallelism (AutoTP)")):
+        if size > 1:
             raise UserError(f"sequence_parallel_size={sp} together with {what} is not supported (DeepSpeed's Ulysses "
                             f"groups assume data x sequence parallelism only); remove one of the two")
 

@@ -20,6 +20,33 @@ from .errors import UserError
 
 
 @dataclass(frozen=True)
+class ParallelSizes:
+    """The model-parallel sizes a DeepSpeed JSON asks for (data parallelism is what the world leaves)."""
+    pipeline: int = 1  # pipeline.stages
+    tensor: int = 1  # tensor_parallel.autotp_size (AutoTP)
+    sequence: int = 1  # sequence_parallel_size (Ulysses)
+
+    @property
+    def model(self) -> int:
+        return self.pipeline * self.tensor * self.sequence
+
+
+def parallel_sizes(cfg: dict) -> ParallelSizes:
+    """The one reader of the parallel sizes in a DeepSpeed JSON: every other module asks this or a Layout.
+    A size that is not a positive integer is a UserError naming the key."""
+    sizes = {}
+    for name, section, key in (("pipeline", "pipeline", "stages"), ("tensor", "tensor_parallel", "autotp_size"),
+                               ("sequence", None, "sequence_parallel_size")):
+        value = (cfg.get(section) or {}).get(key, 1) if section else cfg.get(key, 1)
+        value = 1 if value is None else value
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            where = f"{section}.{key}" if section else key
+            raise UserError(f"{where}={value!r} must be a positive integer; use e.g. 2, or 1 for none")
+        sizes[name] = value
+    return ParallelSizes(**sizes)
+
+
+@dataclass(frozen=True)
 class Layout:
     world_size: int
     pipeline_stages: int = 1
@@ -42,10 +69,8 @@ class Layout:
 
     @classmethod
     def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0) -> Layout:
-        stages = int((cfg.get("pipeline") or {}).get("stages", 1) or 1)
-        tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-        sp = int(cfg.get("sequence_parallel_size", 1) or 1)
-        return cls(world_size, stages, tp, sp, rank)
+        sizes = parallel_sizes(cfg)
+        return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank)
 
     @property
     def model_parallel(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from .config import ModelConfig, TrainConfig, local_or_hub
 from .errors import UserError, closest
+from .layout import parallel_sizes
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -116,7 +117,7 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kw
     from transformers.integrations import HfDeepSpeedConfig
 
     location, config = load_config(cfg, train.seq_len)
-    check_tensor_parallel(config, int((ds_cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1))
+    check_tensor_parallel(config, parallel_sizes(ds_cfg).tensor)
     zero3 = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
     hf_ds_config = HfDeepSpeedConfig(ds_cfg) if zero3 else None  # transformers now builds under zero.Init
     kwargs = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import UserError
+from .layout import parallel_sizes
 
 # model_type -> adapter name. Qwen2/3 and Mistral share Llama's layout (embed_tokens, layers, norm, rotary_emb).
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
@@ -149,12 +150,13 @@ def convert(model: nn.Module, stages: int, partition_method: str, activation_che
 
 def check_combination(cfg: dict) -> None:
     """Reject what DeepSpeed's pipeline engine cannot do, before anything is built."""
-    stages = int((cfg.get("pipeline") or {}).get("stages", 1) or 1)
+    sizes = parallel_sizes(cfg)
+    stages = sizes.pipeline
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     if stages > 1 and stage > 1:
         raise UserError(f"pipeline stages ({stages}) work with ZeRO stage 0 or 1, not {stage}; use ds_configs/"
                         f"pipe2_zero1.json or set zero_optimization.stage to 1")
-    if stages > 1 and int((cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1) > 1:
+    if stages > 1 and sizes.tensor > 1:
         raise UserError("pipeline stages together with tensor_parallel.autotp_size are not supported; use one")
 
 

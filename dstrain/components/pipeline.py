@@ -4,6 +4,7 @@ from __future__ import annotations
 from .. import pipeline
 from ..checkpoint import write_pipeline_names
 from ..errors import UserError
+from ..layout import parallel_sizes
 from . import Component, Setup
 
 
@@ -29,5 +30,5 @@ class Pipeline(Component):
 
 
 def make(raw_ds: dict) -> Pipeline | None:
-    stages = int((raw_ds.get("pipeline") or {}).get("stages", 1) or 1)
+    stages = parallel_sizes(raw_ds).pipeline
     return Pipeline(stages) if stages > 1 else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..layout import parallel_sizes
 from . import Component, Setup
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -111,5 +112,5 @@ def packed_sdpa(sdpa):
 
 
 def make(raw_ds: dict) -> SequenceParallel | None:
-    size = int(raw_ds.get("sequence_parallel_size", 1) or 1)
+    size = parallel_sizes(raw_ds).sequence
     return SequenceParallel(size) if size > 1 else None

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ..errors import EXIT_OK, UserError
+from ..layout import parallel_sizes
 
 
 def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
@@ -32,9 +33,9 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
     if args.trial is not None and args.trial < 1:
         raise UserError(f"--trial {args.trial}: give the number of top candidates to run (1 or more)")
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
-    if int(raw_ds.get("sequence_parallel_size", 1) or 1) > 1:  # no candidate, probe or cost term for it yet
+    if parallel_sizes(raw_ds).sequence > 1:  # no candidate, probe or cost term for it yet
         raise UserError(f"--plan does not model sequence parallelism yet (sequence_parallel_size="
-                        f"{raw_ds['sequence_parallel_size']}); plan with a ZeRO config, or use --preflight for memory")
+                        f"{parallel_sizes(raw_ds).sequence}); plan with a ZeRO config, or use --preflight for memory")
     model_config = load_config(recipe.model, recipe.train.seq_len)[1]
     run_dir = cli.prepare_run_dir(cli.run_dir_of(args))
 

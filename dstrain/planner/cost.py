@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
-from ..layout import Layout
+from ..layout import Layout, parallel_sizes
 from .probe import Measurements
 
 ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json",
@@ -52,8 +52,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        tp = int((self.ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
-        pp = int((self.ds.get("pipeline") or {}).get("stages", 1) or 1)
+        sizes = parallel_sizes(self.ds)
+        tp, pp = sizes.tensor, sizes.pipeline
         base = self.config.removesuffix(".json")
         if tp > 1 and not base.startswith(f"tp{tp}"):
             base = f"tp{tp}_" + base.split("_", 1)[-1]
@@ -469,7 +469,7 @@ def remedy(ds_cfg: dict, recipe: dict) -> str:
                f"try --ds_config zero1.json if it fits (train.py --preflight says)")
     elif stage == 3:
         tip = "ZeRO-3 gathers every parameter twice per micro-batch: try zero2.json if it fits (--preflight says)"
-    elif not ds_cfg.get("gradient_compression") and int((ds_cfg.get("pipeline") or {}).get("stages", 1) or 1) == 1:
+    elif not ds_cfg.get("gradient_compression") and parallel_sizes(ds_cfg).pipeline == 1:
         tip = ("gradient compression sends ~30x fewer gradient bytes: try --ds_config zero1_powersgd.json, or raise "
                "train.grad_accum_steps (a larger global batch sends the same bytes once per step)")
     else:

@@ -69,3 +69,23 @@ def test_sequence_parallel_groups_are_consecutive_ranks():
     x = layouts[0]
     assert (x.data_parallel, x.samples_shared_by, x.token_replicas, x.zero_shards) == (2, 4, 1, 8)
     assert x.gradients_averaged_over == 2 and x.describe().endswith("x sequence-parallel 4")
+
+
+def test_the_layout_is_the_only_reader_of_the_parallel_sizes():
+    """Issue 30: the sizes were parsed from the DeepSpeed JSON in eight places; now layout.parallel_sizes only."""
+    import re
+    from pathlib import Path
+
+    from dstrain.layout import parallel_sizes
+    root = Path(__file__).resolve().parents[2]
+    reads = re.compile(r"""\.get\(\s*["'](stages|autotp_size|sequence_parallel_size)["']""")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in [*(root / "dstrain").rglob("*.py"), root / "train.py"]
+                 if p.name != "layout.py" for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    assert offenders == []
+    sizes = parallel_sizes({"pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": None}})
+    assert (sizes.pipeline, sizes.tensor, sizes.sequence, sizes.model) == (2, 1, 1, 2)
+    for bad, key in (({"sequence_parallel_size": 0}, "sequence_parallel_size=0"),
+                     ({"pipeline": {"stages": "2"}}, "pipeline.stages='2'"),
+                     ({"tensor_parallel": {"autotp_size": True}}, "tensor_parallel.autotp_size=True")):
+        with pytest.raises(UserError, match=re.escape(key) + " must be a positive integer"):
+            parallel_sizes(bad)
