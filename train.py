@@ -84,7 +84,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         schedule,
     )
     from dstrain import model as models
-    from dstrain.layout import Layout, keep_global_batch
+    from dstrain.layout import Layout, recipe_accumulation
     from dstrain.metrics import Metrics
     from dstrain.steps import evaluate, train_step
 
@@ -92,12 +92,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     # ---- every input resolved and checked; nothing is built, converted or written before this block ends
     layout = Layout.from_ds_config(raw_ds, ctx.world_size, ctx.rank)
-    if recipe.world_size and ctx.world_size not in (recipe.world_size, args.world_size):
-        written_for = Layout.from_ds_config(raw_ds, recipe.world_size)  # the global batch is a hyper-parameter
-        accum = keep_global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps, written_for, layout)
-        log(f"the recipe was written for world_size {recipe.world_size}; on {ctx.world_size} grad_accum_steps "
-            f"{recipe.train.grad_accum_steps} -> {accum} keeps its global batch of "
-            f"{accum * recipe.train.micro_batch_size * layout.data_parallel}")
+    accum, note = recipe_accumulation(layout, raw_ds, recipe.train.micro_batch_size, recipe.train.grad_accum_steps,
+                                      recipe.world_size, args.world_size)  # the global batch is a hyper-parameter
+    if note:
+        log(note)
         recipe = replace(recipe, train=replace(recipe.train, grad_accum_steps=accum))
     start_from = resume.choose(args.resume, run_dir / "checkpoints", ctx, recipe.checkpoint.verify)
     if start_from and init_from:

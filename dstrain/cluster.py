@@ -17,13 +17,13 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import ds_config
 from .cli import load_inputs
 from .errors import EXIT_OK, EXIT_USER_ERROR, UserError
-from .layout import Layout
+from .layout import Layout, recipe_accumulation
 from .model import hidden_size, load_config
 
 HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\[\]-]+)\s+slots=(?P<slots>\S+)$")
@@ -92,20 +92,15 @@ def world_report(world: int, train_argv: list[str]) -> str:
         hidden = 4096
     # the device type of the nodes is not known here; precision is checked by each rank at start
     caps = ds_config.DeviceCaps(name="cluster", bf16=True, fp16=True)
-    cfg = ds_config.resolve(raw, recipe, world, caps, hidden)
+    # the same batch policy as train.py: another world keeps the recipe's global batch, or is refused
+    accum, note = recipe_accumulation(Layout.from_ds_config(raw, world), raw, recipe.train.micro_batch_size,
+                                      recipe.train.grad_accum_steps, recipe.world_size, args.world_size)
+    train = replace(recipe.train, grad_accum_steps=accum)
+    cfg = ds_config.resolve(raw, replace(recipe, train=train), world, caps, hidden)
     layout = Layout.from_ds_config(cfg, world)
-    train = recipe.train
-    declared = args.world_size or recipe.world_size  # --world_size=N: the user accepts a world of N
-    if declared and declared != world:
-        written = train.micro_batch_size * train.grad_accum_steps * Layout.from_ds_config(cfg, declared).data_parallel
-        per_step = train.micro_batch_size * layout.data_parallel
-        fix = (f"pass --train.grad_accum_steps={written // per_step} to keep it" if written % per_step == 0
-               else f"choose train.micro_batch_size x grad_accum_steps x {layout.data_parallel} = {written}")
-        raise UserError(f"the recipe was written for world_size {declared} (global batch {written}) but "
-                        f"this cluster has {world} ranks (global batch {cfg['train_batch_size']}); {fix}, and "
-                        f"--world_size={world} to accept the new world")
     return (f"{layout.describe()}; global batch {cfg['train_batch_size']} = micro "
-            f"{train.micro_batch_size} x accum {train.grad_accum_steps} x data-parallel {layout.data_parallel}")
+            f"{train.micro_batch_size} x accum {train.grad_accum_steps} x data-parallel {layout.data_parallel}"
+            + (f" ({note})" if note else ""))
 
 
 def check(hostfile: str, ssh_port: int | None, no_ssh: bool, train_argv: list[str]) -> list[str]:

@@ -272,7 +272,7 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
 
     _fill(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size, "", "train.micro_batch_size")
     _fill(cfg, "gradient_accumulation_steps", train.grad_accum_steps, "", "train.grad_accum_steps")
-    global_batch = train.micro_batch_size * train.grad_accum_steps * layout.data_parallel
+    global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)
     current = cfg.get("train_batch_size", "auto")
     if _is_auto(current):
         cfg["train_batch_size"] = global_batch

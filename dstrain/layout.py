@@ -72,6 +72,16 @@ class Layout:
         sizes = parallel_sizes(cfg)
         return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank)
 
+    def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
+        """Samples per optimizer step: micro batch x accumulation x data-parallel size (the one place it is
+        computed; a sequence-parallel group reads one sample, so it counts once)."""
+        return micro_batch_size * grad_accum_steps * self.data_parallel
+
+    def accumulation_for(self, global_batch: int, micro_batch_size: int) -> int | None:
+        """grad_accum_steps that makes up global_batch with this micro batch on these ranks; None when none can."""
+        per_step = micro_batch_size * self.data_parallel
+        return None if global_batch % per_step else global_batch // per_step
+
     @property
     def model_parallel(self) -> int:
         """Ranks that hold parts of one model replica: they read the same samples."""
@@ -150,11 +160,26 @@ def batch_hint(global_batch: int, data_parallel: int) -> str:
 def keep_global_batch(micro_batch_size: int, grad_accum_steps: int, written_for: Layout, layout: Layout) -> int:
     """grad_accum_steps that keeps the global batch a recipe was written for (its world_size) on this world: the
     global batch is a hyper-parameter. UserError when no accumulation can."""
-    global_batch = micro_batch_size * grad_accum_steps * written_for.data_parallel
-    per_step = micro_batch_size * layout.data_parallel
-    if global_batch % per_step:
+    global_batch = written_for.global_batch(micro_batch_size, grad_accum_steps)
+    accum = layout.accumulation_for(global_batch, micro_batch_size)
+    if accum is None:
         raise UserError(f"the recipe was written for world_size {written_for.world_size} (global batch "
                         f"{global_batch}); on {layout.world_size} ranks no grad_accum_steps keeps it: "
                         f"{batch_hint(global_batch, layout.data_parallel)}, or pass --world_size="
                         f"{layout.world_size} to train with the batch as written")
-    return global_batch // per_step
+    return accum
+
+
+def recipe_accumulation(layout: Layout, raw_ds: dict, micro_batch_size: int, grad_accum_steps: int,
+                        written_world: int | None, accepted_world: int | None) -> tuple[int, str | None]:
+    """The one batch policy for a recipe launched on a world (train.py and the cluster check both use it):
+    (grad_accum_steps to train with, the note to print or None). A recipe written for world_size W and launched
+    on another world keeps its global batch (grad_accum_steps re-derived; UserError when no accumulation can),
+    unless --world_size=<this world> accepts the batch as written."""
+    if not written_world or layout.world_size in (written_world, accepted_world):
+        return grad_accum_steps, None
+    written_for = Layout.from_ds_config(raw_ds, written_world)
+    accum = keep_global_batch(micro_batch_size, grad_accum_steps, written_for, layout)
+    return accum, (f"the recipe was written for world_size {written_world}; on {layout.world_size} grad_accum_steps "
+                   f"{grad_accum_steps} -> {accum} keeps its global batch of "
+                   f"{layout.global_batch(micro_batch_size, accum)}")

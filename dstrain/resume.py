@@ -216,7 +216,7 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     global_batch = manifest.get("global_batch")
     saved_dp = manifest.get("data_parallel", manifest.get("world_size"))
     data_parallel = layout.data_parallel
-    ours = train.micro_batch_size * train.grad_accum_steps * data_parallel
+    ours = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)
     saved_sp = manifest.get("sequence_parallel", 1)
     if saved_sp != layout.sequence_parallel:
         raise UserError(f"checkpoint {resume.path} was trained with sequence_parallel_size={saved_sp} and this run has "
@@ -237,15 +237,15 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
         raise UserError(f"checkpoint {resume.path} (ZeRO-0/1/2 with sequence_parallel_size={saved_sp}) resumes only on "
                         f"the same world size: launch {manifest.get('world_size')} ranks, or train with a ZeRO-3 "
                         f"config (sp2_zero3.json), whose checkpoints resume on any multiple of the sp size")
-    per_step = train.micro_batch_size * data_parallel
-    if global_batch % per_step:
+    accum = layout.accumulation_for(global_batch, train.micro_batch_size)
+    if accum is None:
         raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
                         f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
                         f"{batch_hint(global_batch, data_parallel)}")
     log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
-        f"{train.grad_accum_steps} -> {global_batch // per_step} keeps the global batch at {global_batch}")
+        f"{train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}")
     universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
-    return replace(train, grad_accum_steps=global_batch // per_step), replace(resume, universal=universal)
+    return replace(train, grad_accum_steps=accum), replace(resume, universal=universal)
 
 
 def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:

@@ -556,7 +556,7 @@ class TrainStream:
         self.micro, self.accum = micro_batch_size, grad_accum_steps
         self.dp_rank, self.dp_size = layout.data_parallel_rank, layout.data_parallel
         self.layout = layout
-        self.global_batch = micro_batch_size * grad_accum_steps * self.dp_size
+        self.global_batch = layout.global_batch(micro_batch_size, grad_accum_steps)
         self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
         self.sample_index = dataset.order(seed) if hasattr(dataset, "order") else EpochOrder(len(dataset), [seed])
 

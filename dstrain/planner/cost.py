@@ -122,7 +122,7 @@ class Workload:
 def global_batch_of(recipe, raw_ds: dict, world: int) -> int:
     """The recipe's global batch: as written for its world_size, else what it makes on `world` ranks."""
     written = Layout.from_ds_config(raw_ds, recipe.world_size or world)
-    return recipe.train.micro_batch_size * recipe.train.grad_accum_steps * written.data_parallel
+    return written.global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps)
 
 
 def candidates(recipe, raw_ds: dict, world: int, model_config, load=None) -> list[Candidate]:

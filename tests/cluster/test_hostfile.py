@@ -67,8 +67,10 @@ def test_no_ssh_one_launcher_per_node_matches_single_node(tmp_path, cache, tiny_
     ("127.0.0.1 slots=1\n127.0.0.3 slots=1\n", [], "host 127.0.0.3: ssh"),
     ("127.0.0.1 slots=2\n127.0.0.2 slots=1\n", ["--ds_config", "pipe2_zero1.json"],
      "world size 3 is not divisible by pipeline stages (2)"),
-    ("127.0.0.1 slots=1\n127.0.0.2 slots=1\n", ["--recipe", "llama-3.2-1b/sft.yaml"],
-     "the recipe was written for world_size 8"),
+    # issue 30: one batch policy with train.py's: 2 ranks keep the recipe's global batch (accumulation re-derived)
+    # and go ahead; 3 ranks cannot make up 128 samples with micro batch 4, so the check refuses them
+    ("127.0.0.1 slots=2\n127.0.0.2 slots=1\n", ["--recipe", "llama-3.2-1b/sft.yaml"],
+     "the recipe was written for world_size 8 (global batch 128); on 3 ranks no grad_accum_steps keeps it"),
 ], ids=["syntax", "unreachable host", "stages vs world", "recipe world size"])
 def test_cluster_check_stops_bad_launches(tmp_path, cache, sshd, hostfile_text, extra, expected):
     hostfile = tmp_path / "hostfile"

@@ -89,3 +89,28 @@ def test_the_layout_is_the_only_reader_of_the_parallel_sizes():
                      ({"tensor_parallel": {"autotp_size": True}}, "tensor_parallel.autotp_size=True")):
         with pytest.raises(UserError, match=re.escape(key) + " must be a positive integer"):
             parallel_sizes(bad)
+
+
+def test_one_batch_policy_for_train_py_and_the_cluster_check(monkeypatch):
+    """Issue 30: the cluster check refused a world train.py adapts to (it re-derives grad_accum_steps); both now
+    call layout.recipe_accumulation, and the global batch is computed by Layout.global_batch only."""
+    import re
+    from pathlib import Path
+
+    from dstrain.cluster import world_report
+    from dstrain.layout import recipe_accumulation
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub model's config is only needed for ZeRO-3 bucket sizes
+    report = world_report(2, ["--recipe", "llama-3.2-1b/sft.yaml"])
+    assert "global batch 128 = micro 4 x accum 16 x data-parallel 2" in report
+    assert report.endswith("(the recipe was written for world_size 8; on 2 grad_accum_steps 4 -> 16 keeps its "
+                           "global batch of 128)")
+    assert recipe_accumulation(Layout(2), {}, 4, 4, 8, None)[0] == 16  # what train.py trains with on 2 ranks
+    with pytest.raises(UserError, match="on 3 ranks no grad_accum_steps keeps it"):
+        world_report(3, ["--recipe", "llama-3.2-1b/sft.yaml"])
+    assert "accum 4 x data-parallel 3" in world_report(3, ["--recipe", "llama-3.2-1b/sft.yaml", "--world_size", "3"])
+    root = Path(__file__).resolve().parents[2]
+    product = re.compile(r"micro_batch_size \* .*grad_accum_steps|grad_accum_steps \* .*data_parallel")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in [*(root / "dstrain").rglob("*.py"), root / "train.py"]
+                 if p.name != "layout.py" for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if product.search(line)]
+    assert offenders == []
