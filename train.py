@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight:
         return run_preflight(args, recipe, ds_overrides)
     if args.plan or args.simulate:
-        from dstrain import planner
-        return planner.run(args, recipe, ds_overrides, sys.argv[1:] if argv is None else argv)
+        from dstrain.planner import plan
+        return plan.run(args, recipe, ds_overrides, sys.argv[1:] if argv is None else argv)
     run_dir = cli.run_dir_of(args)
     created = not run_dir.exists()
     cli.prepare_run_dir(run_dir)

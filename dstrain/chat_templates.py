@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import local_or_hub
 from .errors import UserError, closest
+from .paths import local_or_hub
 
 TEMPLATES = {
     "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -25,8 +25,8 @@ import random
 import re
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,11 +37,22 @@ from .dist import DistContext, all_gather_objects, barrier, broadcast_object, lo
 from .errors import EXIT_SAVE_FAILED, UserError
 from .layout import Layout
 
-if TYPE_CHECKING:
-    from .resume import Resume
-
 COMPLETE = "complete.json"
 UNIVERSAL_SUFFIX = ".universal"  # checkpoints/step_N.universal/: a conversion beside step_N (dstrain/resume.py)
+
+
+@dataclass
+class Resume:
+    """A checkpoint chosen to continue from (resume.choose picks it; Checkpointer.load reads it)."""
+    path: Path  # checkpoints/step_N
+    manifest: dict
+    universal: bool = False  # load from universal_dir (converted for another data-parallel size)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
+
+    @property
+    def universal_dir(self) -> Path:
+        """checkpoints/step_N.universal: beside the checkpoint, never inside it, so the original stays as saved."""
+        return self.path.with_name(self.path.name + UNIVERSAL_SUFFIX)
 
 
 class SaveError(Exception):

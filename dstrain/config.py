@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from .errors import UserError, closest
+from .paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "tiny" / "pretrain.yaml"
 
@@ -448,12 +448,3 @@ def load_recipe(path: str | Path | None, overrides: dict | None = None) -> Recip
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:
     path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-
-
-def local_or_hub(name: str) -> str:
-    """A path that exists as given or relative to the repo root (recipes use repo-relative paths), else
-    the name unchanged (a Hugging Face Hub id)."""
-    for candidate in (Path(name).expanduser(), REPO_ROOT / name):
-        if candidate.exists():
-            return str(candidate)
-    return name

@@ -103,7 +103,7 @@ def _lora_model(model_files: Path, config, state: dict, ckpt: Path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from .config import local_or_hub
+    from .paths import local_or_hub
 
     lora = LoraConfig.from_pretrained(model_files / LORA_DIR)
     base_name = lora.base_model_name_or_path

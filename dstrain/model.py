@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig, TrainConfig, local_or_hub
+from .config import ModelConfig, TrainConfig
 from .errors import UserError, closest
 from .layout import parallel_sizes
+from .paths import local_or_hub
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

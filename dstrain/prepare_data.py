@@ -29,9 +29,10 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from . import cli, data, env, faults
-from .config import load_recipe, local_or_hub, parse_overrides
+from .config import load_recipe, parse_overrides
 from .data import prepared
 from .errors import UserError
+from .paths import local_or_hub
 
 _JOB: dict = {}  # what forked workers inherit: the splits, tokenizer and output directory
 

@@ -13,16 +13,17 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 
-from .checkpoint import COMPLETE, UNIVERSAL_SUFFIX, complete_checkpoints, verify, write_atomic
-from .config import TrainConfig, local_or_hub
+from .checkpoint import COMPLETE, Resume, complete_checkpoints, verify, write_atomic
+from .config import TrainConfig
 from .dist import DistContext, barrier
 from .errors import UserError
 from .layout import Layout, batch_hint
+from .paths import local_or_hub
 
 
 def resolve_resume(mode: str, root: Path) -> Path | None:
@@ -159,19 +160,6 @@ def started_from(run_dir: Path) -> Path | None:
     """run_dir/init_weights when the run began with --init_from (materialize_init_from wrote it), else None."""
     out = run_dir / "init_weights"
     return out if (out / "config.json").is_file() else None
-
-
-@dataclass
-class Resume:
-    path: Path  # checkpoints/step_N
-    manifest: dict
-    universal: bool = False  # load from universal_dir (converted for another data-parallel size)
-    damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
-
-    @property
-    def universal_dir(self) -> Path:
-        """checkpoints/step_N.universal: beside the checkpoint, never inside it, so the original stays as saved."""
-        return self.path.with_name(self.path.name + UNIVERSAL_SUFFIX)
 
 
 def choose(mode: str, root: Path, ctx: DistContext, check: bool) -> Resume | None:

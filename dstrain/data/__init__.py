@@ -23,10 +23,11 @@ import torch
 
 from .. import env
 from ..chat_templates import normalize
-from ..config import DataConfig, local_or_hub
+from ..config import DataConfig
 from ..ds_internals import dataset_fingerprint
 from ..errors import UserError
 from ..layout import Layout
+from ..paths import local_or_hub
 from .order import EpochOrder
 
 IGNORE_INDEX = -100

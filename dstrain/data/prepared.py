@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import DataConfig, local_or_hub
+from ..config import DataConfig
 from ..errors import UserError
+from ..paths import local_or_hub
 from . import tokenizer_fingerprint
 from .order import EpochOrder
 

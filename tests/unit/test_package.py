@@ -37,3 +37,52 @@ def test_exit_codes_are_defined_once():
     assert offenders == []
     launch = (ROOT / "launch/common.sh").read_text()  # the shell side agrees on which codes are final
     assert "0|2|74|75|130)" in launch
+
+
+def _imports_of(module: str, path: Path, modules: set[str]) -> set[str]:
+    """The dstrain modules `module` imports anywhere in its file (function-level imports too), with the package
+    __init__ of each (importing a.b.c runs a.b first); a submodule's import of its own package is not counted."""
+    import ast
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            for alias in node.names:
+                found.add(f"{name}.{alias.name}" if f"{name}.{alias.name}" in modules else name)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    with_packages = set()
+    for name in found & modules:
+        parts = name.split(".")
+        with_packages.update(".".join(parts[:k]) for k in range(2, len(parts) + 1))
+    return {m for m in with_packages & modules if m != module and not module.startswith(m + ".")}
+
+
+def test_no_import_cycles():
+    """Issue 30: config <-> chat_templates, checkpoint -> resume -> export -> checkpoint and metrics <-> planner
+    were circles; lazy imports count (they only hide a circle until a refactor moves one)."""
+    files = {}
+    for path in (ROOT / "dstrain").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {m: _imports_of(m, p, set(files)) for m, p in files.items()}
+
+    def reaches(start: str, target: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == target:
+                    return trail + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    cycles = {" -> ".join(c) for m in graph if (c := reaches(m, m))}
+    assert cycles == set()

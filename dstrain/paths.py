@@ -1,0 +1,16 @@
+"""Where the repository is, and how a name in a recipe becomes a local path or stays a Hub id. Imported by
+config.py and chat_templates.py alike (it imports nothing of ours, so neither imports the other)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def local_or_hub(name: str) -> str:
+    """A path that exists as given or relative to the repo root (recipes use repo-relative paths), else
+    the name unchanged (a Hugging Face Hub id)."""
+    for candidate in (Path(name).expanduser(), REPO_ROOT / name):
+        if candidate.exists():
+            return str(candidate)
+    return name

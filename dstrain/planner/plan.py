@@ -1,0 +1,144 @@
+"""The `--plan` entry point (see the package docstring): measure, predict, rank, trial, write plan/."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..errors import EXIT_OK, UserError
+from ..layout import parallel_sizes
+
+
+def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
+    from .. import cli, ds_config
+    from ..model import hidden_size, load_config
+
+    if args.simulate:
+        from . import simulate
+        return simulate.run(args, recipe, ds_overrides)
+    if args.trial is not None and args.trial < 1:
+        raise UserError(f"--trial {args.trial}: give the number of top candidates to run (1 or more)")
+    raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
+    if parallel_sizes(raw_ds).sequence > 1:  # no candidate, probe or cost term for it yet
+        raise UserError(f"--plan does not model sequence parallelism yet (sequence_parallel_size="
+                        f"{parallel_sizes(raw_ds).sequence}); plan with a ZeRO config, or use --preflight for memory")
+    model_config = load_config(recipe.model, recipe.train.seq_len)[1]
+    run_dir = cli.prepare_run_dir(cli.run_dir_of(args))
+
+    from .. import dist
+    from . import cost, probe
+    ctx = dist.init()
+    log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
+    caps = ds_config.DeviceCaps.detect()
+    from .. import env
+    ranks_per_node = env.ranks_per_node()
+    hidden = hidden_size(model_config)
+    work = cost.workload(recipe, raw_ds, ctx.world_size, model_config)
+    found = cost.candidates(recipe, raw_ds, ctx.world_size, model_config)
+    if not found:
+        raise UserError(f"no strategy keeps the recipe's global batch of {work.global_batch} on {ctx.world_size} "
+                        f"ranks; change train.micro_batch_size x train.grad_accum_steps")
+    # memory first (no measurement needed): only the micro-batch sizes of candidates that fit are timed
+    capacity = probe._memory(ranks_per_node)
+    unmeasured = probe.Measurements("cpu" if caps.name == "cpu" else caps.name, "", ctx.world_size, ranks_per_node,
+                                    probe.Compute(), {}, *capacity)
+    fitting = [c for c in found if cost.predict(c, work, unmeasured, recipe, caps, hidden).fits]
+    micro_sizes = sorted({c.micro for c in fitting})[:6] or [1]
+    precision = ds_config.precision(ds_config.resolve(raw_ds, recipe, ctx.world_size, caps, hidden))
+    meas = probe.measure(model_config, precision, recipe.train.seq_len, micro_sizes, ctx, ranks_per_node,
+                         max_bytes=int(args.plan_max_mb * probe.MB), log=log,
+                         compressed_shapes=cost.compression_sample(work), embedding_shapes=work.embedding_shapes,
+                         parameters=work.parameters,
+                         stages=tuple(sorted({int((c.ds.get("zero_optimization") or {}).get("stage", 0))
+                                              for c in fitting} - {0})))
+    preds = cost.rank([cost.predict(c, work, meas, recipe, caps, hidden) for c in found])
+    out = run_dir / "plan"
+    if ctx.is_main:
+        out.mkdir(exist_ok=True)
+        log(report_measurements(meas))
+        log(report_predictions(preds, meas))
+    best = preds[0]
+    if args.trial:
+        from . import trial
+        best = trial.run(preds, args.trial, argv, out, ctx, log)
+    if ctx.is_main:
+        write(out, meas, preds, best, recipe, args)
+        log(f"plan: best {best.candidate.name} micro {best.candidate.micro} x accumulation {best.candidate.accum}; "
+            f"train with:\n  {command(out, best, args)}")
+    dist.barrier()
+    return EXIT_OK
+
+
+def command(out: Path, best, args) -> str:
+    return " ".join(["deepspeed", "train.py", "--recipe", args.recipe, "--ds_config", str(out / "best.json"),
+                     *best.candidate.overrides()])
+
+
+def write(out: Path, meas, preds, best, recipe, args) -> None:
+    from .cost import dumps
+    tmp = out / ".plan.json.tmp"
+    tmp.write_text(dumps({"measurements": meas.to_dict(), "predictions": [p.to_dict() for p in preds],
+                          "best": best.to_dict(), "recipe": recipe.to_dict()}))
+    os.replace(tmp, out / "plan.json")
+    (out / "best.json").write_text(json.dumps(best.candidate.ds, indent=2) + "\n")
+    (out / "best.txt").write_text(command(out, best, args) + "\n")
+
+
+def _rate(nbytes_per_s: float) -> str:
+    return f"{nbytes_per_s / 1e9:7.2f} GB/s" if nbytes_per_s >= 1e8 else f"{nbytes_per_s / 1e6:7.1f} MB/s"
+
+
+def report_measurements(meas) -> str:
+    c = meas.compute
+    lines = [f"plan: measured in {meas.seconds:.1f} s on {meas.world_size} ranks ({meas.nodes} node(s) x "
+             f"{meas.ranks_per_node}), {meas.device}, {meas.precision}",
+             f"  compute: matmul {c.matmul_flops / 1e12:.3g} TFLOP/s at the model's shapes; one layer forward+backward "
+             + ", ".join(f"{1e3 * t:.2f} ms (micro {m})" for m, t in sorted(c.layer.items(), key=lambda x: int(x[0])))
+             + f"; AdamW {c.adam_elements_per_s / 1e6:,.0f}M elements/s"
+             + (f", CPU Adam {c.cpu_adam_elements_per_s / 1e6:,.0f}M/s" if c.cpu_adam_elements_per_s else "")
+             + (f", host copies {_rate(c.host_copy_bytes_per_s)}" if c.host_copy_bytes_per_s else ""),
+             *(f"  warning: {note}" for note in c.notes),
+             f"  memory: {meas.device_memory / 2**30:.1f} GiB per rank, {meas.host_memory / 2**30:.1f} GiB host RAM "
+             f"per node",
+             "  collectives (nccl-tests convention: size = full tensor, busbw = algbw x 2(n-1)/n all-reduce, "
+             "x (n-1)/n gather/scatter):",
+             f"  {'level':<13}{'op':<15}{'ranks':>5}  " + "  ".join(f"{_size(b):>17}" for b in _sizes(meas))]
+    for level, ops in meas.links.items():
+        for op, curve in ops.items():
+            cells = {b: f"{t * 1e3:7.2f} ms {_rate(bw).strip():>9}" for (b, t), bw in
+                     zip(curve.points, curve.busbw(op))}
+            lines.append(f"  {level:<13}{op:<15}{curve.ranks:>5}  " +
+                         "  ".join(f"{cells.get(b, '-'):>17}" for b in _sizes(meas)))
+    return "\n".join(lines)
+
+
+def _sizes(meas) -> list[int]:
+    return sorted({b for ops in meas.links.values() for curve in ops.values() for b, _ in curve.points})
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB"
+
+
+def report_predictions(preds, meas, top: int = 15) -> str:
+    fitting = [p for p in preds if p.fits]
+    lines = [f"plan: {len(preds)} candidates, {len(fitting)} fit; best first (step = compute + exposed comm + "
+             f"update: optimizer, offload copies, compression)",
+             f"  {'#':>3} {'strategy':<18}{'micro x acc':>12}{'AC':>4}{'memory':>10}{'compute':>10}{'comm':>10}"
+             f"{'update':>10}{'step':>10}{'tokens/s':>11}{'comm %':>8}{'MB sent':>9}"]
+    for i, p in enumerate(fitting[:top], 1):
+        c = p.candidate
+        lines.append(f"  {i:>3} {c.name:<18}{f'{c.micro} x {c.accum}':>12}{'on' if c.checkpointing else '':>4}"
+                     f"{p.memory_bytes / 2**30:>8.2f}Gi{p.compute_s:>9.3f}s{p.exposed_comm_s:>9.3f}s"
+                     f"{p.optimizer_s:>9.3f}s{p.step_s:>9.3f}s{p.tokens_per_s:>11,.0f}{p.comm_fraction:>8.0%}"
+                     f"{p.comm_bytes / 1e6:>9.1f}")
+    if len(fitting) > top:
+        lines.append(f"  ... {len(fitting) - top} more fitting candidates in plan.json")
+    refused = {}
+    for p in preds:
+        if not p.fits:
+            refused.setdefault(p.candidate.name, p.reason)
+    for name, reason in list(refused.items())[:8]:
+        lines.append(f"  does not fit / cannot run: {name}: {reason}")
+    return "\n".join(lines)
