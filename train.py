@@ -70,8 +70,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     from dstrain import (
         chat_templates,
         checkpoint,
+        comm_counter,
         components,
-        compression,
         data,
         ds_config,
         ds_internals,
@@ -190,7 +190,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     # ---- the loop
     if start == 0 and val:
         metrics.evaluation(0, evaluate(engine, val, layout))
-    counter = compression.CommCounter().start()  # bytes sent and time waited in collectives, every step
+    counter = comm_counter.CommCounter().start()  # bytes sent and time waited in collectives, every step
     watchdog.arm()
     last = train.exit_at_step or train.max_steps
     for step in range(start + 1, last + 1):

@@ -89,7 +89,6 @@ def validate_keys(cfg: dict) -> None:
             continue
         if key not in TOP_LEVEL_KEYS:
             raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS | {compression.KEY})}")
-    from .pipeline import PIPELINE_KEYS
     for key in cfg.get("pipeline") or {}:
         if key not in PIPELINE_KEYS:
             raise UserError(f"unknown DeepSpeed config key 'pipeline.{key}'{closest(key, PIPELINE_KEYS)}")
@@ -241,6 +240,23 @@ def zero3_sizes(hidden_size: int) -> dict:
             "stage3_max_reuse_distance": 12 * h2, "sub_group_size": 12 * h2}
 
 
+def check_pipeline(cfg: dict) -> None:
+    """Reject what DeepSpeed's pipeline engine cannot do, before anything is built."""
+    sizes = parallel_sizes(cfg)
+    stages = sizes.pipeline
+    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    if stages > 1 and stage > 1:
+        raise UserError(f"pipeline stages ({stages}) work with ZeRO stage 0 or 1, not {stage}; use ds_configs/"
+                        f"pipe2_zero1.json or set zero_optimization.stage to 1")
+    if stages > 1 and sizes.tensor > 1:
+        raise UserError("pipeline stages together with tensor_parallel.autotp_size are not supported; use one")
+
+
+# the keys DeepSpeed's pipeline section takes (deepspeed.runtime.pipe; it has no pydantic model to ask)
+PIPELINE_KEYS = {"stages", "partition_method", "partition", "seed_layers", "activation_checkpoint_interval",
+                 "pipe_partitioned", "grad_partitioned"}
+
+
 def check_sequence_parallel(cfg: dict) -> None:
     """Ulysses sequence parallelism (sequence_parallel_size) combines with ZeRO-0/1/2/3 and offload only."""
     sizes = parallel_sizes(cfg)
@@ -262,8 +278,7 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
     train = recipe.train
     check_sequence_parallel(cfg)
     layout = Layout.from_ds_config(cfg, world_size)
-    from .pipeline import check_combination
-    check_combination(cfg)
+    check_pipeline(cfg)
     from . import compression
     compression.check_combination(cfg, compression.parse(cfg))
     cfg.pop(compression.KEY, None)  # DeepSpeed never sees it; train.py reads it from the raw config

@@ -23,7 +23,7 @@ def export_dtype(ds_cfg: dict) -> torch.dtype:
 
 
 def _pipeline_state_dict(ckpt: Path, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    from .pipeline import strip_wrapper
+    from .components.pipeline import strip_wrapper
 
     state = {}
     for index, prefix in names.items():

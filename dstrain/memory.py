@@ -22,7 +22,7 @@ Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, v
   attention output, MLP projections; fused/flash attention keeps no s x s matrix); with activation
   checkpointing a layer keeps only its input s*b*h, plus one layer recomputed at a time;
   the LM head keeps logits s*b*V in w bytes plus 12 bytes of fp32 softmax/loss state per logit; with
-  train.loss_chunk_tokens=c (dstrain/loss.py) only c*V logits exist at a time (w-byte matmul output, fp32
+  train.loss_chunk_tokens=c (components/chunked_loss.py) only c*V logits exist at a time (w-byte matmul output, fp32
   copy, w-byte gradient) plus the gradients it keeps for backward: s*b*h for the hidden states, V*h weight.
   train.mlp_chunk_tokens=m (DeepSpeed's TiledMLP) keeps the MLP's 4f intermediates for m tokens only.
   Ulysses sequence parallelism: s is the rank's slice, seq_len/sp (attention's all-to-all buffers are the size of

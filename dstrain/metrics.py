@@ -100,7 +100,7 @@ class Metrics:
              seconds: float, comm: dict | None = None) -> None:
         """tokens: the global batch's input tokens that are not padding (throughput and MFU count those);
         label_tokens: the tokens the loss is taken over; comm: {comm_s, comm_bytes} of rank 0 in this step
-        (compression.CommCounter)."""
+        (comm_counter.CommCounter)."""
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")

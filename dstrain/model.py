@@ -13,7 +13,6 @@ import torch
 
 from .config import ModelConfig, TrainConfig
 from .errors import UserError, closest
-from .layout import parallel_sizes
 from .paths import local_or_hub
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -99,17 +98,6 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def check_tensor_parallel(config, tp: int) -> None:
-    """AutoTP splits attention by heads: the sizes must divide evenly."""
-    if tp <= 1:
-        return
-    for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
-        heads = getattr(config, key, None)
-        if heads is not None and heads % tp:
-            raise UserError(f"tensor_parallel.autotp_size={tp} does not divide the model's {key}={heads}; "
-                            f"choose a size that divides it")
-
-
 def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kwargs: dict | None = None
           ) -> tuple[torch.nn.Module, Any]:
     """The model, and the HfDeepSpeedConfig that must stay referenced while a ZeRO-3 model lives.
@@ -118,7 +106,6 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kw
     from transformers.integrations import HfDeepSpeedConfig
 
     location, config = load_config(cfg, train.seq_len)
-    check_tensor_parallel(config, parallel_sizes(ds_cfg).tensor)
     zero3 = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
     hf_ds_config = HfDeepSpeedConfig(ds_cfg) if zero3 else None  # transformers now builds under zero.Init
     kwargs = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}

@@ -43,7 +43,7 @@ def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     inputs = model_inputs(batch)
     shifted = "shift_labels" in batch  # a sequence-parallel slice: position t's target is shift_labels[t]
     labels = batch["shift_labels"] if shifted else batch["labels"]
-    if chunked_loss(model):  # dstrain/loss.py: no full logits
+    if chunked_loss(model):  # components/chunked_loss.py: no full logits
         return model(**inputs, use_cache=False, sum_loss_labels=labels, labels_shifted=shifted,
                      label_positions=batch.get("label_positions")).loss
     logits = model(**inputs, use_cache=False).logits
@@ -61,7 +61,7 @@ def to_device(engine, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """Copy a host batch to the engine's device (pinned on GPUs: asynchronous). The chunked loss's label positions
     are found here, on the host, so the device never has to report how many there are (no sync in the step)."""
     if chunked_loss(engine):
-        from .loss import label_positions_of
+        from .components.chunked_loss import label_positions_of
         shifted = "shift_labels" in batch
         batch = dict(batch, label_positions=label_positions_of(batch["shift_labels" if shifted else "labels"],
                                                                shifted))

@@ -80,12 +80,23 @@ class Component:
 
 def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     """The components this recipe and DeepSpeed JSON turn on, in the order their hooks run."""
-    from . import chunked_loss, compile, compression, flops_profile, lora, pipeline, sequence_parallel, tiled_mlp
+    from . import (
+        chunked_loss,
+        compile,
+        compression,
+        flops_profile,
+        lora,
+        pipeline,
+        sequence_parallel,
+        tensor_parallel,
+        tiled_mlp,
+    )
 
     # the chunked loss patches the HF model before lora wraps it (peft passes its keyword arguments through)
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
-    found = [pipeline.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe), tiled_mlp.make(recipe),
-             sequence_parallel.make(raw_ds), compression.make(raw_ds), flops_profile.make(recipe), compile.make(recipe)]
+    found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
+             tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(raw_ds),
+             flops_profile.make(recipe), compile.make(recipe)]
     return [c for c in found if c is not None]
 
 

@@ -1,12 +1,156 @@
-"""Pipeline stages (the DeepSpeed JSON's pipeline.stages): the same HF modules regrouped into stages."""
+"""A Hugging Face causal LM as a `deepspeed.pipe.PipelineModule`, reusing the loaded modules and weights.
+
+Layers: token embedding [+ learned positions] -> decoder layers -> final norm -> LM head (loss on the
+last stage). Only the hidden states cross stage boundaries: each decoder wrapper rebuilds position ids,
+rotary embeddings and the causal mask from them, which costs little and keeps the pipe protocol to a
+single tensor. Right-padded SFT batches need no attention mask under a causal mask: real tokens never
+attend to the padding after them, and padding carries no label. Tied input/output embeddings are one
+`TiedLayerSpec` key on the first and last stage; DeepSpeed keeps the copies equal.
+"""
 from __future__ import annotations
 
-from .. import pipeline
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from ..checkpoint import write_pipeline_names
 from ..errors import UserError
 from ..layout import parallel_sizes
 from . import Component, Setup
 
+# model_type -> adapter name. Qwen2/3 and Mistral share Llama's layout (embed_tokens, layers, norm, rotary_emb).
+SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
+
+
+class Existing(nn.Module):
+    """A LayerSpec type (it must subclass nn.Module) whose construction returns the already-loaded module."""
+
+    def __new__(cls, module: nn.Module) -> nn.Module:  # type: ignore[misc]
+        return module
+
+
+class DecoderPipe(nn.Module):
+    """One decoder layer, taking and returning hidden states only."""
+
+    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None = None):
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.rotary = [rotary]  # a list keeps the shared rotary module out of this layer's parameters
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        kwargs = {"attention_mask": mask}
+        if self.rotary[0] is not None:
+            kwargs.update(position_embeddings=self.rotary[0](hidden, position_ids), position_ids=position_ids)
+        out = self.layer(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class PositionsPipe(nn.Module):
+    """GPT-2's learned absolute positions and embedding dropout, after the token embedding."""
+
+    def __init__(self, wpe: nn.Module, drop: nn.Module):
+        super().__init__()
+        self.wpe, self.drop = wpe, drop
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return self.drop(hidden + self.wpe(positions))
+
+
+def _lm_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden, embedding.weight)
+
+
+class TokenMeanLoss:
+    """Summed next-token cross-entropy times `scale`, set per step so the pipeline's mean over micro-batches
+    and data-parallel replicas equals the mean over every label token of the global batch."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        summed = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                                 ignore_index=-100, reduction="sum")
+        return summed * self.scale
+
+
+@dataclass
+class Converted:
+    module: Any                      # the PipelineModule
+    loss: TokenMeanLoss
+    hf_names: dict[int, str]         # pipeline layer index -> HF parameter-name prefix (for export)
+
+
+def _specs(model: nn.Module) -> tuple[list, dict[int, str]]:
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    config = model.config
+    kind = SUPPORTED.get(config.model_type)
+    if kind is None:
+        raise UserError(f"pipeline stages are not supported for model type '{config.model_type}' yet (supported: "
+                        f"{', '.join(sorted(SUPPORTED))}); use a config without a pipeline section (ZeRO) "
+                        f"or tensor_parallel")
+    # what transformers loaded, not what the config says: a file holding a distinct lm_head.weight under a config
+    # that ties is loaded untied (transformers warns), and the pipeline must start from those weights
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    specs, names = [], {}
+
+    def add(spec, prefix: str | None):
+        if prefix is not None:
+            names[len(specs)] = prefix
+        specs.append(spec)
+
+    if kind == "llama":
+        body, embed, layers, norm = model.model, model.model.embed_tokens, model.model.layers, model.model.norm
+        add(TiedLayerSpec("embed", Existing, embed) if tied else LayerSpec(Existing, embed), "model.embed_tokens.")
+        for i, layer in enumerate(layers):
+            add(LayerSpec(DecoderPipe, layer, config, body.rotary_emb), f"model.layers.{i}.")
+        add(LayerSpec(Existing, norm), "model.norm.")
+    else:  # gpt2
+        body = model.transformer
+        add(TiedLayerSpec("embed", Existing, body.wte) if tied else LayerSpec(Existing, body.wte), "transformer.wte.")
+        add(LayerSpec(PositionsPipe, body.wpe, body.drop), "transformer.")
+        for i, layer in enumerate(body.h):
+            add(LayerSpec(DecoderPipe, layer, config), f"transformer.h.{i}.")
+        add(LayerSpec(Existing, body.ln_f), "transformer.ln_f.")
+    if tied:
+        add(TiedLayerSpec("embed", Existing, model.get_input_embeddings(), forward_fn=_lm_head), None)
+    else:
+        add(LayerSpec(Existing, model.get_output_embeddings()), "lm_head.")
+    return specs, names
+
+
+def strip_wrapper(key: str) -> str:
+    """Parameter name inside a pipeline layer -> name under the layer's HF prefix."""
+    for wrapper in ("layer.",):
+        if key.startswith(wrapper):
+            return key[len(wrapper):]
+    return key
+
+
+def convert(model: nn.Module, stages: int, partition_method: str, activation_checkpointing: bool) -> Converted:
+    from deepspeed.pipe import PipelineModule
+
+    specs, names = _specs(model)
+    blocks = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer
+    if stages > blocks:
+        raise UserError(f"pipeline stages={stages} exceed the model's {blocks} decoder layers; use at most {blocks}")
+    loss = TokenMeanLoss()
+    module = PipelineModule(layers=specs, num_stages=stages, loss_fn=loss, partition_method=partition_method,
+                            activation_checkpoint_interval=1 if activation_checkpointing else 0)
+    return Converted(module, loss, names)
+
+
+# ----------------------------------------------------------------------------- the component
 
 class Pipeline(Component):
     name = "pipeline"
@@ -23,7 +167,7 @@ class Pipeline(Component):
         return {"stages": self.stages}
 
     def convert(self, model, setup: Setup):
-        piped = pipeline.convert(model, self.stages, setup.ds_cfg["pipeline"].get("partition_method", "parameters"),
+        piped = convert(model, self.stages, setup.ds_cfg["pipeline"].get("partition_method", "parameters"),
                                  setup.recipe.train.activation_checkpointing)
         write_pipeline_names(setup.run_dir, piped.hf_names, setup.ctx)
         return piped.module

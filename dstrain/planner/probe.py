@@ -310,7 +310,7 @@ def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_si
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from ..compression import CommCounter
+    from ..comm_counter import CommCounter
     from ..flops import DTYPES
 
     dtype = DTYPES.get(precision, torch.float32)

@@ -1,4 +1,4 @@
-"""dstrain.compiler: decoder blocks compiled in a background thread while training runs eager, then switched.
+"""dstrain.components.compile: decoder blocks compiled in a background thread while training runs eager, then switched.
 
 Reference: the same model trained eager in the same process. Checked: training is never blocked (the first
 steps run before the compile ends), the switch happens at a step boundary and only after the thread finished,
@@ -41,7 +41,7 @@ def inductor_dir(tmp_path, monkeypatch):
 def test_background_compile_switches_at_a_step_boundary_and_matches_eager(inductor_dir):
     from torch._dynamo.utils import counters
 
-    from dstrain.compiler import RegionalCompile, blocks_of
+    from dstrain.components.compile import RegionalCompile, blocks_of
 
     eager, model = _model(), _model()
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.5)  # SGD: weights move with the gradients themselves
@@ -79,7 +79,7 @@ def test_background_compile_switches_at_a_step_boundary_and_matches_eager(induct
 
 
 def test_a_failed_compile_leaves_training_eager_with_a_warning(inductor_dir):
-    from dstrain.compiler import RegionalCompile, blocks_of
+    from dstrain.components.compile import RegionalCompile, blocks_of
 
     model = _model()
     reference = copy.deepcopy(model)
@@ -102,7 +102,7 @@ def test_a_failed_compile_leaves_training_eager_with_a_warning(inductor_dir):
 
 
 def test_where_blocks_cannot_compile_off_the_training_thread():
-    from dstrain.compiler import whole_model_reason
+    from dstrain.components.compile import whole_model_reason
 
     assert whole_model_reason(2, 1, False, [object()]) == ""
     assert "ZeRO-3" in whole_model_reason(3, 1, False, [object()])
@@ -124,7 +124,7 @@ def test_compile_wait_needs_compile():
 def test_other_ranks_of_a_node_compile_after_the_leader(tmp_path):
     """Followers wait for the leader's marker (inductor's disk cache is warm after it) and go on without it
     after a timeout; the leader writes the marker even when its compile failed."""
-    from dstrain.compiler import RegionalCompile, blocks_of
+    from dstrain.components.compile import RegionalCompile, blocks_of
 
     calls = []
 
@@ -153,7 +153,7 @@ def test_other_ranks_of_a_node_compile_after_the_leader(tmp_path):
 def test_ranks_switch_together_or_not_at_all():
     """A rank whose compile is done waits for the others (ZeRO-2's buckets need the same gradient order on
     every rank); a failure on any rank keeps every rank eager."""
-    from dstrain.compiler import RegionalCompile, blocks_of
+    from dstrain.components.compile import RegionalCompile, blocks_of
 
     others = {"ready": 0.0, "failed": 0.0}  # the other rank of a world of 2, as the collective would sum it
 

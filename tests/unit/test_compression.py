@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 from dstrain import compression as C
 from dstrain import ds_config as dsc
+from dstrain.comm_counter import CommCounter
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.errors import UserError
 
@@ -119,7 +120,7 @@ def test_state_resumes_exactly(method, tmp_path):
 
 
 def _count(rank, method):
-    counter = C.CommCounter()
+    counter = CommCounter()
     grad = torch.randn(256, 256)
     with counter.active():
         C.Reducer(C.CompressionConfig(method, rank=4, warmup_steps=0)).average_([grad])
@@ -141,7 +142,7 @@ def _waited(rank, delay):
     """Rank 1 reaches each collective `delay` s late; rank 0's counter must see that wait, once per call, for a
     synchronous all-reduce and for an asynchronous all-gather waited on later."""
     import time
-    counter = C.CommCounter()
+    counter = CommCounter()
     out = {}
     with counter.active():
         for name in ("sync", "async"):

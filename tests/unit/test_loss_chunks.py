@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dstrain import loss
+from dstrain.components import chunked_loss as loss
 from dstrain.data import IGNORE_INDEX
 from dstrain.errors import UserError
 from dstrain.steps import loss_sum

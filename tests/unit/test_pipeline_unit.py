@@ -1,7 +1,8 @@
 """Pipeline conversion errors that need no process group."""
 import pytest
 
-from dstrain import pipeline
+from dstrain.components import pipeline
+from dstrain.ds_config import check_pipeline
 from dstrain.errors import UserError
 
 
@@ -38,15 +39,15 @@ def test_layer_names_cover_every_parameter_once():
 
 def test_zero2_with_pipeline_rejected():
     with pytest.raises(UserError, match="work with ZeRO stage 0 or 1, not 3"):
-        pipeline.check_combination({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}})
-    pipeline.check_combination({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
+        check_pipeline({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}})
+    check_pipeline({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
 
 
 def test_tensor_parallel_size_must_divide_heads():
     from transformers import LlamaConfig
 
-    from dstrain.model import check_tensor_parallel
+    from dstrain.components.tensor_parallel import check_heads
     config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2)
-    check_tensor_parallel(config, 2)
+    check_heads(config, 2)
     with pytest.raises(UserError, match="autotp_size=4 does not divide the model's num_key_value_heads=2"):
-        check_tensor_parallel(config, 4)
+        check_heads(config, 4)
