@@ -28,7 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
-from . import cli, data, env, faults
+from . import cli, data, ds_internals, env, faults
 from .config import load_recipe, parse_overrides
 from .data import prepared
 from .errors import UserError
@@ -173,7 +173,7 @@ def run(argv: list[str] | None = None) -> int:
                       "eos_token_id": tokenizer.eos_token_id},
         "dtype": dtype.__name__,
         "source": {"path": cfg.path, "name": cfg.name, "text_field": cfg.text_field, "files": source_files(cfg.path),
-                   "fingerprints": [data.dataset_fingerprint(s) for s in splits.values()],
+                   "fingerprints": [ds_internals.dataset_fingerprint(s) for s in splits.values()],
                    "train_split": cfg.train_split,
                    "validation": (f"split {cfg.val_split}" if cfg.val_split and cfg.val_split in raw else
                                   f"{cfg.val_fraction} of {cfg.train_split} (seed {recipe.train.seed})"

@@ -21,7 +21,7 @@ import torch
 from ..config import DataConfig
 from ..errors import UserError
 from ..paths import local_or_hub
-from . import tokenizer_fingerprint
+from .formats import tokenizer_fingerprint
 from .order import EpochOrder
 
 MANIFEST = "manifest.json"  # written last: a directory without it is not (yet) a prepared corpus

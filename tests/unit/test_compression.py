@@ -144,6 +144,7 @@ def _waited(rank, delay):
     import time
     counter = CommCounter()
     out = {}
+    tdist.all_reduce(torch.ones(1))  # connections set up before anything is timed
     with counter.active():
         for name in ("sync", "async"):
             before = counter.seconds
@@ -161,12 +162,13 @@ def _waited(rank, delay):
 
 
 def test_time_waited_in_collectives_is_counted_once(tmp_path):
-    # 1 s late: counted twice would be 2 s, so the upper bound leaves 0.6 s for a busy machine's scheduling (at
-    # 0.2 s with the same factors the test failed under load: a collective's own cost is not small against 0.1 s)
+    # 1 s late: counted twice would be 2 s (at 0.2 s with tighter bounds the test failed on a busy machine)
     delay = 1.0
     waited = _run(2, _waited, tmp_path, delay)[0]
     for name in ("sync", "async"):  # counted once: a synchronous call waits on its own work inside
-        assert delay * 0.9 < waited[name] < delay * 1.6, waited
+        # a rank descheduled on a busy machine reaches the call late and waits less: the lower bound only has to
+        # tell "counted" from "not counted", the upper one "once" from "twice"
+        assert delay * 0.5 < waited[name] < delay * 1.6, waited
     assert waited["after"] == pytest.approx(0.0, abs=1e-9)
 
 

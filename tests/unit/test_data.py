@@ -68,7 +68,7 @@ def test_sequence_slices_hold_every_label_once_with_its_position():
 def test_short_eval_batches_are_filled_with_rows_that_count_nothing():
     batch = {"input_ids": torch.ones(3, 4, dtype=torch.long), "labels": torch.ones(3, 4, dtype=torch.long),
              "attention_mask": torch.ones(3, 4, dtype=torch.long)}
-    filled = data._fill_rows(batch, 4)
+    filled = data.stream._fill_rows(batch, 4)
     assert filled["input_ids"].shape == (4, 4)
     assert (filled["labels"][3] == data.IGNORE_INDEX).all() and filled["attention_mask"][3].sum() == 0
     assert torch.equal(filled["labels"][:3], batch["labels"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dstrain import data, prepare_data
+from dstrain import data, ds_internals, prepare_data
 from dstrain.config import DataConfig, ModelConfig
 from dstrain.data import prepared
 from dstrain.data.order import LAZY_ABOVE, EpochOrder, FeistelPermutation
@@ -221,7 +221,7 @@ def test_one_writer_tokenizes_a_missing_cache_while_the_others_wait(corpus, tok,
     def counted(*args, **kwargs):
         calls.append(threading.get_ident())
         return real(*args, **kwargs)
-    monkeypatch.setattr(data, "tokenize", counted)
+    monkeypatch.setattr(data.cache, "tokenize", counted)
     cfg = DataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"))
     results = [None] * 3
 
@@ -241,7 +241,7 @@ def test_a_dead_writers_lock_is_taken_over(corpus, tok, tmp_path, monkeypatch):
     cfg = DataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"))
     raw = data.load_raw(cfg)
     train_raw, val_raw = data.split_train_val(raw, cfg, 0)
-    key = data.cache_key(cfg, 64, 0, tok, [data.dataset_fingerprint(d) for d in (train_raw, val_raw)])
+    key = data.cache_key(cfg, 64, 0, tok, [ds_internals.dataset_fingerprint(d) for d in (train_raw, val_raw)])
     lock = tmp_path / "cache" / f"{key}.lock"
     lock.parent.mkdir()
     lock.write_text("node7 pid 1234\n")
@@ -251,7 +251,7 @@ def test_a_dead_writers_lock_is_taken_over(corpus, tok, tmp_path, monkeypatch):
 
 
 def test_in_job_tokenization_of_a_large_corpus_points_at_prepare_data(corpus, tok, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(data, "LARGE_CORPUS_BYTES", 1000)  # the shipped sample stands in for hundreds of MB
+    monkeypatch.setattr(data.cache, "LARGE_CORPUS_BYTES", 1000)  # the shipped sample stands in for hundreds of MB
     data.prepare(DataConfig(path=str(corpus), cache_dir=str(tmp_path)), tok, 64, 0)
     err = capsys.readouterr().err
     assert "GiB of text: every run and every node without this cache pays" in err

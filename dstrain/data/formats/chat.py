@@ -1,0 +1,21 @@
+"""`data.format: chat`: SFT on conversations, `{role, content}` messages or ShareGPT's `{from, value}` (roles
+mapped by chat_templates.normalize and `data.role_map`); the loss is taken on every assistant turn."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...chat_templates import normalize
+from ...config import DataConfig
+from . import sft
+
+
+def fields(cfg: DataConfig) -> list[tuple[str, str]]:
+    return [(cfg.messages_field, "data.messages_field")]
+
+
+def to_messages(row: dict, cfg: DataConfig) -> list[dict]:
+    return normalize(row[cfg.messages_field], cfg.role_map)
+
+
+def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
+    return sft.tokenize(dataset, cfg, tokenizer, seq_len, num_proc, to_messages)

@@ -1,0 +1,20 @@
+"""`data.format: prompt_response`: SFT on prompt/response pairs (one user turn, one assistant turn)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...config import DataConfig
+from . import sft
+
+
+def fields(cfg: DataConfig) -> list[tuple[str, str]]:
+    return [(cfg.prompt_field, "data.prompt_field"), (cfg.response_field, "data.response_field")]
+
+
+def to_messages(row: dict, cfg: DataConfig) -> list[dict]:
+    return [{"role": "user", "content": str(row[cfg.prompt_field])},
+            {"role": "assistant", "content": str(row[cfg.response_field])}]
+
+
+def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
+    return sft.tokenize(dataset, cfg, tokenizer, seq_len, num_proc, to_messages)

@@ -1,0 +1,98 @@
+"""Loading a dataset through Hugging Face `datasets` (a Hub id, files, a directory, a saved dataset) and
+carving out the validation split."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import DataConfig
+from ..errors import UserError
+from ..paths import local_or_hub
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
+                 ".text": "text", ".arrow": "arrow"}
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """For a JSON-lines file (or a directory of them) that datasets could not read: the first line that is not a
+    JSON object, as a one-line error with its file and line number (datasets names neither)."""
+    files = [path] if path.is_file() else sorted(path.glob("**/*.jsonl")) if path.is_dir() else []
+    for file in files:
+        if file.suffix.lower() not in (".jsonl", ".json") or (file.suffix.lower() == ".json" and file.stat().st_size
+                                                              and file.read_bytes()[:1] in (b"[", b"{")
+                                                              and _is_json(file)):
+            continue
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    return (f"dataset file {file} line {number} is not valid JSON ({error.msg}, column {error.colno}); "
+                            f"fix or remove that line")
+                if not isinstance(row, dict):
+                    return (f"dataset file {file} line {number} is a JSON {type(row).__name__}, not an object; each "
+                            f"line should be one record such as {{\"text\": ...}}")
+    return None
+
+
+def _is_json(file: Path) -> bool:
+    try:
+        json.loads(file.read_text())
+        return True
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
+def load_raw(cfg: DataConfig):
+    """A DatasetDict from a hub id, a local file, a local directory, or a dataset saved with save_to_disk."""
+    import datasets
+
+    location = local_or_hub(cfg.path)
+    path = Path(location)
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"dataset file {path} is empty; point data.path at a file with rows")
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+        elif path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise UserError(f"data.path {path} has an unsupported extension; use one of "
+                                f"{', '.join(sorted(FILE_BUILDERS))}")
+            loaded = datasets.load_dataset(builder, data_files=str(path))
+        elif path.is_dir():
+            loaded = datasets.load_dataset(str(path))
+        else:
+            loaded = datasets.load_dataset(location, cfg.name)
+    except UserError:
+        raise
+    except (FileNotFoundError, ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        bad = _first_bad_json_line(path)
+        if bad:
+            raise UserError(bad) from None
+        raise UserError(f"cannot load dataset '{cfg.path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        f"; check data.path (a local file/dir, or a hub id reachable from here)") from None
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({cfg.train_split: loaded})
+    if cfg.train_split not in loaded:
+        raise UserError(f"dataset '{cfg.path}' has no split '{cfg.train_split}' (splits: {', '.join(loaded)}); "
+                        f"set data.train_split")
+    return loaded
+
+
+def split_train_val(raw, cfg: DataConfig, seed: int):
+    """(train, val) raw splits: the named validation split when present, else a seeded carve-out."""
+    train = raw[cfg.train_split]
+    if len(train) == 0:
+        raise UserError(f"dataset '{cfg.path}' split '{cfg.train_split}' has no rows")
+    if cfg.val_split and cfg.val_split in raw:
+        return train, raw[cfg.val_split]
+    if cfg.val_fraction == 0:
+        return train, None
+    if len(train) < 2:
+        raise UserError(f"dataset '{cfg.path}' has too few rows to carve out a validation split; "
+                        f"set data.val_fraction=0")
+    parts = train.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]

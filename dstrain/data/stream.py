@@ -1,0 +1,107 @@
+"""Batches: each data-parallel rank's distinct share of every global batch, in a seeded order that is a pure
+function of the step (so a checkpoint's data position is its step), sequence-parallel slices, evaluation batches."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..layout import Layout
+from .formats.sft import IGNORE_INDEX
+from .order import EpochOrder
+
+
+def _stack(rows: dict) -> dict[str, torch.Tensor]:
+    batch = {k: v.long() for k, v in rows.items()}
+    if "labels" not in batch:
+        batch["labels"] = batch["input_ids"].clone()
+    return batch
+
+
+def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s 1/size slice of every sequence, for Ulysses sequence parallelism: position_ids (0.. unless
+    the row is packed) and labels shifted to the token they are predicted from (shift_labels[t] is the target
+    of position t) before cutting, so a slice's last token keeps its target in the next slice. The slices of
+    all ranks together hold each label once."""
+    input_ids = batch["input_ids"]
+    length = input_ids.shape[1]
+    if length % size:
+        raise UserError(f"a batch of {length} tokens per sequence does not split over sequence_parallel_size={size}; "
+                        f"choose train.seq_len divisible by {size}")
+    out = dict(batch)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(length).expand_as(input_ids)
+    labels = out.pop("labels")
+    out["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    chunk = length // size
+    return {k: v[:, rank * chunk:(rank + 1) * chunk].contiguous() for k, v in out.items()}
+
+
+def _for_layout(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    if layout.sequence_parallel > 1:
+        return shard_sequence(batch, layout.sequence_parallel_rank, layout.sequence_parallel)
+    return batch
+
+
+class TrainStream:
+    """Global batch `step` holds stream samples [step*G, (step+1)*G); sample k is the dataset's own order when it
+    has one (a mix of prepared sources), else element k % n of epoch k // n's permutation keyed by the seed
+    (data/order.py), so each epoch is reshuffled and any step can be re-created."""
+
+    def __init__(self, dataset, micro_batch_size: int, grad_accum_steps: int, layout: Layout, seed: int,
+                 pin_memory: bool = False):
+        self.dataset, self.seed, self.pin_memory = dataset, seed, pin_memory  # pinned: asynchronous copies to GPU
+        # ranks of one model replica (pipeline stages, tensor-parallel peers) read the same samples
+        self.micro, self.accum = micro_batch_size, grad_accum_steps
+        self.dp_rank, self.dp_size = layout.data_parallel_rank, layout.data_parallel
+        self.layout = layout
+        self.global_batch = layout.global_batch(micro_batch_size, grad_accum_steps)
+        self.offset = 0  # samples ahead of step * global_batch (a run resumed with another global batch)
+        self.sample_index = dataset.order(seed) if hasattr(dataset, "order") else EpochOrder(len(dataset), [seed])
+
+    def resume(self, step: int, samples: int) -> None:
+        """Continue after `samples` stream samples were consumed by `step` steps: none skipped or repeated."""
+        self.offset = samples - step * self.global_batch
+
+    def global_batch_indices(self, step: int) -> list[int]:
+        start = step * self.global_batch + self.offset
+        return [self.sample_index(k) for k in range(start, start + self.global_batch)]
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's grad_accum_steps micro-batches of global batch `step`."""
+        out = []
+        if hasattr(self.dataset, "note_samples"):  # a mix says when a source starts another epoch
+            first = step * self.global_batch + self.offset
+            self.dataset.note_samples(first, first + self.global_batch)
+        for m in range(self.accum):
+            start = step * self.global_batch + self.offset + (m * self.dp_size + self.dp_rank) * self.micro
+            idx = [self.sample_index(k) for k in range(start, start + self.micro)]
+            batch = _for_layout(_stack(self.dataset[idx]), self.layout)
+            out.append({k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch)
+        return out
+
+
+def eval_batches(dataset, micro_batch_size: int, layout: Layout,
+                 max_batches: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """This rank's strided share of the validation split; every rank gets the same number of batches."""
+    dp_rank, dp_size = layout.data_parallel_rank, layout.data_parallel
+    per_rank = len(dataset) // dp_size
+    idx = list(range(dp_rank, per_rank * dp_size, dp_size))
+    batches = [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
+    if max_batches is not None:
+        batches = batches[:max_batches]
+    out = [_stack(dataset[b]) for b in batches]
+    if layout.sequence_parallel > 1:  # Ulysses' attention is built for micro_batch_size rows: fill the last batch
+        out = [_fill_rows(b, micro_batch_size) for b in out]
+    return [_for_layout(b, layout) for b in out]
+
+
+def _fill_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """The batch with rows added (copies of its first, every label ignored): they add no loss and no count."""
+    missing = rows - batch["input_ids"].shape[0]
+    if missing <= 0:
+        return batch
+    out = {k: torch.cat([v, v[:1].expand(missing, -1)]) for k, v in batch.items()}
+    out["labels"][-missing:] = IGNORE_INDEX
+    if "attention_mask" in out:
+        out["attention_mask"][-missing:] = 0
+    return out
