@@ -45,8 +45,8 @@ SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "Powe
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
-    "PowerSGD rank 4": ["--ds.gradient_compression.method=powersgd", "--ds.gradient_compression.rank=4"],
-    "sign + EF": ["--ds.gradient_compression.method=sign"],
+    "PowerSGD rank 4": ["--compression.method=powersgd", "--compression.rank=4"],
+    "sign + EF": ["--compression.method=sign"],
 }
 
 
@@ -57,7 +57,7 @@ def make_model(out: Path) -> int:
 
 def train_args(model: Path, out: Path, steps: int, warmup: int, extra: list[str]) -> list[str]:
     return ["train.py", "--ds_config", "zero0.json", "--output_dir", str(out), f"--model.name_or_path={model}",
-            f"--train.max_steps={steps}", "--train.precision=fp32", f"--ds.gradient_compression.warmup_steps={warmup}",
+            f"--train.max_steps={steps}", "--train.precision=fp32", f"--compression.warmup_steps={warmup}",
             f"--eval.every={max(steps // 6, 1)}", "--eval.max_batches=8", "--log.wandb=false",
             "--log.progress_bar=false", "--log.comm_bytes=true", "--checkpoint.every=0",
             "--checkpoint.export_hf=false", *extra]
@@ -208,7 +208,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20, help="uncompressed steps first (gradient_compression)")
+    parser.add_argument("--warmup", type=int, default=20, help="uncompressed steps first (compression.warmup_steps)")
     parser.add_argument("--seeds", default=str(DEFAULT_SEED), help="part 1 data-order seeds, comma-separated")
     parser.add_argument("--methods", default=",".join(SHORT), help=f"part 1 methods, of {','.join(SHORT)}")
     parser.add_argument("--slow-link", action="store_true", help="also time each method between two namespaces")

@@ -266,6 +266,31 @@ class LoraSection:
 
 
 @dataclass
+class CompressionSection:
+    """Gradient compression with error feedback, the repository's own (dstrain/components/compression.py): it
+    replaces the data-parallel gradient all-reduce of ZeRO-0/1 on any backend (gloo included)."""
+    # `none`; `powersgd`: rank-r factors of every matrix gradient (~30x fewer bytes); `sign`: 1 bit per element and a
+    # scale per 128 (~26x fewer). Both keep the local error and add it to the next step's gradient
+    method: str = "none"
+    rank: int = 4  # powersgd: the rank of the approximation
+    warmup_steps: int = 20  # optimizer steps with the plain all-reduce first
+    seed: int = 0  # powersgd: the initial random factors (the same on every rank)
+    compress_embeddings: bool = False  # also compress the token embedding / LM head matrix (sent whole by default)
+
+    def __post_init__(self) -> None:
+        _one_of("compression.method", self.method, ("none", "powersgd", "sign"))
+        for key in ("rank", "warmup_steps", "seed"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "rank" else 0):
+                kind = "a positive" if key == "rank" else "a non-negative"
+                raise UserError(f"compression.{key}={value!r} must be {kind} integer")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass
 class Recipe:
     """A recipe: two keys at its top level, then one section per concern."""
     # the DeepSpeed config used when `--ds_config` is not given: a file in `ds_configs/` or a path
@@ -278,6 +303,7 @@ class Recipe:
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     lora: LoraSection = field(default_factory=LoraSection)
+    compression: CompressionSection = field(default_factory=CompressionSection)
     # the world size a real recipe was written for. Its global batch (micro x accumulation x data-parallel size at
     # that world) is a hyper-parameter: on another world `train.py` re-derives `grad_accum_steps` to keep it and
     # says so, or refuses naming sizes that work; `--world_size=N` (the world you launch) accepts the batch as written

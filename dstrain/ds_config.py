@@ -82,13 +82,11 @@ def _model_keys(model: Any) -> set[str]:
 
 def validate_keys(cfg: dict) -> None:
     """Unknown or misspelled keys are errors that name the closest valid key."""
-    from . import compression
-    compression.parse(cfg)  # the repository's own key, taken out before DeepSpeed sees the config
+    if MOVED_KEY in cfg:
+        raise UserError(moved_compression(cfg[MOVED_KEY]))
     for key in cfg:
-        if key == compression.KEY:
-            continue
         if key not in TOP_LEVEL_KEYS:
-            raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS | {compression.KEY})}")
+            raise UserError(f"unknown DeepSpeed config key '{key}'{closest(key, TOP_LEVEL_KEYS)}")
     for key in cfg.get("pipeline") or {}:
         if key not in PIPELINE_KEYS:
             raise UserError(f"unknown DeepSpeed config key 'pipeline.{key}'{closest(key, PIPELINE_KEYS)}")
@@ -99,8 +97,28 @@ def validate_keys(cfg: dict) -> None:
                 raise UserError(f"unknown DeepSpeed config key '{dotted}.{key}'{closest(key, valid)}")
 
 
+# The repository's own gradient compression lived in the DeepSpeed JSON until issue 30 made it a recipe section
+# (`compression`: our settings beside our others, DeepSpeed's JSON only DeepSpeed's). Old JSONs and the three
+# shipped files that carried it are refused with the command line that replaces them.
+MOVED_KEY = "gradient_compression"
+REMOVED_CONFIGS = {"zero1_powersgd": ("zero1.json", "powersgd"), "zero0_powersgd": ("zero0.json", "powersgd"),
+                   "zero1_sign": ("zero1.json", "sign")}
+
+
+def moved_compression(section: Any) -> str:
+    settings = section if isinstance(section, dict) else {}
+    flags = " ".join(f"--compression.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+    return (f"'{MOVED_KEY}' moved out of the DeepSpeed JSON into the recipe's compression section: remove it from the "
+            f"JSON and pass {flags or '--compression.method=powersgd'} (or set compression: in the recipe)")
+
+
 def resolve_path(name: str | Path) -> Path:
     """A path as given, or a file name looked up in ds_configs/ (with or without .json)."""
+    stem = Path(str(name)).name.removesuffix(".json")
+    if stem in REMOVED_CONFIGS and not Path(name).is_file() and not (DS_CONFIGS_DIR / f"{stem}.json").is_file():
+        config, method = REMOVED_CONFIGS[stem]
+        raise UserError(f"ds_configs/{stem}.json is gone: gradient compression is a recipe setting now; use "
+                        f"--ds_config {config} --compression.method={method}")
     return find_file(name, DS_CONFIGS_DIR, ".json", "DeepSpeed config")
 
 
@@ -189,8 +207,8 @@ def check_zeropp(cfg: dict, caps: DeviceCaps, ranks_per_node: int | None = None)
         return
     if caps.name != "cuda":
         raise UserError(f"ZeRO++ ({', '.join('zero_optimization.' + k for k in used)}) needs CUDA GPUs; this device "
-                        f"is {caps.name}: use zero3.json, or zero1_bf16comm.json / zero1_powersgd.json for less "
-                        f"traffic on any device")
+                        f"is {caps.name}: use zero3.json, or zero1_bf16comm.json / --compression.method=powersgd "
+                        f"for less traffic on any device")
     if int(zero.get("stage", 0)) != 3:
         raise UserError(f"ZeRO++ ({', '.join(used)}) works with ZeRO stage 3 only; set zero_optimization.stage=3")
 
@@ -279,9 +297,6 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
     check_sequence_parallel(cfg)
     layout = Layout.from_ds_config(cfg, world_size)
     check_pipeline(cfg)
-    from . import compression
-    compression.check_combination(cfg, compression.parse(cfg))
-    cfg.pop(compression.KEY, None)  # DeepSpeed never sees it; train.py reads it from the raw config
     check_zeropp(cfg, caps, ranks_per_node)
     _precision(cfg, recipe, caps)
 

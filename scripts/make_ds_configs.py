@@ -53,13 +53,10 @@ STRATEGIES = {
 }
 
 ZERO1 = {"stage": 1, "reduce_bucket_size": 50_000_000}
-POWERSGD = {"method": "powersgd", "rank": 4, "warmup_steps": 20}
-# Less gradient traffic, bf16 only (no _fp16 twin): the repository's compression (dstrain/compression.py, any
-# device), DeepSpeed's communication_data_type, and ZeRO++ (CUDA only; hpZ "auto" = ranks per node)
+# Less gradient traffic, bf16 only (no _fp16 twin): DeepSpeed's communication_data_type, and ZeRO++ (CUDA only; hpZ
+# "auto" = ranks per node). The repository's own compression is a recipe section (--compression.method=powersgd
+# with zero0.json or zero1.json), not a JSON of its own.
 TRAFFIC = {
-    "zero0_powersgd": {"zero_optimization": {"stage": 0}, "gradient_compression": POWERSGD},
-    "zero1_powersgd": {"zero_optimization": ZERO1, "gradient_compression": POWERSGD},
-    "zero1_sign": {"zero_optimization": ZERO1, "gradient_compression": {"method": "sign", "warmup_steps": 20}},
     "zero1_bf16comm": {"zero_optimization": ZERO1, "communication_data_type": "bf16"},
     "zero1_fp16comm": {"zero_optimization": ZERO1, "communication_data_type": "fp16"},
     # long sequences: DeepSpeed Ulysses sequence parallelism (2 ranks share each sequence; raise for longer ones)

@@ -3,9 +3,9 @@
 A component is built from the recipe and the raw DeepSpeed JSON when it is turned on, and offers hooks that
 train() calls in order for every component:
   validate(setup)            every check, in one pass before anything is built, converted or written:
-                             raises UserError naming the conflict and the fix. Checks of the DeepSpeed JSON
-                             alone (pipeline with ZeRO-2/3, compression with ZeRO-2/3 or offload) run once in
-                             ds_config.resolve, which the preflight and the cluster check share
+                             raises UserError naming the conflict and the fix. What DeepSpeed itself cannot
+                             combine (pipeline with ZeRO-2/3, sequence with pipeline or tensor parallelism) is
+                             checked in ds_config.resolve, which the preflight and the cluster check share
   configure(ds_cfg, setup)   edits to the resolved DeepSpeed config before the engine exists
   load_kwargs(setup)         extra keyword arguments for from_pretrained (QLoRA's quantization_config)
   convert(model, setup)      the model before deepspeed.initialize (returns the model to train)
@@ -95,7 +95,7 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     # the chunked loss patches the HF model before lora wraps it (peft passes its keyword arguments through)
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
     found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
-             tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(raw_ds),
+             tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(recipe),
              flops_profile.make(recipe), compile.make(recipe)]
     return [c for c in found if c is not None]
 

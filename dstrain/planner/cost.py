@@ -38,7 +38,9 @@ from ..layout import Layout, parallel_sizes
 from .probe import Measurements
 
 ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json",
-                "zero0_powersgd.json", "zero1_powersgd.json", "zero1_sign.json", "tp2_zero1.json", "pipe2_zero1.json")
+                "tp2_zero1.json", "pipe2_zero1.json")
+# the repository's gradient compression (a recipe section) on the configs it works with
+COMPRESSED = (("zero0.json", "powersgd"), ("zero1.json", "powersgd"), ("zero1.json", "sign"))
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Candidate:
     accum: int
     checkpointing: bool
     tensor_style: str = "autotp"  # how tensor parallelism splits a layer: DeepSpeed's AutoTP or Megatron's
+    compression: str = "none"  # compression.method
+    recipe_compression: str = "none"  # the recipe's own compression.method (overrides() says when it changes)
 
     @property
     def name(self) -> str:
@@ -59,11 +63,13 @@ class Candidate:
             base = f"tp{tp}_" + base.split("_", 1)[-1]
         if pp > 1 and not base.startswith(f"pipe{pp}"):
             base = f"pipe{pp}_" + base.split("_", 1)[-1]
-        return base
+        return base if self.compression == "none" else f"{base}_{self.compression}"
 
     def overrides(self) -> list[str]:
-        out = [f"--train.micro_batch_size={self.micro}", f"--train.grad_accum_steps={self.accum}"]
-        return out + [f"--train.activation_checkpointing={str(self.checkpointing).lower()}"]
+        out = [f"--train.micro_batch_size={self.micro}", f"--train.grad_accum_steps={self.accum}",
+               f"--train.activation_checkpointing={str(self.checkpointing).lower()}"]
+        changed = self.compression != self.recipe_compression
+        return out + ([f"--compression.method={self.compression}"] if changed else [])
 
 
 @dataclass
@@ -96,6 +102,7 @@ class Prediction:
     def to_dict(self) -> dict:
         return {"name": self.candidate.name, "config": self.candidate.config, "micro_batch_size": self.candidate.micro,
                 "grad_accum_steps": self.candidate.accum, "activation_checkpointing": self.candidate.checkpointing,
+                "compression": self.candidate.compression,
                 "fits": self.fits, "reason": self.reason, "memory_bytes": self.memory_bytes,
                 "host_bytes": self.host_bytes, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "optimizer_s": self.optimizer_s, "step_s": self.step_s,
@@ -135,7 +142,8 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None) -> lis
     kv = getattr(model_config, "num_key_value_heads", None) or heads
     layers = getattr(model_config, "num_hidden_layers", None) or getattr(model_config, "n_layer", 1)
     global_batch = global_batch_of(recipe, raw_ds, world)
-    bases: list[tuple[str, dict]] = []
+    bases: list[tuple[str, dict, str]] = [(name, _keep_recipe_choices(load(name), raw_ds), method)
+                                          for name, method in COMPRESSED]
     for name in ROOT_CONFIGS:
         raw = _keep_recipe_choices(load(name), raw_ds)
         if name.startswith(("tp2", "pipe2")):
@@ -146,18 +154,19 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None) -> lis
                     continue
                 sized = copy.deepcopy(raw)
                 sized[key][field_] = size
-                bases.append((name, sized))
+                bases.append((name, sized, "none"))
         else:
-            bases.append((name, raw))
+            bases.append((name, raw, "none"))
     out = []
-    for name, raw in bases:
+    for name, raw, method in bases:
         layout = Layout.from_ds_config(raw, world)
         if global_batch % layout.data_parallel:
             continue
         per_rank = global_batch // layout.data_parallel
         for micro in [m for m in range(1, min(per_rank, 64) + 1) if per_rank % m == 0]:
             for checkpointing in sorted({recipe.train.activation_checkpointing, True}):
-                out.append(Candidate(name, raw, micro, per_rank // micro, checkpointing))
+                out.append(Candidate(name, raw, micro, per_rank // micro, checkpointing, compression=method,
+                                     recipe_compression=recipe.compression.method))
     return out
 
 
@@ -292,14 +301,16 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     """Fit and step time of one candidate. overlap: whether communication can hide behind compute (GPUs); by
     default from the measurements' device. checked=False takes candidate.ds as resolved (a layout DeepSpeed's
     engine here does not offer, such as Megatron's tensor x pipeline x data for published runs)."""
-    from .. import compression as compression_mod
     from .. import ds_config, memory
+    from ..components.compression import check_combination
 
     trial = _recipe_for(recipe, candidate)
     tokens = work.global_batch * work.seq_len
     try:
         resolved = ds_config.resolve(candidate.ds, trial, meas.world_size, caps, hidden, meas.ranks_per_node) \
             if checked else candidate.ds
+        if checked:
+            check_combination(resolved, trial.compression)
     except UserError as error:
         return Prediction(candidate, False, tokens=tokens, reason=str(error))
     layout = Layout.from_ds_config(resolved, meas.world_size)
@@ -330,7 +341,7 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     backward_s = candidate.accum * micro_s * 2 / 3
 
     # communication
-    compression = compression_mod.parse(candidate.ds)
+    compression = trial.compression
     calls = _calls(stage, psi, psi_t, w, precision != "fp32", candidate.accum, compression, work, zero, dp) \
         if dp > 1 else []
     activation = candidate.micro * work.seq_len * (hidden or 0) * w
@@ -416,7 +427,7 @@ def _rank_scale(curve, ranks: int, op: str) -> float:
 def _recipe_for(recipe, candidate: Candidate):
     train = replace(recipe.train, micro_batch_size=candidate.micro, grad_accum_steps=candidate.accum,
                     activation_checkpointing=candidate.checkpointing)
-    return replace(recipe, train=train)
+    return replace(recipe, train=train, compression=replace(recipe.compression, method=candidate.compression))
 
 
 def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Workload:
@@ -424,7 +435,7 @@ def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Work
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..compression import embedding_shapes
+    from ..components.compression import embedding_shapes
 
     if model is None:
         with torch.device("meta"):
@@ -469,9 +480,10 @@ def remedy(ds_cfg: dict, recipe: dict) -> str:
                f"try --ds_config zero1.json if it fits (train.py --preflight says)")
     elif stage == 3:
         tip = "ZeRO-3 gathers every parameter twice per micro-batch: try zero2.json if it fits (--preflight says)"
-    elif not ds_cfg.get("gradient_compression") and parallel_sizes(ds_cfg).pipeline == 1:
-        tip = ("gradient compression sends ~30x fewer gradient bytes: try --ds_config zero1_powersgd.json, or raise "
-               "train.grad_accum_steps (a larger global batch sends the same bytes once per step)")
+    elif (recipe.get("compression") or {}).get("method", "none") == "none" and parallel_sizes(ds_cfg).pipeline == 1:
+        tip = ("gradient compression sends ~30x fewer gradient bytes: try --ds_config zero1.json "
+               "--compression.method=powersgd, or raise train.grad_accum_steps (a larger global batch sends the same "
+               "bytes once per step)")
     else:
         tip = ("raise train.grad_accum_steps: a larger global batch sends the same gradient bytes once per "
                "optimizer step")

@@ -266,10 +266,11 @@ def measure_compute(model_config, precision: str, seq_len: int, micro_sizes: lis
 
 def measure_compression(shapes: list, repeat: int, exempt: frozenset, world: int, rank: int,
                         device: torch.device) -> dict:
-    """Seconds per step that each gradient compressor (dstrain/compression.py) spends computing on `shapes`
+    """Seconds per step that each gradient compressor (dstrain/components/compression.py) spends computing on `shapes`
     (x `repeat`: one layer's shapes stand for all layers of a large model), on a group of this rank alone so no
     link time is included."""
-    from ..compression import METHODS, CompressionConfig, Reducer
+    from ..components.compression import METHODS, Reducer
+    from ..config import CompressionSection
 
     alone = None
     for r in range(world):  # every rank creates every group
@@ -281,7 +282,7 @@ def measure_compression(shapes: list, repeat: int, exempt: frozenset, world: int
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(*shape, generator=generator).to(device) for shape in shapes]
     for method in METHODS[1:]:
-        reducer = Reducer(CompressionConfig(method, warmup_steps=0), group=alone, exempt_shapes=exempt)
+        reducer = Reducer(CompressionSection(method, warmup_steps=0), group=alone, exempt_shapes=exempt)
         out[method] = repeat * _time(lambda r=reducer: r.average_([g.clone() for g in grads]), 3, 1.0, sync)
     # sign decodes every rank's bits: one more decode per further data-parallel rank
     elements = sum(g.numel() for g in grads if tuple(g.shape) not in exempt)
@@ -290,7 +291,7 @@ def measure_compression(shapes: list, repeat: int, exempt: frozenset, world: int
 
 
 def _decode_signs(elements: int, device) -> None:
-    from ..compression import SIGN_BLOCK, _unpack_bits
+    from ..components.compression import SIGN_BLOCK, _unpack_bits
     blocks = -(-elements // SIGN_BLOCK)
     packed = torch.zeros(blocks * SIGN_BLOCK // 8, dtype=torch.uint8, device=device)
     total = torch.zeros(blocks, SIGN_BLOCK, device=device)

@@ -55,8 +55,8 @@ CASES = {
     "fp16 on cpu": (["--ds_config", "zero2_fp16.json"], "fp16 is not supported on this device (cpu)"),
     "zero++ on cpu": (["--ds_config", "zero3_zeropp.json"], "ZeRO++ (zero_optimization.zero_quantized_weights, "
                       "zero_optimization.zero_quantized_gradients) needs CUDA GPUs; this device is cpu"),
-    "compression with zero2": (["--ds_config", "zero1_powersgd.json", "--ds.zero_optimization.stage=2"],
-                               "gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
+    "compression with zero2": (["--ds_config", "zero2.json", "--compression.method=powersgd"],
+                               "compression.method=powersgd works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
     # seq_len too long, an unreachable hub id, data and model mistakes: on an existing run, further down
     "resume path not a checkpoint": (["--resume", "/tmp"], "--resume /tmp: not a complete checkpoint"),
     # issue 16: an AssertionError traceback from deepspeed.initialize; a hub hint for a mistyped local path

@@ -35,14 +35,14 @@ def rows(run_dir):
 
 # bytes each rank sends per step, uncompressed / compressed (measured): ZeRO-0 4.7x (the embedding matrix goes
 # uncompressed: 295 of the 371 KB); ZeRO-1 2.1x, since its parameter all-gather (874 KB) is not gradient traffic
-@pytest.mark.parametrize("ds_config, stage, min_ratio, resume", [
-    ("zero1_powersgd.json", 1, 1.9, True),
-    ("zero1_sign.json", 1, 1.9, True),
-    ("zero0_powersgd.json", 0, 4.0, False),
+@pytest.mark.parametrize("ds_config, method, stage, min_ratio, resume", [
+    ("zero1.json", "powersgd", 1, 1.9, True),
+    ("zero1.json", "sign", 1, 1.9, True),
+    ("zero0.json", "powersgd", 0, 4.0, False),
 ])
-def test_compressed_training(ds_config, stage, min_ratio, resume, tmp_path, cache, tiny_llama, uncompressed):
-    args = ARGS + [f"--model.name_or_path={tiny_llama}", "--ds_config", ds_config,
-                   f"--ds.gradient_compression.warmup_steps={WARMUP}"]
+def test_compressed_training(ds_config, method, stage, min_ratio, resume, tmp_path, cache, tiny_llama, uncompressed):
+    args = ARGS + [f"--model.name_or_path={tiny_llama}", "--ds_config", ds_config, f"--compression.method={method}",
+                   f"--compression.warmup_steps={WARMUP}"]
     whole = tmp_path / "whole"
     launch(args + ["--output_dir", str(whole), "--checkpoint.every=0"], cache)
 

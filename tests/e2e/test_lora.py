@@ -98,7 +98,7 @@ def test_lora_with_gradient_compression(tmp_path, cache, tiny_llama):
     less (measured 222 -> 152 kB: rank-4 factors of matrices that are rank 8 on one side already save about half,
     the rest is uncompressed), and the run still learns."""
     run = tmp_path / "run"
-    launch(["--ds_config", "zero1_powersgd.json", "--ds.gradient_compression.warmup_steps=2", *LORA_ARGS,
+    launch(["--ds_config", "zero1.json", "--compression.method=powersgd", "--compression.warmup_steps=2", *LORA_ARGS,
             f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--train.max_steps=8", f"--train.lr={LR}",
             "--train.seq_len=64", "--train.micro_batch_size=4", "--train.precision=fp32", "--log.comm_bytes=true",
             "--log.wandb=false", "--log.progress_bar=false", "--eval.max_batches=2", "--checkpoint.every=0"], cache)

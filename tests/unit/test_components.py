@@ -48,15 +48,21 @@ def test_chunked_loss_checks_the_model_shape_without_building_it():
 
 
 def test_compression_conflicts_and_state():
-    from dstrain.ds_config import DeviceCaps, resolve
-    raw = load("zero1_powersgd.json")
-    raw["zero_optimization"]["stage"] = 2
-    recipe = load_recipe("tiny/pretrain")
-    feature = components.build(recipe, raw)
+    # issue 30: compression is the recipe's section; its conflicts with the DeepSpeed JSON are refused in the one
+    # validation pass (they were checked inside ds_config.resolve while the setting lived in the JSON)
+    feature, setup = setup_for(["--compression.method=powersgd"], "zero2.json")
     assert [f.name for f in feature] == ["compression"]
-    # a conflict within the DeepSpeed JSON alone is refused where the JSON is resolved, before any component runs
-    with pytest.raises(UserError, match="works with ZeRO stage 0 or 1, but this config uses ZeRO-2"):
-        resolve(raw, recipe, 2, DeviceCaps("cpu", True, False))
+    with pytest.raises(UserError, match="compression.method=powersgd works with ZeRO stage 0 or 1, but this config "
+                                        "uses ZeRO-2"):
+        components.validate_all(feature, setup)
+    feature, setup = setup_for(["--compression.method=sign"], "tp2_zero1.json")
+    with pytest.raises(UserError, match="not with pipeline stages, tensor or sequence parallelism"):
+        components.validate_all(feature, setup)
+    feature, setup = setup_for(["--compression.method=powersgd"], "zero1.json")
+    components.validate_all(feature, setup)
+    configured = dict(setup.ds_cfg, zero_optimization=dict(setup.ds_cfg["zero_optimization"]))
+    feature[0].configure(configured, setup)  # the ZeRO-1 knobs the compressed reduction needs
+    assert configured["zero_optimization"]["reduce_scatter"] is False
     # state only once a reducer exists (a data-parallel world of one has none): the checkpointer's extras
     component = GradientCompression(feature[0].config)
     assert components.stateful([component]) == {}

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from dstrain import compression as C
 from dstrain import ds_config as dsc
 from dstrain.comm_counter import CommCounter
+from dstrain.components import compression as C
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.errors import UserError
 
@@ -53,7 +53,7 @@ def _grads(rank: int, step: int) -> list[torch.Tensor]:
 def _train(rank, method, steps, warmup, state=None, first=0):
     """Feed `steps` random gradients through a Reducer; return applied updates, true means and state."""
     step = [first]
-    reducer = C.Reducer(C.CompressionConfig(method, rank=2, warmup_steps=warmup), step=lambda: step[0])
+    reducer = C.Reducer(C.CompressionSection(method, rank=2, warmup_steps=warmup), step=lambda: step[0])
     if state is not None:
         reducer.load_state_dict(state[rank])
     applied, true_mean = [], []
@@ -94,7 +94,7 @@ def test_warmup_steps_are_exact_and_later_ones_compressed(tmp_path):
 def _low_rank(rank):
     g = torch.Generator().manual_seed(7 + rank)
     matrix = torch.randn(40, 2, generator=g) @ torch.randn(2, 30, generator=g)  # rank 2 on each rank
-    reducer = C.Reducer(C.CompressionConfig("powersgd", rank=4, warmup_steps=0))
+    reducer = C.Reducer(C.CompressionSection("powersgd", rank=4, warmup_steps=0))
     grad = matrix.clone()
     reducer.average_([grad])
     return {"grad": matrix, "applied": grad}
@@ -123,7 +123,7 @@ def _count(rank, method):
     counter = CommCounter()
     grad = torch.randn(256, 256)
     with counter.active():
-        C.Reducer(C.CompressionConfig(method, rank=4, warmup_steps=0)).average_([grad])
+        C.Reducer(C.CompressionSection(method, rank=4, warmup_steps=0)).average_([grad])
         compressed = counter.wire_bytes
         tdist.all_reduce(grad.clone())
     return {"compressed": compressed, "total": counter.wire_bytes, "calls": counter.calls}
@@ -173,7 +173,7 @@ def test_time_waited_in_collectives_is_counted_once(tmp_path):
 
 
 def _exempt(rank):
-    reducer = C.Reducer(C.CompressionConfig("powersgd", rank=1, warmup_steps=0), exempt_shapes=frozenset({(64, 48)}))
+    reducer = C.Reducer(C.CompressionSection("powersgd", rank=1, warmup_steps=0), exempt_shapes=frozenset({(64, 48)}))
     grads = _grads(rank, 0)
     reducer.average_(grads)
     return {"applied": grads, "errors": sorted(reducer.errors)}
@@ -210,28 +210,48 @@ def recipe():
 CPU = dsc.DeviceCaps("cpu", bf16=True, fp16=False)
 
 
-def test_key_is_validated_and_removed_before_deepspeed():
-    cfg = dsc.resolve(dsc.load("zero1_powersgd.json"), recipe(), 2, CPU)
-    assert C.KEY not in cfg
+def compressed(*overrides: str):
+    return load_recipe("tiny/pretrain.yaml", parse_overrides(["--compression.method=powersgd", *overrides]))
+
+
+def test_settings_live_in_the_recipe_and_set_the_zero1_knobs():
+    """Issue 30: the repository's own settings moved from the DeepSpeed JSON into the recipe's compression section;
+    the ZeRO-1 knobs the compressed reduction needs are set where the component configures the resolved JSON."""
+    r = compressed()
+    assert r.compression == C.CompressionSection("powersgd", 4, 20) and r.compression.enabled
+    cfg = dsc.resolve(dsc.load("zero1.json"), r, 2, CPU)
+    C.check_combination(cfg, r.compression)
     zero = cfg["zero_optimization"]
     assert (zero["reduce_scatter"], zero["overlap_comm"], zero["contiguous_gradients"]) == (False, False, True)
-    assert C.parse(dsc.load("zero1_powersgd.json")) == C.CompressionConfig("powersgd", 4, 20)
 
 
-@pytest.mark.parametrize("patch, message", [
-    ({"gradient_compression.metod": "sign"}, r"unknown DeepSpeed config key 'gradient_compression.metod' \(did you mean 'method'"),
-    ({"gradient_compression.method": "topk"}, r"gradient_compression.method='topk' is not one of none, powersgd, sign"),
-    ({"gradient_compression.rank": 0}, r"gradient_compression.rank=0 must be a positive integer"),
-    ({"zero_optimization.stage": 2}, r"gradient_compression works with ZeRO stage 0 or 1, but this config uses ZeRO-2"),
-    ({"zero_optimization.overlap_comm": True}, r"needs zero_optimization.overlap_comm=false"),
-    ({"communication_data_type": "bf16"}, r"communication_data_type='bf16' would not apply"),
-    ({"zero_optimization.offload_optimizer.device": "cpu"}, r"does not combine with ZeRO offload"),
-    ({"pipeline.stages": 2}, r"data parallelism only"),
+def test_an_old_json_or_shipped_name_says_where_the_setting_moved():
+    old = {"zero_optimization": {"stage": 1}, "gradient_compression": {"method": "sign", "warmup_steps": 5}}
+    with pytest.raises(UserError, match=r"^'gradient_compression' moved out of the DeepSpeed JSON into the recipe's "
+                                        r"compression section: remove it from the JSON and pass "
+                                        r"--compression.method=sign --compression.warmup_steps=5"):
+        dsc.validate_keys(old)
+    with pytest.raises(UserError, match=r"ds_configs/zero1_powersgd.json is gone: gradient compression is a recipe "
+                                        r"setting now; use --ds_config zero1.json --compression.method=powersgd"):
+        dsc.load("zero1_powersgd.json")
+
+
+@pytest.mark.parametrize("overrides, patch, message", [
+    (["--compression.metod=sign"], {}, r"unknown recipe key 'compression.metod' \(did you mean 'method'"),
+    (["--compression.method=topk"], {}, r"compression.method='topk' is not one of none, powersgd, sign"),
+    (["--compression.rank=0"], {}, r"compression.rank=0 must be a positive integer"),
+    ([], {"zero_optimization.stage": 2}, r"compression.method=powersgd works with ZeRO stage 0 or 1, but this config "
+                                         r"uses ZeRO-2"),
+    ([], {"zero_optimization.overlap_comm": True}, r"needs zero_optimization.overlap_comm=false"),
+    ([], {"communication_data_type": "bf16"}, r"communication_data_type='bf16' would not apply"),
+    ([], {"zero_optimization.offload_optimizer.device": "cpu"}, r"does not combine with ZeRO offload"),
+    ([], {"pipeline.stages": 2}, r"data parallelism only"),
 ])
-def test_bad_compression_settings_are_one_clear_error(patch, message):
+def test_bad_compression_settings_are_one_clear_error(overrides, patch, message):
     with pytest.raises(UserError, match=message):
-        dsc.resolve(dsc.load("zero1_powersgd.json", parse_overrides([f"--ds.{k}={v}" for k, v in patch.items()])["ds"]),
-                    recipe(), 2, CPU)
+        r = compressed(*overrides)
+        raw = dsc.load("zero1.json", parse_overrides([f"--ds.{k}={v}" for k, v in patch.items()])["ds"])
+        C.check_combination(dsc.resolve(raw, r, 2, CPU), r.compression)
 
 
 def test_zeropp_on_cpu_is_refused_before_anything_starts():
@@ -258,7 +278,7 @@ def test_checkpointed_state_on_the_same_and_on_another_world(tmp_path):
 
     def restored(world: int, rank: int, manifest_world: int) -> C.Reducer:
         reducer = C.Reducer.__new__(C.Reducer)
-        reducer.config, reducer.errors, reducer.factors = C.CompressionConfig("powersgd"), {}, {}
+        reducer.config, reducer.errors, reducer.factors = C.CompressionSection("powersgd"), {}, {}
         component = GradientCompression(reducer.config)
         component.reducer = reducer
         ckpt = Checkpointer(tmp_path, CheckpointConfig(), DistContext(rank, rank, world),

@@ -197,8 +197,7 @@ def test_sequence_parallel_combinations_are_checked_before_deepspeed_asserts():
     cfg = dsc.resolve(dsc.load("zero2.json") | {"sequence_parallel_size": 2}, recipe(), 4, CPU)
     assert cfg["train_batch_size"] == 8 * 2  # micro 8 x 2 data-parallel groups of 2 sequence-parallel ranks
     cases = {"pipe2_zero1.json": "together with pipeline stages is not supported",
-             "tp2_zero1.json": "together with tensor parallelism (AutoTP) is not supported",
-             "zero1_powersgd.json": "not with pipeline stages, tensor or sequence parallelism"}
+             "tp2_zero1.json": "together with tensor parallelism (AutoTP) is not supported"}
     for name, message in cases.items():
         with pytest.raises(UserError, match=re.escape(message)):
             dsc.resolve(dsc.load(name) | {"sequence_parallel_size": 2}, recipe(), 4, CPU)
