@@ -70,7 +70,7 @@ prebuild-ops: system-deps $(VENV)/.ops-built
 # lint first: a style slip fails in seconds, not after the suite (pyproject.toml prints the 20 slowest tests)
 test: system-deps $(VENV)/.installed
 	@$(MAKE) --no-print-directory -j2 test-deps prebuild-ops
-	@$(MAKE) --no-print-directory lint
+	@$(MAKE) --no-print-directory lint docs
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
 	@rc=0; $(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
@@ -82,7 +82,7 @@ test-fast: lint
 # the documentation site (mkdocs.yml): reference pages regenerated from the code, then built with --strict
 docs: setup
 	$(PY) scripts/gen_reference_docs.py
-	$(VENV)/bin/mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
 
 docs-serve: docs
 	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
