@@ -66,9 +66,9 @@ def _yaml(value) -> str:
     return str(value)
 
 
-def recipe_keys() -> str:
-    source = Path(config.__file__).read_text()
-    docs = _field_docs(source)
+def recipe_keys(source: str | None = None) -> str:
+    """The page; `source` stands in for dstrain/config.py's text (a test passes an edited copy)."""
+    docs = _field_docs(source if source is not None else Path(config.__file__).read_text())
     out = [HEADER.format(src="dstrain/config.py"), "# Recipe keys\n\n",
            "A recipe is YAML with the sections below; any key can be set on the command line too "
            "(`--train.lr=1e-4`, `--lora.r=16`). Precedence: these defaults < the recipe YAML < the command line. "
