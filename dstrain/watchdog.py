@@ -100,8 +100,28 @@ class Watchdog:
             try:
                 with self._lock:
                     self.store.set(self._key("done", self.ctx.rank), "1")
+                    if self.ctx.rank == 0:
+                        self._wait_for_the_others()
             except Exception:
                 pass
+
+    def _wait_for_the_others(self) -> None:
+        """Rank 0 hosts the store (under the deepspeed runner and plain env:// launches): if it left first, a
+        rank still on its way out (the same bad input, found a moment later) would see the store vanish and
+        report rank 0 dead, exit 1, and the launcher could pass that on instead of 2. So rank 0 leaves last,
+        bounded by fault.peer_timeout; a rank on this machine whose process is gone is not waited for."""
+        deadline = time.monotonic() + self.cfg.peer_timeout
+        waiting = set(range(1, self.ctx.world_size))
+        while waiting and time.monotonic() < deadline:
+            for rank in list(waiting):
+                if self.store.check([self._key("done", rank)]):
+                    waiting.discard(rank)
+                elif self.store.check([self._key("proc", rank)]):
+                    host, identity, pid = self.store.get(self._key("proc", rank)).decode().split("\t")
+                    if identity == _machine_identity() and not _alive(int(pid)):
+                        waiting.discard(rank)
+            if waiting:
+                time.sleep(0.05)
 
     def fail(self, error: BaseException, code: int = EXIT_CODE) -> NoReturn:
         """The main thread hit an unexpected error. A failed collective usually means a peer died: give the

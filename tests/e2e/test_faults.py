@@ -287,3 +287,38 @@ def test_resume_on_another_world_size(tmp_path, cache, tiny_llama, whole_by_stag
     assert len(got) == 12 and got == pytest.approx(want, rel=1e-5, abs=0)
     final = json.loads((run / "checkpoints" / "step_00000012" / "complete.json").read_text())
     assert final["samples"] == 12 * 16 and final["world_size"] == after
+
+
+LEAVE = """
+import sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+from dstrain.config import FaultConfig
+from dstrain.dist import env_context
+from dstrain.watchdog import Watchdog
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+ctx = env_context()
+watchdog = Watchdog(Path(sys.argv[1]), FaultConfig(heartbeat_interval=0.2, peer_timeout=20), ctx).start()
+time.sleep(0.5 if ctx.rank == 0 else 2.0)  # rank 1 finds the same bad input later: ten heartbeats later
+watchdog.close()
+sys.exit(2)
+"""
+
+
+def test_a_rank_leaving_on_purpose_is_not_reported_dead(tmp_path, cache):
+    """CI failure of 2026-11-25: a bad --ds value on a 2-rank deepspeed launch exited 1 instead of 2 now and then.
+    Both ranks raise the same UserError; rank 0 (which hosts the store) left first, rank 1's watchdog saw the
+    store vanish with rank 0's process gone, reported `rank 0 ... died` and exited 1, which the launcher passed
+    on. A rank leaving on purpose is not a death: rank 0 waits for the others before it takes the store down."""
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVE)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT, stderr=subprocess.PIPE,
+                              text=True, env=env(cache, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                 LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert not any("died" in e or "stopping" in e for e in errs), errs
+    assert not (tmp_path / "stacks").exists()
