@@ -80,6 +80,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         faults,
         flops,
         memory,
+        objectives,
         resume,
         schedule,
     )
@@ -115,7 +116,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
                              init_from or started_from)
     features = components.build(recipe, raw_ds)
-    components.validate_all(features, setup)
+    objective = objectives.make(recipe)  # what a step minimises: next-token loss, or DPO and its kin
+    components.validate_all(features + [objective], setup)
     tokenizer = models.load_tokenizer(recipe.model)
     chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
         if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
@@ -162,6 +164,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for feature in features:
         feature.attach(engine, setup)
     peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores
+    from dstrain.paths import weights_fingerprint
+    prepared.train, prepared.val = objective.before_training(  # preference: the reference model's log-probs
+        engine, [prepared.train, prepared.val], layout, ctx, run_dir, prepared.cache_path,
+        weights_fingerprint(model_source.name_or_path), train.micro_batch_size, log)
     stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, layout, train.seed,
                               pin_memory=engine.device.type == "cuda")
     val = data.eval_batches(prepared.val, train.micro_batch_size, layout, recipe.eval.max_batches) \
@@ -189,21 +195,21 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     # ---- the loop
     if start == 0 and val:
-        metrics.evaluation(0, evaluate(engine, val, layout))
+        metrics.evaluation(0, *evaluate(engine, val, layout, objective))
     counter = comm_counter.CommCounter().start()  # bytes sent and time waited in collectives, every step
     watchdog.arm()
     last = train.exit_at_step or train.max_steps
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
         began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
-        loss, label_tokens, tokens = train_step(engine, stream.micro_batches(step - 1), layout)
-        metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, label_tokens,
-                     time.perf_counter() - began, counter.since(comm))
+        loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective)
+        metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, int(counts["label_tokens"]),
+                     time.perf_counter() - began, counter.since(comm), extra)
         watchdog.progress()
         for feature in features:
             feature.after_step(step, metrics.message)
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
-            metrics.evaluation(step, evaluate(engine, val, layout))
+            metrics.evaluation(step, *evaluate(engine, val, layout, objective))
             watchdog.progress()
         if ckpt.due(step, last):
             ckpt.save(engine, step, saved(step))

@@ -51,7 +51,9 @@ class DataConfig:
     name: str | None = None  # hub dataset configuration name
     # `text`: pretraining, documents joined with EOS and packed into `seq_len` blocks (no padding);
     # `prompt_response` or `chat`: SFT, loss only on response / assistant tokens. SFT examples longer than
-    # `seq_len` are truncated (their end cut) and those left with no reply token dropped; both are counted
+    # `seq_len` are truncated (their end cut) and those left with no reply token dropped; both are counted;
+    # `preference`: pairs for DPO and its kin (the `preference` section), TRL's columns `prompt`, `chosen`,
+    # `rejected` as strings or as lists of messages (a missing `prompt` is the messages chosen and rejected share)
     format: str = "text"
     # `true` with `prompt_response` / `chat`: several examples per `seq_len` row (first fit, in data order),
     # `position_ids` restarting at each, attention never crossing examples, loss masks unchanged: the same
@@ -64,6 +66,11 @@ class DataConfig:
     # the messages column (`format: chat`): `{role, content}` messages, or ShareGPT's `{from, value}` (`human` ->
     # user, `gpt` -> assistant, `system`, `tool`)
     messages_field: str = "messages"
+    chosen_field: str = "chosen"  # the preferred response (`format: preference`): a string or a list of messages
+    rejected_field: str = "rejected"  # the dispreferred response (`format: preference`)
+    # `format: preference`: the longest prompt kept (tokens). A pair longer than `train.seq_len` first loses the
+    # start of its prompt down to this, then the ends of its responses. null: `train.seq_len` // 2
+    max_prompt_length: int | None = None
     # the SFT conversation format: null = the tokenizer's own (a tokenizer without one gets `plain`, with a note),
     # `chatml`, `llama3`, `plain`, or a path to a `.jinja` file. Set on the tokenizer, so `hf/` carries it
     chat_template: str | None = None
@@ -77,9 +84,12 @@ class DataConfig:
     num_proc: int = 1  # worker processes for tokenization (`datasets.map`)
 
     def __post_init__(self) -> None:
-        _one_of("data.format", self.format, ("text", "prompt_response", "chat"))
+        _one_of("data.format", self.format, ("text", "prompt_response", "chat", "preference"))
         from .chat_templates import check
         check(self.chat_template)
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise UserError(f"data.max_prompt_length={self.max_prompt_length} must be a positive number of tokens "
+                            f"or null")
         if not 0.0 <= self.val_fraction < 1.0:
             raise UserError(f"data.val_fraction={self.val_fraction} must be in [0, 1); try 0.05")
         for entry in self.mix:
@@ -291,6 +301,34 @@ class CompressionSection:
 
 
 @dataclass
+class PreferenceSection:
+    """Preference training on chosen/rejected pairs (`data.format: preference`, dstrain/objectives/preference.py).
+    The names and their meaning are TRL's (`DPOConfig`, `CPOConfig`, `ORPOConfig`), so a TRL recipe moves over."""
+    # `dpo` (TRL's `sigmoid`), `ipo`, `hinge`, `robust` (need the reference model's log-probs), `simpo`, `orpo`
+    # (reference-free). The reference costs no second model: for full fine-tuning its log-probs are computed once
+    # before the first step and stored; with LoRA it is the base with the adapters switched off
+    loss: str = "dpo"
+    beta: float = 0.1  # the inverse temperature of the implicit reward (ORPO: the weight of the odds-ratio term)
+    # `dpo`/`simpo`: conservative DPO (the chance a label is flipped); `robust`: robust DPO; in [0, 0.5)
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5  # `simpo`: the target reward margin
+
+    def __post_init__(self) -> None:
+        _one_of("preference.loss", self.loss, PREFERENCE_LOSSES)
+        if not (isinstance(self.beta, (int, float)) and self.beta > 0):
+            raise UserError(f"preference.beta={self.beta!r} must be a positive number; TRL's default is 0.1")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise UserError(f"preference.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss not in ("simpo", "orpo")
+
+
+PREFERENCE_LOSSES = ("dpo", "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+
+
+@dataclass
 class Recipe:
     """A recipe: two keys at its top level, then one section per concern."""
     # the DeepSpeed config used when `--ds_config` is not given: a file in `ds_configs/` or a path
@@ -304,10 +342,19 @@ class Recipe:
     log: LogConfig = field(default_factory=LogConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     # the world size a real recipe was written for. Its global batch (micro x accumulation x data-parallel size at
     # that world) is a hyper-parameter: on another world `train.py` re-derives `grad_accum_steps` to keep it and
     # says so, or refuses naming sizes that work; `--world_size=N` (the world you launch) accepts the batch as written
     world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.data.format != "preference" and self.preference != PreferenceSection():
+            raise UserError(f"preference.* keys are set but data.format={self.data.format}: set "
+                            f"--data.format=preference for preference pairs, or drop the preference keys")
+        if self.data.format == "preference" and self.data.packing:
+            raise UserError("data.packing=true is not supported with data.format=preference yet; drop it (each pair "
+                            "is padded to train.seq_len)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -97,10 +97,10 @@ class Metrics:
             self._sink("tensorboard", self._tensorboard_row, row)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, label_tokens: int,
-             seconds: float, comm: dict | None = None) -> None:
+             seconds: float, comm: dict | None = None, extra: dict | None = None) -> None:
         """tokens: the global batch's input tokens that are not padding (throughput and MFU count those);
         label_tokens: the tokens the loss is taken over; comm: {comm_s, comm_bytes} of rank 0 in this step
-        (comm_counter.CommCounter)."""
+        (comm_counter.CommCounter); extra: the objective's own figures (preference training's rewards/...)."""
         if not self.enabled:
             return
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
@@ -111,7 +111,7 @@ class Metrics:
         self.rates.append(tokens_per_s)
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                "label_tokens": label_tokens, "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu,
-               "time": time.time()}
+               "time": time.time()} | (extra or {})
         if comm is not None:
             row["comm_s"] = comm["comm_s"]
             row["comm_fraction"] = comm["comm_s"] / seconds if seconds > 0 else None
@@ -121,6 +121,8 @@ class Metrics:
         self._write(row)
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}"
+                                     + (f" acc={extra['rewards/accuracies']:.0%}" if extra and
+                                        "rewards/accuracies" in extra else "")
                                      + (f" mfu={mfu:.1%}" if mfu is not None else "")
                                      + (f" comm={row['comm_fraction']:.0%}" if row.get("comm_fraction") is not None
                                         else ""), refresh=False)
@@ -149,8 +151,17 @@ class Metrics:
                          f"{COMM_WINDOW}: time waited in collectives, metrics.jsonl comm_fraction); "
                          f"{remedy(self.resolved_config.get('ds') or {}, self.resolved_config.get('recipe') or {})}")
 
-    def evaluation(self, step: int, eval_loss: float) -> None:
+    def evaluation(self, step: int, eval_loss: float, extra: dict | None = None) -> None:
+        """extra: the objective's own figures, logged with the `eval_` prefix; an objective with figures of its own
+        (preference training) has no perplexity."""
         if not self.enabled:
+            return
+        if extra:
+            row = {"step": step, "eval_loss": eval_loss} | {f"eval_{k}": v for k, v in extra.items()}
+            self._write(row)
+            shown = " ".join(f"{k}={v:.4f}" for k, v in row.items() if k in ("eval_rewards/accuracies",
+                                                                              "eval_rewards/margins"))
+            self.message(f"step {step}: eval_loss={eval_loss:.4f} {shown}".rstrip())
             return
         perplexity = math.exp(eval_loss) if eval_loss < 50 else float("inf")
         self._write({"step": step, "eval_loss": eval_loss, "perplexity": perplexity})

@@ -14,3 +14,13 @@ def local_or_hub(name: str) -> str:
         if candidate.exists():
             return str(candidate)
     return name
+
+
+def weights_fingerprint(name: str) -> str:
+    """What identifies a model's weights without reading them: each weight file's name, size and modification time
+    for a local directory; the name for a Hub id (its revision is what the Hub cache holds)."""
+    path = Path(local_or_hub(name))
+    if not path.is_dir():
+        return name
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
+    return f"{path.resolve()}|" + "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)

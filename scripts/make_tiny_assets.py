@@ -8,6 +8,8 @@ Outputs (all small enough to ship in git):
   data/tiny/train.jsonl, data/tiny/val.jsonl   {"text": ...}          raw-text pretraining
   data/tiny_sft/train.jsonl                    {"prompt", "response"} supervised fine-tuning
   data/tiny_chat/train.jsonl                   {"messages": [...]}    chat-format SFT
+  data/tiny_dpo/train.jsonl                    {"prompt", "chosen", "rejected"} preference pairs (a right answer
+                                               over a wrong one: learnable from the SFT data's facts)
   recipes/tiny/model/                          config.json + tokenizer files of a tiny Llama
 """
 from __future__ import annotations
@@ -67,6 +69,33 @@ def _qa(rng: random.Random) -> tuple[str, str]:
     a, item, n = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 9)
     return (f"{a} has {NUMBER_WORDS[n]} {item} and finds one more. How many {item} does {a} have?",
             f"{a} has {NUMBER_WORDS[n + 1]} {item}.")
+
+
+def _pair(rng: random.Random) -> dict:
+    """A question, its right answer (chosen) and a wrong one (rejected): the same words, another number."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        x, y = rng.randint(0, 9), rng.randint(0, 9)
+        wrong = rng.choice([v for v in range(19) if v != x + y])
+        return {"prompt": f"What is {x} plus {y}?", "chosen": f"{x} plus {y} is {x + y}.",
+                "rejected": f"{x} plus {y} is {wrong}."}
+    if kind == 1:
+        n = rng.randint(0, 17)
+        wrong = rng.choice([w for w in NUMBER_WORDS if w != NUMBER_WORDS[n]])
+        return {"prompt": f"Write {n} in words.", "chosen": f"{n} is {NUMBER_WORDS[n]}.",
+                "rejected": f"{n} is {wrong}."}
+    a, item, n = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 9)
+    wrong = rng.choice([w for w in NUMBER_WORDS[1:] if w != NUMBER_WORDS[n + 1]])
+    return {"prompt": f"{a} has {NUMBER_WORDS[n]} {item} and finds one more. How many {item} does {a} have?",
+            "chosen": f"{a} has {NUMBER_WORDS[n + 1]} {item}.", "rejected": f"{a} has {wrong} {item}."}
+
+
+def make_preference(out: Path, n: int, seed: int) -> list[dict]:
+    """Its own random stream: the other files (and the tokenizer trained on them) do not change."""
+    rng = random.Random(seed)
+    rows = [_pair(rng) for _ in range(n)]
+    _write_jsonl(out / "tiny_dpo/train.jsonl", rows)
+    return rows
 
 
 CHAT_TEMPLATE = (
@@ -133,6 +162,7 @@ def main() -> None:
     args = parser.parse_args()
 
     files = make_data(args.data_dir, n_train=6000, n_val=300, n_sft=3000, seed=args.seed)
+    make_preference(args.data_dir, n=800, seed=args.seed + 1)
     texts = [r["text"] for r in files["tiny/train.jsonl"]]
     texts += [r["prompt"] + " " + r["response"] for r in files["tiny_sft/train.jsonl"]]
     tokenizer = make_tokenizer(texts, args.vocab_size)

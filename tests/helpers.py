@@ -134,7 +134,7 @@ def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
 def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
                      lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None,
-                     lora: dict | None = None):
+                     lora: dict | None = None, dpo_beta: float | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
@@ -145,7 +145,9 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     position_ids and no mask: transformers builds the per-document causal mask itself. `sequences`, when given, replaces the run's tokenized cache
     (the caller tokenized the data itself). `lora`, when given, is peft's LoraConfig keywords: adapters are added
     with peft's get_peft_model right after torch.manual_seed(seed) (the documented adapter-init contract) and only
-    they train."""
+    they train. `dpo_beta`, when given: the rows are preference pairs and the loss is DPO's (sigmoid) mean over the
+    global batch's pairs, the reference being the model as loaded, in eval mode, run beside the policy (no stored
+    log-probs), and each side's log-prob a log_softmax/gather sum over its response tokens."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -154,12 +156,17 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     global_batch = recipe_ds["train_batch_size"]
     train = {"input_ids": sequences} if sequences is not None else \
         datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
-    n = len(train["input_ids"])
+    n = len(train["chosen_input_ids" if dpo_beta is not None else "input_ids"])
+
+    def indices(step):
+        return [int(np.random.default_rng([seed, k // n]).permutation(n)[k % n])
+                for k in range(step * global_batch, (step + 1) * global_batch)]
+
+    if dpo_beta is not None:
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def batch(step):
-        idx = []
-        for k in range(step * global_batch, (step + 1) * global_batch):
-            idx.append(int(np.random.default_rng([seed, k // n]).permutation(n)[k % n]))
+        idx = indices(step)
         rows = {"input_ids": train["input_ids"][idx]} if sequences is not None else train[idx]
         labels = rows["labels"] if "labels" in rows else rows["input_ids"]
         return rows["input_ids"].long(), labels.long(), rows.get("attention_mask"), rows.get("position_ids")
@@ -186,16 +193,10 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * lr_scale * factor(step + 1)
-        input_ids, labels, mask, positions = batch(step)
-        if positions is not None:  # packed rows: transformers keeps attention within each document (position_ids),
-            # but only without a cache: with use_cache it skips the packed-row detection and attends across documents
-            logits = model(input_ids=input_ids, position_ids=positions.long(), use_cache=False).logits
+        if dpo_beta is not None:
+            loss, target, real = _dpo_loss(model, reference, train[indices(step)], dpo_beta)
         else:
-            logits = model(input_ids=input_ids, attention_mask=mask).logits
-        target = labels[:, 1:]
-        loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1),
-                                   ignore_index=-100, reduction="sum")
-        loss = loss_sum / (target != -100).sum()
+            loss, target, real = _lm_loss(model, *batch(step))
         opt.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm if max_grad_norm else float("inf"))
@@ -203,9 +204,40 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         losses.append(loss.item())
         if record is not None:
             record.setdefault("grad_norm", []).append(norm.item())
-            record.setdefault("tokens", []).append(int(mask.sum()) if mask is not None else input_ids.numel())
+            record.setdefault("tokens", []).append(real)
             record.setdefault("label_tokens", []).append(int((target != -100).sum()))
     return losses, model
+
+
+def _lm_loss(model, input_ids, labels, mask, positions):
+    """(mean next-token loss over the label tokens, the shifted labels, the real input tokens)."""
+    if positions is not None:  # packed rows: transformers keeps attention within each document (position_ids),
+        # but only without a cache: with use_cache it skips the packed-row detection and attends across documents
+        logits = model(input_ids=input_ids, position_ids=positions.long(), use_cache=False).logits
+    else:
+        logits = model(input_ids=input_ids, attention_mask=mask).logits
+    target = labels[:, 1:]
+    loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+    return loss_sum / (target != -100).sum(), target, int(mask.sum()) if mask is not None else input_ids.numel()
+
+
+def _response_logps(model, rows, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    labels = rows[f"{side}_labels"].long()
+    logits = model(input_ids=rows[f"{side}_input_ids"].long(), attention_mask=rows[f"{side}_attention_mask"]).logits
+    target = labels[:, 1:]
+    per_token = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, target.clamp(min=0)[..., None]).squeeze(2)
+    return (per_token * (target != -100)).sum(1), target
+
+
+def _dpo_loss(model, reference, rows, beta: float):
+    """DPO (sigmoid) over a batch of pairs: (mean loss, both sides' shifted labels, the real input tokens)."""
+    (pc, tc), (pr, tr) = _response_logps(model, rows, "chosen"), _response_logps(model, rows, "rejected")
+    with torch.no_grad():
+        rc, rr = _response_logps(reference, rows, "chosen")[0], _response_logps(reference, rows, "rejected")[0]
+    loss = -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).mean()
+    real = int(rows["chosen_attention_mask"].sum() + rows["rejected_attention_mask"].sum())
+    return loss, torch.cat([tc, tr]), real
 
 
 def reference_eval(model, run_dir: Path, data_parallel: int, micro_batch_size: int, max_batches: int | None) -> float:

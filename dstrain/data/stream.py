@@ -11,8 +11,8 @@ from .order import EpochOrder
 
 
 def _stack(rows: dict) -> dict[str, torch.Tensor]:
-    batch = {k: v.long() for k, v in rows.items()}
-    if "labels" not in batch:
+    batch = {k: v if v.is_floating_point() else v.long() for k, v in rows.items()}  # floats: reference log-probs
+    if "labels" not in batch and "input_ids" in batch:  # pretraining rows; preference pairs carry their own
         batch["labels"] = batch["input_ids"].clone()
     return batch
 

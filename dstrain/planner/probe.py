@@ -350,19 +350,19 @@ def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_si
 
 
 def _engine_micro_batch(engine, batch: dict) -> None:
-    from ..steps import loss_sum
+    from ..objectives.causal_lm import loss_sum
     engine.backward(loss_sum(engine, batch))
     engine.step()  # no optimizer step before the accumulation boundary
 
 
 def _forward_backward(model, batch: dict) -> None:
-    from ..steps import loss_sum
+    from ..objectives.causal_lm import loss_sum
     loss_sum(model, batch).backward()  # what steps.train_step runs per micro-batch (fp32 loss over the logits)
 
 
 @torch.no_grad()
 def _forward(model, batch: dict) -> None:
-    from ..steps import loss_sum
+    from ..objectives.causal_lm import loss_sum
     loss_sum(model, batch)
 
 

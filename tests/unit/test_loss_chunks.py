@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dstrain.components import chunked_loss as loss
 from dstrain.data import IGNORE_INDEX
 from dstrain.errors import UserError
-from dstrain.steps import loss_sum
+from dstrain.objectives.causal_lm import loss_sum
 
 
 def _reference(hidden, weight, bias, labels):

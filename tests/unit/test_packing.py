@@ -13,7 +13,7 @@ from dstrain import chat_templates, data
 from dstrain.components.sequence_parallel import document_mask, packed_sdpa
 from dstrain.config import DataConfig, ModelConfig
 from dstrain.model import load_tokenizer
-from dstrain.steps import model_inputs
+from dstrain.objectives.causal_lm import model_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 64
@@ -45,7 +45,7 @@ def model():
 def token_losses(model, batch):
     """Per-position next-token losses [rows, seq_len - 1] (0 where no label) and the gradient of their sum."""
     model.zero_grad()
-    logits = model(**model_inputs(batch), use_cache=False).logits  # what steps.loss_sum calls
+    logits = model(**model_inputs(batch), use_cache=False).logits  # what objectives.causal_lm.loss_sum calls
     losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), batch["labels"][:, 1:],
                              ignore_index=data.IGNORE_INDEX, reduction="none")
     losses.sum().backward()

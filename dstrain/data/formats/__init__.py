@@ -3,8 +3,8 @@
     fields(cfg) -> [(column, recipe key)]      the columns it reads (checked before anything is tokenized)
     tokenize(dataset, cfg, tokenizer, seq_len, num_proc) -> (tokenized split, counts for the report)
 
-text (pretraining), prompt_response and chat (SFT, both through sft.py). A new format (preference pairs next) is one
-new module and one line in FORMATS, plus its name in config.DataConfig's check.
+text (pretraining), prompt_response and chat (SFT, both through sft.py), preference (chosen/rejected pairs). A new
+format is one new module and one line in FORMATS, plus its name in config.DataConfig's check.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 from ...config import DataConfig
 from ...errors import UserError
-from . import chat, prompt_response, text
+from . import chat, preference, prompt_response, text
 
-FORMATS = {"text": text, "prompt_response": prompt_response, "chat": chat}
+FORMATS = {"text": text, "prompt_response": prompt_response, "chat": chat, "preference": preference}
 
 
 def _require_field(dataset, field_name: str, key: str, path: str) -> None:
@@ -42,6 +42,19 @@ def report(stats: dict, seq_len: int) -> str:
         return (f"{stats['documents']:,} documents packed into {stats['sequences']:,} sequences of {seq_len} "
                 f"tokens (the last partial block dropped"
                 f"{'; attention kept within each document' if stats.get('separated') else ''})")
+    if "pairs" in stats:
+        text = f"{stats['pairs']:,} preference pairs, each side padded to {seq_len} tokens"
+        if "padding" in stats:
+            text += f" ({stats['padding']:.1%} padding)"
+        if stats["truncated"]:
+            text += (f"; {stats['truncated']:,} longer than seq_len were cut (prompt start, then response ends); "
+                     f"raise train.seq_len to keep them whole")
+        if stats["dropped"]:
+            text += f"; {stats['dropped']:,} dropped (a response with no token left)"
+        if stats["identical"]:
+            text += (f"; warning: {stats['identical']:,} pairs have identical chosen and rejected responses "
+                     f"(they teach nothing)")
+        return text
     text = f"{stats['examples']:,} examples -> {stats['sequences']:,} sequences of {seq_len} tokens"
     if "packed_examples" in stats:
         text += f" ({stats['packed_examples']:,} examples packed, no attention across them)"

@@ -1,0 +1,128 @@
+"""`data.format: preference`: chosen/rejected pairs for DPO and its kin (dstrain/objectives/preference.py).
+
+TRL's two forms: strings (`prompt`, `chosen`, `rejected`; the responses get the tokenizer's EOS when they lack it)
+and conversations (lists of messages, rendered with the run's chat template; a missing prompt is the messages that
+chosen and rejected share, as TRL's `extract_prompt` finds it). The response starts where the tokenized prompt and
+the tokenized prompt + response part (TRL's rule too: templates and merges can change the prompt's last tokens).
+A pair longer than seq_len loses the start of its prompt down to data.max_prompt_length, then the ends of its
+responses; counted and reported. Each side is padded to seq_len; labels are the response tokens only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...config import DataConfig
+from .sft import IGNORE_INDEX, _pad_id
+
+SIDES = ("chosen", "rejected")
+COLUMNS = tuple(f"{side}_{k}" for side in SIDES for k in ("input_ids", "labels", "attention_mask"))
+
+
+def fields(cfg: DataConfig) -> list[tuple[str, str]]:
+    return [(cfg.chosen_field, "data.chosen_field"), (cfg.rejected_field, "data.rejected_field")]
+
+
+def _conversational(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
+
+
+def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a pair whose prompt is implicit: TRL's extract_prompt rule, item by item
+    (messages, or characters of strings): the prompt ends where the two first differ, a space before that
+    goes to the responses."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _ids(tokenizer, content, generation_prompt: bool = False) -> list[int]:
+    if isinstance(content, list):
+        return list(tokenizer.apply_chat_template(content, tokenize=True, return_dict=True,
+                                                  add_generation_prompt=generation_prompt)["input_ids"])
+    return list(tokenizer(text=content)["input_ids"])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def pair_tokens(row: dict, cfg: DataConfig, tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) of one pair, untruncated, as TRL tokenizes it."""
+    chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
+    prompt = row.get(cfg.prompt_field)
+    if prompt is None:
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    if _conversational(chosen):
+        messages = [dict(m) for m in prompt]
+        prompt_ids = _ids(tokenizer, messages, generation_prompt=True)
+        full = [_ids(tokenizer, messages + [dict(m) for m in side]) for side in (chosen, rejected)]
+    else:
+        eos = tokenizer.eos_token or ""
+        prompt_ids = _ids(tokenizer, str(prompt))
+        full = [_ids(tokenizer, str(prompt) + (s if s.endswith(eos) else s + eos))
+                for s in map(str, (chosen, rejected))]
+    start = min(_common_prefix(prompt_ids, f) for f in full)
+    return prompt_ids[:start], full[0][start:], full[1][start:]
+
+
+def fit(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt: int
+        ) -> tuple[list[int], list[int], list[int], bool]:
+    """The pair cut to seq_len: the prompt's start first (down to max_prompt tokens), then the responses' ends."""
+    if len(prompt) + max(len(chosen), len(rejected)) <= seq_len:
+        return prompt, chosen, rejected, False
+    if len(prompt) > max_prompt:
+        prompt = prompt[len(prompt) - max_prompt:]
+    room = seq_len - len(prompt)
+    return prompt, chosen[:room], rejected[:room], True
+
+
+def _side(prompt: list[int], response: list[int], seq_len: int, pad: int) -> tuple[list[int], list[int], list[int]]:
+    ids = prompt + response
+    n_pad = seq_len - len(ids)
+    return (ids + [pad] * n_pad, [IGNORE_INDEX] * len(prompt) + response + [IGNORE_INDEX] * n_pad,
+            [1] * len(ids) + [0] * n_pad)
+
+
+def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
+    """Raw split -> chosen_/rejected_ input_ids, labels, attention_mask (each padded to seq_len) and pair_index
+    (the row's place in the split: the stored reference log-probs are looked up by it)."""
+    max_prompt = cfg.max_prompt_length or seq_len // 2
+    pad = _pad_id(tokenizer)
+
+    def fn(batch, indices):
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        out = {k: [] for k in (*COLUMNS, "pair_index", "truncated", "identical", "empty")}
+        for row, index in zip(rows, indices):
+            prompt, chosen, rejected = pair_tokens(row, cfg, tokenizer)
+            prompt, chosen, rejected, cut = fit(prompt, chosen, rejected, seq_len, max_prompt)
+            for side, response in zip(SIDES, (chosen, rejected)):
+                ids, labels, mask = _side(prompt, response, seq_len, pad)
+                out[f"{side}_input_ids"].append(ids)
+                out[f"{side}_labels"].append(labels)
+                out[f"{side}_attention_mask"].append(mask)
+            out["pair_index"].append(index)
+            out["truncated"].append(cut)
+            out["identical"].append(chosen == rejected)
+            out["empty"].append(not chosen or not rejected)
+        return out
+    marked = dataset.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=dataset.column_names,
+                         num_proc=num_proc, desc="tokenizing pairs")
+    empty = np.asarray(marked["empty"], dtype=bool)
+    out = marked.select(np.flatnonzero(~empty)).remove_columns(["truncated", "identical", "empty"])
+    out = out.map(lambda _, i: {"pair_index": i}, with_indices=True, desc="indexing pairs")  # rows of this split
+    real = sum(int(np.asarray(out[f"{side}_attention_mask"]).sum()) for side in SIDES) if len(out) else 0
+    stats = {"examples": len(dataset), "sequences": len(out), "pairs": len(out),
+             "truncated": int(np.asarray(marked["truncated"]).sum()), "dropped": int(empty.sum()),
+             "identical": int(np.asarray(marked["identical"])[~empty].sum()), "no_reply": int(empty.sum())}
+    if len(out):
+        stats["padding"] = 1 - real / (2 * len(out) * seq_len)
+    return out, stats

@@ -1,0 +1,29 @@
+"""The training objective: what a step minimises, as one seam (like torchtitan's build_loss_fn).
+
+An objective owns, for its data format:
+  counts(batch) -> dict               what the loss is normalised by, counted on the host per micro-batch and
+                                      summed over the global batch before the step (`primary` is the divisor)
+  real_tokens(batch) -> int           input tokens that are not padding (throughput and MFU count work)
+  loss_sum(model, batch, totals)      (summed loss: the step's loss is its sum over the global batch divided by
+                                      totals[primary], summed statistics: a 1-d tensor or None)
+  metrics(stats, totals) -> dict      the logged figures from the statistics summed over the global batch
+  perplexity                          whether exp(eval loss) means anything
+  sequences_per_sample                forward passes per sample (FLOPs and memory count them)
+  validate(setup), prepare(...)       the one validation pass; work before the first step (reference log-probs)
+steps.py runs any objective the same way: the gradient of a step is that of the loss normalised over the whole
+global batch, however it is spread over micro-batches and ranks.
+
+  causal_lm.py   next-token cross-entropy: pretraining and SFT (chunked head, sequence parallel, pipeline)
+  preference.py  DPO and its kin on chosen/rejected pairs (`data.format: preference`, the `preference` section)
+"""
+from __future__ import annotations
+
+from ..config import Recipe
+
+
+def make(recipe: Recipe):
+    if recipe.data.format == "preference":
+        from .preference import Preference
+        return Preference(recipe.preference)
+    from .causal_lm import CausalLM
+    return CausalLM()

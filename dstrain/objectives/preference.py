@@ -1,0 +1,234 @@
+"""Preference training on chosen/rejected pairs: DPO and its kin, with TRL's names and meaning (DPOConfig's
+`sigmoid`, `ipo`, `hinge`, `robust`; CPOConfig's `simpo`; ORPOConfig's odds ratio), so a TRL user can move over.
+
+A micro-batch of B pairs runs as one forward of 2B rows (chosen, then rejected), as TRL does. Each sequence's
+log-probability is the sum over its response tokens (the average per token for `ipo`'s scores, `simpo` and `orpo`).
+The step's loss is the mean over every pair of the global batch (steps.py normalises by `pairs`); ORPO's NLL term is
+the mean over every chosen token of the global batch.
+
+The reference model costs no second model: for full fine-tuning its log-probs are computed once, before the first
+step (the policy then is the reference), with the run's own engine and ZeRO stage, every data-parallel rank its
+share, and kept in the run directory (a resumed run reads them) and beside the tokenized data, keyed by the base
+weights (a repeated run reuses them). With LoRA the reference is the base with the adapters switched off.
+Written by hand (TRL is the test reference, not a runtime dependency): TRL's trainers own their loop, their
+DeepSpeed engine and their data collation, none of which this repository's loop can call into.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import PreferenceSection
+from ..data import IGNORE_INDEX
+from ..errors import UserError
+
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+         "logps/rejected")
+REFERENCE_FILE = "reference_logps.pt"
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed response log-probs [2B], response token counts [2B], logits) of chosen then rejected rows."""
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+    target = labels[:, 1:]
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="none").view(target.shape)
+    return -nll.sum(1), (target != IGNORE_INDEX).sum(1), logits
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def pair_losses(cfg: PreferenceSection, pc: torch.Tensor, pr: torch.Tensor, nc: torch.Tensor, nr: torch.Tensor,
+                rc: torch.Tensor | None, rr: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor, torch.Tensor]:
+    """Per-pair losses, (chosen, rejected) rewards and the (chosen, rejected) log-probs TRL logs, from summed policy
+    log-probs pc/pr, response token counts nc/nr and the reference's rc/rr (None: reference-free losses)."""
+    beta, ls = cfg.beta, cfg.label_smoothing
+    if cfg.loss in ("simpo", "orpo"):
+        ac, ar = pc / nc.clamp(min=1), pr / nr.clamp(min=1)
+        if cfg.loss == "simpo":
+            logits = ac - ar - cfg.simpo_gamma / beta
+            loss = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+        else:
+            log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
+            loss = -beta * F.logsigmoid(log_odds)
+        return loss, beta * ac.detach(), beta * ar.detach(), ac, ar
+    dc, dr = pc - rc, pr - rr
+    delta = dc - dr
+    if cfg.loss in ("dpo", "sigmoid"):
+        loss = -F.logsigmoid(beta * delta) * (1 - ls) - F.logsigmoid(-beta * delta) * ls
+    elif cfg.loss == "robust":
+        loss = (-(1 - ls) * F.logsigmoid(beta * delta) + ls * F.logsigmoid(-beta * delta)) / (1 - 2 * ls)
+    elif cfg.loss == "hinge":
+        loss = torch.relu(1 - beta * delta)
+    elif cfg.loss == "ipo":  # TRL's length normalisation (confirmed with the IPO authors, per TRL's comment)
+        loss = (dc / nc.clamp(min=1) - dr / nr.clamp(min=1) - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(cfg.loss)
+    return loss, beta * dc.detach(), beta * dr.detach(), pc, pr
+
+
+class Preference:
+    name = "preference"
+    primary = "pairs"
+    perplexity = False
+    sequences_per_sample = 2
+
+    def __init__(self, cfg: PreferenceSection):
+        self.cfg = cfg
+        self.adapters_off = False  # the reference is the base with LoRA switched off (set in validate)
+        self.tables: dict[int, torch.Tensor] = {}  # id(dataset) -> [rows, 2] reference log-probs
+
+    def validate(self, setup) -> None:
+        recipe, layout = setup.recipe, setup.layout
+        if layout.is_pipeline:
+            raise UserError("data.format=preference does not run on pipeline stages yet; use a ZeRO config")
+        if layout.sequence_parallel > 1:
+            raise UserError("data.format=preference does not run with sequence parallelism yet; use a ZeRO config "
+                            "without sequence_parallel_size")
+        if recipe.train.loss_chunk_tokens:
+            raise UserError("train.loss_chunk_tokens is not supported with data.format=preference yet; set it to 0")
+        from ..model import from_scratch
+        from ..paths import local_or_hub
+        if self.cfg.needs_reference and setup.init_from is None and from_scratch(
+                recipe.model, local_or_hub(recipe.model.name_or_path)):
+            raise UserError(f"preference.loss={self.cfg.loss} needs a trained model as its reference, but "
+                            f"{recipe.model.name_or_path} starts from random weights; pass --init_from=<a run or "
+                            f"its hf/ export> or a model with weights, or use preference.loss=simpo or orpo")
+        self.adapters_off = self.cfg.needs_reference and recipe.lora.enabled
+
+    # ------------------------------------------------------------------ counts and the loss
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        labels = (int((batch[f"{s}_labels"][:, 1:] != IGNORE_INDEX).sum()) for s in ("chosen", "rejected"))
+        return {"pairs": int(batch["chosen_input_ids"].shape[0]), "label_tokens": sum(labels),
+                "chosen_tokens": int(batch["chosen_attention_mask"][:, 1:].sum())}
+
+    def real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+
+    def host_batch(self, batch: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+        return batch
+
+    def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
+        logps, lengths, logits = sequence_logps(model, batch)
+        pc, pr = logps.chunk(2)
+        nc, nr = lengths.chunk(2)
+        rc = rr = None
+        if self.cfg.needs_reference:
+            if "ref_logps" in batch:
+                rc, rr = batch["ref_logps"].to(pc.dtype).unbind(1)
+            else:
+                rc, rr = self._reference_now(model, batch)
+        loss, chosen_rewards, rejected_rewards, lc, lr = pair_losses(self.cfg, pc, pr, nc, nr, rc, rr)
+        summed = loss.sum()
+        if self.cfg.loss == "orpo":  # NLL of the chosen sequences (prompt and response), a mean over tokens
+            half = batch["chosen_input_ids"].shape[0]
+            target = batch["chosen_input_ids"][:, 1:].masked_fill(batch["chosen_attention_mask"][:, 1:] == 0,
+                                                                  IGNORE_INDEX)
+            nll = F.cross_entropy(logits[:half].float().reshape(-1, logits.size(-1)), target.reshape(-1),
+                                  ignore_index=IGNORE_INDEX, reduction="sum")
+            summed = summed + nll * (totals["pairs"] / max(totals["chosen_tokens"], 1.0))
+        stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                             (chosen_rewards > rejected_rewards).float().sum(),
+                             (chosen_rewards - rejected_rewards).sum(), lc.detach().sum(), lr.detach().sum()])
+        return summed, stats
+
+    def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
+        return {name: value / totals["pairs"] for name, value in zip(STATS, stats)}
+
+    @torch.no_grad()
+    def _reference_now(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """LoRA: the reference is the base model, the same engine with its adapters switched off."""
+        peft_model = getattr(model, "module", model)
+        with peft_model.disable_adapter():
+            logps = sequence_logps(model, batch)[0]
+        return logps.chunk(2)
+
+    # ------------------------------------------------------------------ the reference pass
+    def before_training(self, engine, datasets: list, layout, ctx, run_dir: Path, cache_path: Path | None,
+                        weights: str, micro_batch_size: int, log) -> list:
+        """The datasets with their reference log-probs attached: read from the run directory (a resumed run), or
+        from the data cache (the same data and base weights before), or computed now, once."""
+        if not self.cfg.needs_reference or self.adapters_off:
+            return datasets
+        from .. import dist
+        key = hashlib.sha256(json.dumps({"weights": weights, "data": str(cache_path)}).encode()).hexdigest()[:16]
+        stored = run_dir / REFERENCE_FILE
+        cached = cache_path / f"reference-{key}.pt" if cache_path is not None else None
+        tables = None
+        for source in (stored, cached):
+            if source is not None and source.exists():
+                found = torch.load(source)
+                if found.get("key") == key:
+                    tables, where = found["tables"], source
+                    break
+        if tables is None:
+            tables = [self._compute(engine, d, layout, micro_batch_size) if d is not None else None
+                      for d in datasets]
+            where = None
+            if ctx.is_main:
+                payload = {"key": key, "weights": weights, "tables": tables}
+                for target in (stored, cached):
+                    if target is not None:
+                        tmp = target.with_suffix(".tmp")
+                        torch.save(payload, tmp)
+                        tmp.replace(target)
+            dist.barrier()
+        how = f"read from {where}" if where else "computed (once: the run directory and the data cache keep them)"
+        log(f"reference log-probs of {sum(len(t) for t in tables if t is not None):,} pairs {how}")
+        return [WithReference(d, t) if d is not None else None for d, t in zip(datasets, tables)]
+
+    @torch.no_grad()
+    def _compute(self, engine, dataset, layout, micro_batch_size: int) -> torch.Tensor:
+        """[rows, 2] reference log-probs: each data-parallel rank its strided share, in micro-batches (every rank
+        runs the same number of forwards, as ZeRO-3 needs), gathered to every rank."""
+        from .. import dist
+        n, dp, rank = len(dataset), layout.data_parallel, layout.data_parallel_rank
+        share = list(range(rank, n, dp))
+        per_rank = -(-n // dp)
+        share += [share[-1] if share else 0] * (per_rank - len(share))  # padding rows: computed, not kept
+        was_training = engine.module.training
+        engine.eval()
+        values = []
+        for start in range(0, per_rank, micro_batch_size):
+            rows = dataset[share[start:start + micro_batch_size]]
+            batch = {k: v.long().to(engine.device) for k, v in rows.items() if k != "pair_index"}
+            values.append(sequence_logps(engine, batch)[0].view(2, -1).t().double().cpu())
+        if was_training:
+            engine.train()
+        mine = torch.cat(values) if values else torch.zeros(0, 2, dtype=torch.float64)
+        table = torch.zeros(n, 2, dtype=torch.float64)
+        # every rank's share, by its data-parallel rank (replica peers computed the same rows)
+        for part, dp_rank in zip(dist.all_gather_objects(mine), dist.all_gather_objects(rank)):
+            rows = list(range(dp_rank, n, dp))
+            table[rows] = part[:len(rows)]
+        return table
+
+
+class WithReference:
+    """A tokenized split whose rows also carry `ref_logps` [2] (chosen, rejected): what TrainStream and
+    eval_batches read, unchanged otherwise."""
+
+    def __init__(self, dataset, table: torch.Tensor):
+        self.dataset, self.table = dataset, table
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx):
+        rows = self.dataset[idx]
+        return dict(rows, ref_logps=self.table[rows["pair_index"]])
+
+    def __getattr__(self, name):  # order(), note_samples() of a prepared mix
+        return getattr(self.dataset, name)

@@ -1,0 +1,190 @@
+"""Preference training against TRL's own code (the reference a user would otherwise run): the loss, rewards and
+gradients of one batch through TRL's DPOTrainer, CPOTrainer (SimPO) and ORPOTrainer, and the data format's prompt
+extraction and tokenization against TRL's."""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dstrain.config import DataConfig, PreferenceSection
+from dstrain.data.formats import preference as fmt
+from dstrain.objectives.preference import Preference, pair_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "recipes/tiny/model"
+trl = pytest.importorskip("trl")
+
+PAIRS = [{"prompt": "What is 5 plus 6?", "chosen": " 5 plus 6 is 11.", "rejected": " 5 plus 6 is 6."},
+         {"prompt": "Write 7 in words.", "chosen": " 7 is seven.", "rejected": " 7 is fourteen, or so I think."},
+         {"prompt": "Tom has five cards and finds one more. How many cards does Tom have?",
+          "chosen": " Tom has six cards.", "rejected": " Tom has sixteen cards."}]
+
+
+@pytest.fixture
+def tiny():  # fresh per test: TRL's trainer takes the models over (wraps, patches their forward)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL)).float()
+    reference = copy.deepcopy(policy).eval()  # as TRL runs its reference (and our reference pass: engine.eval())
+    with torch.no_grad():  # the policy a few steps away from the reference: rewards are not all zero
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return policy, reference, AutoTokenizer.from_pretrained(MODEL)
+
+
+def ours(cfg: PreferenceSection, policy, reference, tokenizer, seq_len: int = 48):
+    """Our loss (mean over pairs), metrics and the policy's gradients on PAIRS."""
+    from datasets import Dataset
+    data, _ = fmt.tokenize(Dataset.from_list(PAIRS), DataConfig(format="preference"), tokenizer, seq_len, None)
+    batch = {k: torch.tensor(data[k]) for k in data.column_names}
+    objective = Preference(cfg)
+    totals = {k: float(v) for k, v in objective.counts(batch).items()}
+    if cfg.needs_reference:
+        with torch.no_grad():
+            from dstrain.objectives.preference import sequence_logps
+            batch["ref_logps"] = sequence_logps(reference, batch)[0].view(2, -1).t()
+    policy.zero_grad()
+    summed, stats = objective.loss_sum(policy, batch, totals)
+    loss = summed / totals["pairs"]
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    return loss.detach(), objective.metrics(stats.tolist(), totals), grads
+
+
+def trl_dpo(loss_type: str, beta: float, ls: float, policy, reference, tokenizer):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    args = DPOConfig(output_dir="/tmp/dstrain-trl", per_device_train_batch_size=len(PAIRS), report_to=[],
+                     loss_type=[loss_type], beta=beta, label_smoothing=ls, use_cpu=True, max_length=None,
+                     disable_tqdm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(PAIRS),
+                             processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(PAIRS))])
+    policy.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    return loss.detach(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads, batch["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("loss_type,ours_name,ls", [("sigmoid", "dpo", 0.0), ("ipo", "ipo", 0.0),
+                                                   ("hinge", "hinge", 0.0), ("robust", "robust", 0.2)])
+def test_dpo_losses_match_trl_dpotrainer(tiny, loss_type, ours_name, ls):
+    """One batch through TRL's DPOTrainer.compute_loss (its collator, its reference model) and through ours: the
+    loss, the logged rewards and log-probs, and every parameter's gradient agree."""
+    policy, reference, tokenizer = tiny
+    beta = 0.1 if loss_type != "ipo" else 0.5
+    want_loss, want, want_grads, length = trl_dpo(loss_type, beta, ls, policy, reference, tokenizer)
+    # padded as TRL pads (to the longest pair): CPU attention kernels round differently at other lengths (1e-5)
+    got_loss, got, got_grads = ours(PreferenceSection(loss=ours_name, beta=beta, label_smoothing=ls), policy,
+                                    reference, tokenizer, seq_len=length)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert want["rewards/margins"] != 0  # the check has something to see
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sigmoid_with_label_smoothing_is_trls_conservative_dpo():
+    """cDPO: TRL's CPO sigmoid (label-smoothed) applied to the log-ratios is conservative DPO."""
+    from trl.experimental.cpo import CPOTrainer
+    torch.manual_seed(1)
+    pc, pr, rc, rr = (torch.randn(6) * 5 - 20 for _ in range(4))
+    n = torch.full((6,), 5)
+    fake = SimpleNamespace(alpha=0.0, beta=0.3, label_smoothing=0.15, loss_type="sigmoid",
+                           accelerator=SimpleNamespace(device="cpu"))
+    want = CPOTrainer.cpo_loss(fake, pc - rc, pr - rr)[0]
+    got = pair_losses(PreferenceSection(loss="dpo", beta=0.3, label_smoothing=0.15), pc, pr, n, n, rc, rr)[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_simpo_matches_trls_cpo_trainer():
+    from trl.experimental.cpo import CPOTrainer
+    torch.manual_seed(2)
+    pc, pr = torch.randn(6) * 5 - 20, torch.randn(6) * 5 - 25
+    nc, nr = torch.randint(3, 9, (6,)), torch.randint(3, 9, (6,))
+    fake = SimpleNamespace(alpha=0.0, beta=2.0, label_smoothing=0.1, loss_type="simpo", simpo_gamma=0.5,
+                           accelerator=SimpleNamespace(device="cpu"))
+    want, want_c, want_r = CPOTrainer.cpo_loss(fake, pc / nc, pr / nr)  # CPO averages per token for simpo
+    got, got_c, got_r, _, _ = pair_losses(PreferenceSection(loss="simpo", beta=2.0, label_smoothing=0.1), pc, pr,
+                                          nc, nr, None, None)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_c, want_c)
+    torch.testing.assert_close(got_r, want_r)
+
+
+def test_orpo_matches_trls_orpo_trainer(tiny):
+    """The odds-ratio term against ORPOTrainer.odds_ratio_loss; the whole ORPO loss (with its NLL over the chosen
+    sequences) against ORPOTrainer's formula, on the tiny model."""
+    from trl.experimental.orpo import ORPOTrainer
+    torch.manual_seed(3)
+    pc, pr = torch.randn(6) - 4, torch.randn(6) - 6
+    n = torch.ones(6, dtype=torch.long)
+    fake = SimpleNamespace(beta=0.25, accelerator=SimpleNamespace(device="cpu"))
+    want, want_c, want_r, _, _ = ORPOTrainer.odds_ratio_loss(fake, pc, pr)
+    got, got_c, got_r, _, _ = pair_losses(PreferenceSection(loss="orpo", beta=0.25), pc, pr, n, n, None, None)
+    torch.testing.assert_close(got, -want)  # TRL subtracts its `losses` from the NLL
+    torch.testing.assert_close(got_c, want_c)
+    torch.testing.assert_close(got_r, want_r)
+    policy, _, tokenizer = tiny
+    loss, metrics, _ = ours(PreferenceSection(loss="orpo", beta=0.25), policy, None, tokenizer)
+    from datasets import Dataset
+    data, _ = fmt.tokenize(Dataset.from_list(PAIRS), DataConfig(format="preference"), tokenizer, 48, None)
+    b = {k: torch.tensor(data[k]) for k in data.column_names}
+    with torch.no_grad():  # ORPOTrainer's NLL: cross-entropy mean over the chosen rows' non-padding tokens
+        logits = policy(input_ids=b["chosen_input_ids"], attention_mask=b["chosen_attention_mask"]).logits
+        labels = b["chosen_input_ids"].masked_fill(b["chosen_attention_mask"] == 0, -100)
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        from dstrain.objectives.preference import sequence_logps
+        logps, lengths, _ = sequence_logps(policy, b)
+        odds = ORPOTrainer.odds_ratio_loss(fake, *(logps / lengths).chunk(2))[0]
+    torch.testing.assert_close(loss, nll - odds.mean(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_tokenized_pairs_match_trls(tiny, conversational):
+    """Prompt and response token ids as TRL's DPOTrainer makes them: strings (EOS appended) and conversations with
+    an implicit prompt (extract_prompt), rendered with the tokenizer's chat template."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+    policy, reference, tokenizer = tiny
+    if conversational:
+        rows = [{"chosen": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["chosen"]}],
+                 "rejected": [{"role": "user", "content": p["prompt"]},
+                              {"role": "assistant", "content": p["rejected"]}]} for p in PAIRS]
+    else:
+        rows = PAIRS
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPOTrainer(model=policy, ref_model=reference, processing_class=tokenizer,
+                             args=DPOConfig(output_dir="/tmp/dstrain-trl", report_to=[], use_cpu=True, max_length=None),
+                             train_dataset=Dataset.from_list(json.loads(json.dumps(rows))))
+    for row, theirs in zip(rows, trainer.train_dataset):
+        prompt, chosen, rejected = fmt.pair_tokens(dict(row), DataConfig(format="preference"), tokenizer)
+        assert (prompt, chosen, rejected) == (theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"])
+
+
+def test_implicit_prompt_is_trls_extract_prompt():
+    from trl.data_utils import extract_prompt
+    for chosen, rejected in (("Q: sky? It is blue.", "Q: sky? It is green."), ("abc", "abd"), ("same", "same!"),
+                             ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+                              [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "b"}])):
+        want = extract_prompt({"chosen": chosen, "rejected": rejected})
+        assert fmt.extract_prompt(chosen, rejected) == (want["prompt"], want["chosen"], want["rejected"])
+
+
+def test_long_pairs_lose_the_prompt_start_then_the_response_ends():
+    prompt, chosen, rejected = list(range(30)), list(range(100, 120)), list(range(200, 205))
+    p, c, r, cut = fmt.fit(prompt, chosen, rejected, seq_len=32, max_prompt=16)
+    assert cut and p == prompt[-16:] and c == chosen[:16] and r == rejected
+    assert fmt.fit(prompt[:4], chosen[:4], rejected, 32, 16)[3] is False
