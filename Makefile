@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -103,6 +103,10 @@ bench-loss: setup
 # root for that part); about 85 min on 2 cores
 bench-lora: setup
 	$(PY) bench/lora.py --write $(BENCH_ARGS)
+
+# DPO through train.py and through TRL's DPOTrainer (its quick start, and with precompute_ref_log_probs)
+bench-dpo: setup
+	$(PY) bench/dpo.py --write $(BENCH_ARGS)
 
 # the planner's predictions against trials on a 100 Mbit/s and an unshaped veth link between two network namespaces
 # (root, iproute2; about 20 min on 2 cores), and against published Megatron-LM runs

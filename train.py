@@ -51,8 +51,11 @@ def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path) -> int:
     watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang
     try:
         code = train(args, recipe, raw_ds, run_dir, ctx, watchdog, init_from)
-    except (UserError, SystemExit, KeyboardInterrupt):  # the same bad input (or Ctrl-C) on every rank: leave
-        watchdog.close()
+    except (UserError, SystemExit, KeyboardInterrupt) as error:  # the same bad input (or Ctrl-C) on every rank
+        if isinstance(error, UserError):  # said before anyone leaves: the launcher kills the rest when one exits
+            cli.say(error)
+            error.waited = True
+        watchdog.close()  # the ranks leave together (Watchdog.close)
         raise
     except checkpoint.SaveError as error:  # this rank could not write; the others may wait in a collective
         watchdog.abort(str(error), error.code)
@@ -92,6 +95,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
 
     # ---- every input resolved and checked; nothing is built, converted or written before this block ends
+    faults.point("validate", ctx.rank, 0)
     layout = Layout.from_ds_config(raw_ds, ctx.world_size, ctx.rank)
     accum, note = recipe_accumulation(layout, raw_ds, recipe.train.micro_batch_size, recipe.train.grad_accum_steps,
                                       recipe.world_size, args.world_size)  # the global batch is a hyper-parameter

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -93,14 +94,24 @@ def load_inputs(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe, dic
     return args, recipe, ds_overrides
 
 
+def say(error: UserError) -> None:
+    """The one line of a bad input, on rank 0, once (run() says it before the ranks leave together)."""
+    if env.rank() == 0 and not getattr(error, "said", False):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        error.said = True
+
+
 def exit_with(main: Callable[[], int]) -> NoReturn:
     """Run main and end the process with its exit code: a UserError is one line (said once, by rank 0) and
     EXIT_USER_ERROR; a rank with a process group leaves through dist.leave (see there for why)."""
     try:
         code = main()
     except UserError as error:
-        if env.rank() == 0:  # every rank hits the same input error; say it once
-            print(f"error: {error}", file=sys.stderr)
+        say(error)  # every rank hits the same input error; rank 0 says it once
+        if env.rank() != 0 and not getattr(error, "waited", False):
+            # found before the ranks could coordinate (no store yet): under the deepspeed launcher the first rank
+            # to exit gets the others killed, so give rank 0 a moment to say the line (the same work: ms apart)
+            time.sleep(1.0)
         code = EXIT_USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C before the first step (once training runs, it is a graceful stop)
         if env.rank() == 0:

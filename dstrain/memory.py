@@ -128,7 +128,9 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
         host["parameters"] = device.pop("parameters")
 
     hidden, layers, ffn, vocab = _dims(config)
-    tokens = train.micro_batch_size * train.seq_len // layout.sequence_parallel  # Ulysses: a 1/sp slice per rank
+    from .objectives import sequences_per_sample
+    rows = train.micro_batch_size * sequences_per_sample(recipe)  # a preference pair: two rows
+    tokens = rows * train.seq_len // layout.sequence_parallel  # Ulysses: a 1/sp slice per rank
     layers_here = -(-layers // layout.pipeline_stages)
     mlp_tokens = min(tokens, train.mlp_chunk_tokens or tokens)  # tiled MLP: one slice's intermediates at a time
     per_layer = (tokens * 8 * hidden + mlp_tokens * 4 * ffn) * w // layout.tensor_parallel
@@ -204,7 +206,10 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
     for kind, value in est.host.items():
         lines.append(f"  offloaded to host: {kind:<18}{_fmt(value)}")
     t = recipe.train
-    lines.append(f"activations (micro batch {t.micro_batch_size} x {t.seq_len} tokens): "
+    from .objectives import sequences_per_sample
+    rows = f"{t.micro_batch_size} pairs = {2 * t.micro_batch_size} rows" if sequences_per_sample(recipe) == 2 \
+        else t.micro_batch_size
+    lines.append(f"activations (micro batch {rows} x {t.seq_len} tokens): "
                  f"{_fmt(est.activations_full).strip()} without, {_fmt(est.activations_checkpointed).strip()} with "
                  f"activation checkpointing ({'on' if t.activation_checkpointing else 'off'})")
     return "\n".join(lines)

@@ -102,8 +102,19 @@ class Watchdog:
                     self.store.set(self._key("done", self.ctx.rank), "1")
                     if self.ctx.rank == 0:
                         self._wait_for_the_others()
+                    else:
+                        self._wait_for_rank0()
             except Exception:
                 pass
+
+    def _wait_for_rank0(self) -> None:
+        """A rank leaving on purpose waits for rank 0 to leave too (bounded by fault.peer_timeout): under the
+        deepspeed launcher the first rank to exit gets the others killed, and rank 0 may still have to say why
+        (a bad input's one line, said before it closes). Seen in the suite: a refused pipeline config exited
+        without its error line when rank 1 was faster."""
+        deadline = time.monotonic() + self.cfg.peer_timeout
+        while time.monotonic() < deadline and not self.store.check([self._key("done", 0)]):
+            time.sleep(0.05)
 
     def _wait_for_the_others(self) -> None:
         """Rank 0 hosts the store (under the deepspeed runner and plain env:// launches): if it left first, a

@@ -72,22 +72,23 @@ def _qa(rng: random.Random) -> tuple[str, str]:
 
 
 def _pair(rng: random.Random) -> dict:
-    """A question, its right answer (chosen) and a wrong one (rejected): the same words, another number."""
+    """A question, its right answer (chosen) and a wrong one (rejected): another number, and a hedge a small model
+    learns to disprefer within a minute (the number alone takes far longer)."""
     kind = rng.randrange(3)
     if kind == 0:
         x, y = rng.randint(0, 9), rng.randint(0, 9)
         wrong = rng.choice([v for v in range(19) if v != x + y])
         return {"prompt": f"What is {x} plus {y}?", "chosen": f"{x} plus {y} is {x + y}.",
-                "rejected": f"{x} plus {y} is {wrong}."}
+                "rejected": f"{x} plus {y} is {wrong}, I guess."}
     if kind == 1:
         n = rng.randint(0, 17)
         wrong = rng.choice([w for w in NUMBER_WORDS if w != NUMBER_WORDS[n]])
         return {"prompt": f"Write {n} in words.", "chosen": f"{n} is {NUMBER_WORDS[n]}.",
-                "rejected": f"{n} is {wrong}."}
+                "rejected": f"{n} is {wrong}, I guess."}
     a, item, n = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(1, 9)
     wrong = rng.choice([w for w in NUMBER_WORDS[1:] if w != NUMBER_WORDS[n + 1]])
     return {"prompt": f"{a} has {NUMBER_WORDS[n]} {item} and finds one more. How many {item} does {a} have?",
-            "chosen": f"{a} has {NUMBER_WORDS[n + 1]} {item}.", "rejected": f"{a} has {wrong} {item}."}
+            "chosen": f"{a} has {NUMBER_WORDS[n + 1]} {item}.", "rejected": f"{a} has {wrong} {item}, I guess."}
 
 
 def make_preference(out: Path, n: int, seed: int) -> list[dict]:

@@ -222,7 +222,7 @@ def _lm_loss(model, input_ids, labels, mask, positions):
     return loss_sum / (target != -100).sum(), target, int(mask.sum()) if mask is not None else input_ids.numel()
 
 
-def _response_logps(model, rows, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logps(model, rows, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     labels = rows[f"{side}_labels"].long()
     logits = model(input_ids=rows[f"{side}_input_ids"].long(), attention_mask=rows[f"{side}_attention_mask"]).logits
     target = labels[:, 1:]
@@ -231,10 +231,15 @@ def _response_logps(model, rows, side: str) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _dpo_loss(model, reference, rows, beta: float):
-    """DPO (sigmoid) over a batch of pairs: (mean loss, both sides' shifted labels, the real input tokens)."""
-    (pc, tc), (pr, tr) = _response_logps(model, rows, "chosen"), _response_logps(model, rows, "rejected")
+    """DPO (sigmoid) over a batch of pairs: (mean loss, both sides' shifted labels, the real input tokens). The
+    rows are cut to the batch's longest pair rounded up to 16 tokens (the documented padding rule: CPU attention
+    kernels round differently at other lengths, by 1e-5)."""
+    longest = max(int(rows[f"{side}_attention_mask"].sum(1).max()) for side in ("chosen", "rejected"))
+    keep = -(-longest // 16) * 16
+    rows = {k: v[:, :keep] if k.startswith(("chosen_", "rejected_")) else v for k, v in rows.items()}
+    (pc, tc), (pr, tr) = response_logps(model, rows, "chosen"), response_logps(model, rows, "rejected")
     with torch.no_grad():
-        rc, rr = _response_logps(reference, rows, "chosen")[0], _response_logps(reference, rows, "rejected")[0]
+        rc, rr = response_logps(reference, rows, "chosen")[0], response_logps(reference, rows, "rejected")[0]
     loss = -F.logsigmoid(beta * ((pc - rc) - (pr - rr))).mean()
     real = int(rows["chosen_attention_mask"].sum() + rows["rejected_attention_mask"].sum())
     return loss, torch.cat([tc, tr]), real

@@ -8,7 +8,6 @@ An objective owns, for its data format:
                                       totals[primary], summed statistics: a 1-d tensor or None)
   metrics(stats, totals) -> dict      the logged figures from the statistics summed over the global batch
   perplexity                          whether exp(eval loss) means anything
-  sequences_per_sample                forward passes per sample (FLOPs and memory count them)
   validate(setup), prepare(...)       the one validation pass; work before the first step (reference log-probs)
 steps.py runs any objective the same way: the gradient of a step is that of the loss normalised over the whole
 global batch, however it is spread over micro-batches and ranks.
@@ -19,6 +18,12 @@ global batch, however it is spread over micro-batches and ranks.
 from __future__ import annotations
 
 from ..config import Recipe
+
+
+def sequences_per_sample(recipe: Recipe) -> int:
+    """Rows of seq_len tokens one sample puts through the model: a preference pair is two (chosen and rejected,
+    one forward of 2B rows). The preflight's activations and the planner's step time count them."""
+    return 2 if recipe.data.format == "preference" else 1
 
 
 def make(recipe: Recipe):

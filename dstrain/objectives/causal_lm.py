@@ -57,7 +57,6 @@ class CausalLM:
     name = "causal_lm"
     primary = "label_tokens"
     perplexity = True
-    sequences_per_sample = 1
 
     def validate(self, setup) -> None:
         pass

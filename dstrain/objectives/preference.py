@@ -79,11 +79,25 @@ def pair_losses(cfg: PreferenceSection, pc: torch.Tensor, pr: torch.Tensor, nc: 
     return loss, beta * dc.detach(), beta * dr.detach(), pc, pr
 
 
+PAD_MULTIPLE = 16  # rows are cut to the micro-batch's longest pair rounded up to this (fewer shapes, aligned)
+
+
+def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The micro-batch without the padding columns no row of it uses: pairs are padded to seq_len on disk (so the
+    data has one shape), but a step computes only up to its longest pair (as TRL pads each batch to its longest).
+    Padding sits at the end of a row, so every real token sees exactly what it saw before."""
+    from ..data.formats.preference import COLUMNS
+    longest = max(int(batch[f"{side}_attention_mask"].sum(1).max()) for side in ("chosen", "rejected"))
+    keep = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
+    if keep >= batch["chosen_input_ids"].shape[1]:
+        return batch
+    return {k: v[:, :keep] if k in COLUMNS else v for k, v in batch.items()}
+
+
 class Preference:
     name = "preference"
     primary = "pairs"
     perplexity = False
-    sequences_per_sample = 2
 
     def __init__(self, cfg: PreferenceSection):
         self.cfg = cfg
@@ -118,7 +132,7 @@ class Preference:
         return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
 
     def host_batch(self, batch: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-        return batch
+        return trim_padding(batch)
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
         logps, lengths, logits = sequence_logps(model, batch)
@@ -202,7 +216,7 @@ class Preference:
         engine.eval()
         values = []
         for start in range(0, per_rank, micro_batch_size):
-            rows = dataset[share[start:start + micro_batch_size]]
+            rows = trim_padding(dataset[share[start:start + micro_batch_size]])
             batch = {k: v.long().to(engine.device) for k, v in rows.items() if k != "pair_index"}
             values.append(sequence_logps(engine, batch)[0].view(2, -1).t().double().cpu())
         if was_training:

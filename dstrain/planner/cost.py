@@ -122,6 +122,7 @@ class Workload:
     embedding_shapes: frozenset  # sent uncompressed
     global_batch: int
     seq_len: int
+    sequences_per_sample: int = 1  # a preference pair is two rows (objectives.sequences_per_sample)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -305,7 +306,7 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     from ..components.compression import check_combination
 
     trial = _recipe_for(recipe, candidate)
-    tokens = work.global_batch * work.seq_len
+    tokens = work.global_batch * work.seq_len * work.sequences_per_sample
     try:
         resolved = ds_config.resolve(candidate.ds, trial, meas.world_size, caps, hidden, meas.ranks_per_node) \
             if checked else candidate.ds
@@ -333,7 +334,8 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
 
     # compute
     layers = _layers(work.model_config)
-    micro_s = meas.compute.micro_seconds(candidate.micro, layers / pp / tp, candidate.checkpointing)
+    micro_s = meas.compute.micro_seconds(candidate.micro * work.sequences_per_sample, layers / pp / tp,
+                                         candidate.checkpointing)
     if work.trained is not None:  # a frozen base skips the weight gradients: 4N + 6A of 6N (flops.py)
         micro_s *= (4 * work.parameters + 6 * work.trained) / (6 * work.parameters)
     slots = candidate.accum + pp - 1 if pp > 1 else candidate.accum
@@ -344,7 +346,7 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     compression = trial.compression
     calls = _calls(stage, psi, psi_t, w, precision != "fp32", candidate.accum, compression, work, zero, dp) \
         if dp > 1 else []
-    activation = candidate.micro * work.seq_len * (hidden or 0) * w
+    activation = candidate.micro * work.sequences_per_sample * work.seq_len * (hidden or 0) * w
     # train_step's two small all-reduces (token counts before, the loss after), over the whole world
     calls += [("all_reduce", "world", 16, 1, "boundary"), ("all_reduce", "world", 8, 1, "boundary")] \
         if meas.world_size > 1 else []
@@ -450,8 +452,9 @@ def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Work
         quantized = linear if recipe.lora.quantize else 0
         shapes = first = [(trained,)]  # adapters: many small matrices, counted as one uncompressed vector
     global_batch = global_batch_of(recipe, raw_ds, world)
+    from ..objectives import sequences_per_sample
     return Workload(model_config, parameters, trained, quantized or 0, shapes, first, embedding_shapes(model),
-                    global_batch, recipe.train.seq_len)
+                    global_batch, recipe.train.seq_len, sequences_per_sample(recipe))
 
 
 def compression_sample(work: Workload, limit: int = 32 * 2**20) -> tuple[list, int]:

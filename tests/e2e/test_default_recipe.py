@@ -105,6 +105,21 @@ def test_tiny_lora_recipe_on_the_default_runs_export(tmp_path, cache, default_ru
     assert "lora: r=16 on all-linear" in proc.stderr and (run / "adapter" / "adapter_config.json").exists()
 
 
+def test_tiny_dpo_recipe_on_the_default_runs_export(tmp_path, cache, default_run):
+    """The README's DPO command on the default run's hf/ (the recipe names runs/tiny-pretrain/hf): the reference
+    log-probs are computed once and kept; the eval reward accuracy rises from 0 (policy = reference) past 0.9."""
+    run = tmp_path / "run"
+    proc = launch(readme_command("tiny/dpo", "loss=dpo") + [f"--model.name_or_path={default_run[0] / 'hf'}",
+                                                             "--output_dir", str(run), "--log.wandb=false"], cache)
+    evals = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+             if "eval_loss" in r]
+    print(f"tiny DPO recipe: eval reward accuracy {[e['eval_rewards/accuracies'] for e in evals]}")
+    assert evals[0]["eval_loss"] == pytest.approx(0.693147, abs=1e-5) and evals[0]["eval_rewards/margins"] == 0
+    assert evals[-1]["eval_rewards/accuracies"] > 0.9 and evals[-1]["eval_rewards/margins"] > 1.0
+    assert "reference log-probs of" in proc.stderr and (run / "reference_logps.pt").exists()
+    assert "perplexity" not in evals[-1]
+
+
 def test_flops_per_token_agrees_with_deepspeeds_profiler(tmp_path, cache):
     """run_info's FLOPs per token (6N + attention) against DeepSpeed's flops profiler, which counts every
     module's multiply-adds while it runs; log.flops_profile_step turns the profiler on for that step only."""

@@ -70,6 +70,12 @@ CASES = {
     # issue 16: crashed with an IndexError inside datasets.load_from_disk
     "chat data all longer than seq_len": (["--recipe", "tiny/chat_sft", "--train.seq_len=8"],
                                           "gives no training sequences of length 8: all"),
+    # issue 31: preference training's mistakes
+    "preference keys with text data": (["--preference.beta=0.2"], "preference.* keys are set but data.format=text"),
+    "pairs without chosen": (["--data.path=data/tiny_sft", "--data.format=preference", "--preference.loss=orpo"],
+                             "dataset 'data/tiny_sft' has no field 'chosen'"),
+    "dpo from random weights": (["--data.path=data/tiny_dpo", "--data.format=preference"],
+                                "preference.loss=dpo needs a trained model as its reference"),
 }
 
 

@@ -322,3 +322,15 @@ def test_a_rank_leaving_on_purpose_is_not_reported_dead(tmp_path, cache):
     assert [p.returncode for p in procs] == [2, 2], errs
     assert not any("died" in e or "stopping" in e for e in errs), errs
     assert not (tmp_path / "stacks").exists()
+
+
+def test_a_bad_input_is_said_even_when_another_rank_finds_it_first(tmp_path, cache, tiny_llama):
+    """Seen in the suite under load: `deepspeed ... --ds_config pipe2_zero1.json --ds.zero_optimization.stage=2`
+    exited 1 without its error line: rank 1 found the bad value first and left, and the launcher killed rank 0
+    (the one that speaks) before it said why. Rank 0 made 3 s late here; the line must still come, with exit 2."""
+    proc = launch(["--train.max_steps=2", "--log.wandb=false", f"--model.name_or_path={tiny_llama}", "--output_dir",
+                   str(tmp_path / "run"), "--ds_config", "pipe2_zero1.json", "--ds.zero_optimization.stage=2"],
+                  cache, check=False, DSTRAIN_FAULT="validate:slow:rank=0:step=0:seconds=3")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "work with ZeRO stage 0 or 1, not 2" in errors[0], proc.stderr[-3000:]

@@ -188,3 +188,78 @@ def test_long_pairs_lose_the_prompt_start_then_the_response_ends():
     p, c, r, cut = fmt.fit(prompt, chosen, rejected, seq_len=32, max_prompt=16)
     assert cut and p == prompt[-16:] and c == chosen[:16] and r == rejected
     assert fmt.fit(prompt[:4], chosen[:4], rejected, 32, 16)[3] is False
+
+
+@pytest.fixture(scope="module")
+def llama_8b(tmp_path_factory):
+    from transformers import LlamaConfig
+    path = tmp_path_factory.mktemp("8b")
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                rope_theta=500000.0).save_pretrained(path)
+    return path
+
+
+def test_shipped_dpo_recipes_fit_where_they_say_and_count_two_rows_a_pair(llama_8b):
+    from dstrain import ds_config as dsc
+    from dstrain import memory
+    from dstrain.config import load_recipe, parse_overrides
+    gpu = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
+    for name in ("llama-3.1-8b/dpo_zero3.yaml", "llama-3.1-8b/dpo_lora.yaml"):
+        r = load_recipe(name, parse_overrides([f"--model.name_or_path={llama_8b}",
+                                               "--model.tokenizer=recipes/tiny/model"]))
+        fits, text = memory.preflight(r, dsc.load(r.ds_config), r.ds_config, 8, 8, gpu,
+                                      memory.target_device("h100-80gb", None))
+        assert fits, text
+        print(text)
+        assert f"micro batch {r.train.micro_batch_size} pairs = {2 * r.train.micro_batch_size} rows" in text, text
+    # a pair is two rows: the same recipe read as SFT data has half the activations
+    pairs = load_recipe("llama-3.1-8b/dpo_zero3.yaml", parse_overrides([f"--model.name_or_path={llama_8b}"]))
+    rows = load_recipe("llama-3.1-8b/dpo_zero3.yaml", parse_overrides([f"--model.name_or_path={llama_8b}",
+                                                                       "--data.format=chat"]))
+    from transformers import AutoConfig
+
+    from dstrain.layout import Layout
+    config = AutoConfig.from_pretrained(llama_8b)
+    ds = dsc.resolve(dsc.load("zero3.json"), pairs, 8, gpu, hidden_size=4096)
+    layout = Layout.from_ds_config(ds, 8)
+    est = [memory.estimate(config, memory.count_parameters(config), r, ds, layout) for r in (pairs, rows)]
+    assert est[0].activations_full == pytest.approx(2 * est[1].activations_full, rel=0.01)
+
+
+def test_what_preference_training_refuses_in_the_validation_pass():
+    """Pipeline stages, sequence parallelism and the chunked head are refused in one line each (not yet built);
+    LoRA switches the reference to the adapters-off base."""
+    from dstrain.components import Setup
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.errors import UserError
+    from dstrain.layout import Layout
+
+    def setup(*overrides, ds=None):
+        r = load_recipe("tiny/dpo", parse_overrides(list(overrides)))
+        layout = Layout.from_ds_config(ds or {}, 2)
+        return Setup(r, layout, {}, "fp32", None, Path("/tmp/x"), None, print)
+    cases = [((), {"pipeline": {"stages": 2}}, "does not run on pipeline stages"),
+             ((), {"sequence_parallel_size": 2}, "does not run with sequence parallelism"),
+             (("--train.loss_chunk_tokens=1024",), None, "train.loss_chunk_tokens is not supported")]
+    for overrides, ds, message in cases:
+        with pytest.raises(UserError, match=message):
+            Preference(PreferenceSection()).validate(setup(*overrides, ds=ds))
+    lora = Preference(PreferenceSection())
+    lora.validate(setup("--lora.r=8"))
+    assert lora.adapters_off
+    free = Preference(PreferenceSection(loss="simpo"))
+    free.validate(setup("--lora.r=8", "--preference.loss=simpo"))
+    assert not free.adapters_off  # no reference at all
+
+
+def test_identical_pairs_are_counted_and_warned():
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from dstrain.data import report
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    rows = PAIRS + [{"prompt": "Say hi.", "chosen": " Hi.", "rejected": " Hi."}]
+    data, stats = fmt.tokenize(Dataset.from_list(rows), DataConfig(format="preference"), tokenizer, 48, None)
+    assert stats["identical"] == 1 and stats["pairs"] == 4 and len(data) == 4
+    assert "warning: 1 pairs have identical chosen and rejected responses" in report(stats, 48)
