@@ -42,3 +42,46 @@ def write_section(script: str, title: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + section + "\n"
     doc.parent.mkdir(exist_ok=True)
     doc.write_text(text)
+
+
+def step_recorder():
+    """A transformers TrainerCallback that keeps the wall-clock time at the end of every optimizer step and the
+    logged losses (the peers' side of a bench: what dstrain's metrics.jsonl holds)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.step_end, self.losses = [], []
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            self.step_end.append(time.time())
+
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+    return Record()
+
+
+def engine_of(trainer) -> dict:
+    """Whether a Trainer really built a DeepSpeed engine, and its ZeRO stage."""
+    import deepspeed
+    engine = trainer.model_wrapped
+    is_engine = isinstance(engine, deepspeed.DeepSpeedEngine)
+    return {"deepspeed_engine": type(engine).__name__ if is_engine else None,
+            "zero_stage": engine.zero_optimization_stage() if is_engine else None}
+
+
+def leave() -> None:
+    """End a peer rank skipping interpreter teardown, as train.py does (dstrain.dist.leave): destroying gloo's
+    threads there aborted a finished Trainer rank ("terminate called without an active exception", SIGABRT)."""
+    import os
+    import sys
+
+    import torch.distributed as torch_dist
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

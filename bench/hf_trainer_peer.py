@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
+from common import engine_of, leave, step_recorder
 
 
 def main() -> None:
@@ -38,7 +37,6 @@ def main() -> None:
         AutoModelForCausalLM,
         AutoTokenizer,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
         default_data_collator,
     )
@@ -71,40 +69,17 @@ def main() -> None:
         eval_strategy="no", report_to=[], seed=args.seed, dataloader_drop_last=True, disable_tqdm=True,
         torch_compile=args.torch_compile)
 
-    class Record(TrainerCallback):
-        def __init__(self):
-            self.step_end, self.losses = [], []
-
-        def on_step_end(self, _args, state, control, **kwargs):
-            self.step_end.append(time.time())
-
-        def on_log(self, _args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
-
-    record = Record()
+    record = step_recorder()
     trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=default_data_collator,
                       callbacks=[record])
     trainer.train()
 
-    import deepspeed
-    engine = trainer.model_wrapped
     if int(os.environ.get("RANK", "0")) == 0:
-        is_engine = isinstance(engine, deepspeed.DeepSpeedEngine)
         Path(args.result).write_text(json.dumps({
-            "step_end": record.step_end, "losses": record.losses,
-            "deepspeed_engine": type(engine).__name__ if is_engine else None,
-            "zero_stage": engine.zero_optimization_stage() if is_engine else None,
+            "step_end": record.step_end, "losses": record.losses, **engine_of(trainer),
             "world_size": int(os.environ.get("WORLD_SIZE", "1"))}))
 
 
 if __name__ == "__main__":
     main()
-    # Skip interpreter teardown, as train.py does (dstrain.dist.leave): destroying gloo's threads there aborted
-    # a finished Trainer rank ("terminate called without an active exception", SIGABRT) in `make bench` too.
-    import torch.distributed as torch_dist
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

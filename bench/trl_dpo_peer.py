@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The peer in bench/dpo.py: TRL's DPOTrainer with a DeepSpeed config, written as TRL's DPO quick start writes it
 (`DPOConfig(...)`, `DPOTrainer(model=..., args=..., train_dataset=..., processing_class=...)`, `trainer.train()`),
+in fp32 (`bf16=False`: DPOConfig turns bf16 on by default),
 plus `TrainingArguments(deepspeed=...)`. `--fast` adds TRL's own speed settings: `precompute_ref_log_probs` (the
 reference's log-probs computed in one pass before training, its model then dropped) with a larger
 `precompute_ref_batch_size`; `padding_free` is not offered by TRL 1.16's DPOTrainer (it warns and pads).
 
 Run under the `deepspeed` launcher. Rank 0 writes --result: the wall-clock time at the end of every optimizer step,
-when train() was entered, the logged losses, the peak RSS of this rank, and whether a DeepSpeed engine was built.
+the logged losses, the peak RSS of this rank, and whether a DeepSpeed engine was built.
 """
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
+from common import engine_of, leave, step_recorder
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     started = time.time()
 
     import datasets
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -47,46 +48,20 @@ def main() -> None:
         output_dir=args.output_dir, deepspeed=args.ds_config, use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.grad_accum_steps,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, beta=args.beta, max_length=args.max_length, logging_steps=1,
+        weight_decay=args.weight_decay, beta=args.beta, max_length=args.max_length, logging_steps=1, bf16=False,
         save_strategy="no", eval_strategy="no", report_to=[], seed=args.seed, disable_tqdm=True, **extra)
 
-    class Record(TrainerCallback):
-        def __init__(self):
-            self.step_end, self.losses, self.train_begin = [], [], None
-
-        def on_train_begin(self, _args, state, control, **kwargs):
-            self.train_begin = time.time()
-
-        def on_step_end(self, _args, state, control, **kwargs):
-            self.step_end.append(time.time())
-
-        def on_log(self, _args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
-
-    record = Record()
+    record = step_recorder()
     trainer = DPOTrainer(model=args.model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          callbacks=[record])
     trainer.train()
 
-    import deepspeed
-    engine = trainer.model_wrapped
     if int(os.environ.get("RANK", "0")) == 0:
-        is_engine = isinstance(engine, deepspeed.DeepSpeedEngine)
         Path(args.result).write_text(json.dumps({
-            "started": started, "train_begin": record.train_begin, "step_end": record.step_end,
-            "losses": record.losses, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "deepspeed_engine": type(engine).__name__ if is_engine else None,
-            "zero_stage": engine.zero_optimization_stage() if is_engine else None}))
+            "started": started, "step_end": record.step_end, "losses": record.losses,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **engine_of(trainer)}))
 
 
 if __name__ == "__main__":
     main()
-    # Skip interpreter teardown, as train.py does (dstrain.dist.leave): destroying gloo's threads there can abort
-    # a finished rank.
-    import torch.distributed as torch_dist
-    if torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
