@@ -63,19 +63,24 @@ def compare_with_loop(run_dir, model_dir, lora=None, lr=LR, rtol=None):
     return model
 
 
-@pytest.mark.parametrize("ds_config", ["zero0.json", "zero1.json", "zero2.json", "zero3.json"])
+@pytest.mark.parametrize("ds_config", ["zero0.json", "zero1.json", "zero2.json", "zero3.json",
+                                       "zero2_offload.json"])
 def test_dpo_matches_a_plain_pytorch_loop(tmp_path, cache, tiny_llama, whole, ds_config):
     """Per-step losses and pre-clip gradient norms of a 2-rank run under each ZeRO stage equal the plain loop's;
     the first step's loss is log 2 (the policy is the reference); throughput counts both sides' real tokens.
     ZeRO-3: the exported hf/ (policy) against the base (reference) gives the logged eval reward accuracy and
-    margin."""
+    margin. ZeRO-2 with CPU offload also runs with activation checkpointing."""
     if ds_config == "zero2.json":
         compare_with_loop(whole, tiny_llama)
         return
     run_dir = tmp_path / "run"
     extra = PARTITIONED + ["--eval.every=3"] if ds_config == "zero3.json" else []
+    if ds_config == "zero2_offload.json":  # DeepSpeedCPUAdam and recomputed activations: the same math
+        extra = ["--train.activation_checkpointing=true"]
     launch(args_for(tiny_llama, ds_config, run_dir, extra), cache)
     compare_with_loop(run_dir, tiny_llama)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["activation_checkpointing"] == (ds_config == "zero2_offload.json")
     if ds_config == "zero3.json":
         assert_eval_rewards_from_export(run_dir, tiny_llama)
 
