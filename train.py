@@ -90,6 +90,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     from dstrain import model as models
     from dstrain.layout import Layout, recipe_accumulation
     from dstrain.metrics import Metrics
+    from dstrain.paths import weights_fingerprint
     from dstrain.steps import evaluate, train_step
 
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
@@ -168,7 +169,6 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for feature in features:
         feature.attach(engine, setup)
     peak = flops.device_peak(engine.device, ds_config.precision(ds_cfg))  # all ranks at once: shared cores
-    from dstrain.paths import weights_fingerprint
     prepared.train, prepared.val = objective.before_training(  # preference: the reference model's log-probs
         engine, [prepared.train, prepared.val], layout, ctx, run_dir, prepared.cache_path,
         weights_fingerprint(model_source.name_or_path), train.micro_batch_size, log)

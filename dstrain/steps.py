@@ -43,8 +43,9 @@ def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, t
 
 def _totals(objective, batches: list[dict[str, torch.Tensor]], layout: Layout, device) -> tuple[dict, int]:
     """The objective's counts and the real tokens, summed over the global batch (host counts: no device wait)."""
-    keys = list(objective.counts(batches[0])) if batches else [objective.primary]
-    local = [sum(objective.counts(b)[k] for b in batches) for k in keys] if batches else [0.0]
+    counts = [objective.counts(b) for b in batches]
+    keys = list(counts[0]) if counts else [objective.primary]
+    local = [sum(c[k] for c in counts) for k in keys] if counts else [0.0]
     *summed, real = all_reduce_sum(local + [sum(objective.real_tokens(b) for b in batches)], device)
     replicas = layout.token_replicas  # tensor-parallel peers see the same samples; count them once
     totals = {k: v / replicas for k, v in zip(keys, summed)}

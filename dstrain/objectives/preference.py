@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..config import PreferenceSection
 from ..data import IGNORE_INDEX
+from ..data.formats.preference import COLUMNS
 from ..errors import UserError
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -86,7 +87,6 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The micro-batch without the padding columns no row of it uses: pairs are padded to seq_len on disk (so the
     data has one shape), but a step computes only up to its longest pair (as TRL pads each batch to its longest).
     Padding sits at the end of a row, so every real token sees exactly what it saw before."""
-    from ..data.formats.preference import COLUMNS
     longest = max(int(batch[f"{side}_attention_mask"].sum(1).max()) for side in ("chosen", "rejected"))
     keep = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
     if keep >= batch["chosen_input_ids"].shape[1]:
@@ -102,7 +102,6 @@ class Preference:
     def __init__(self, cfg: PreferenceSection):
         self.cfg = cfg
         self.adapters_off = False  # the reference is the base with LoRA switched off (set in validate)
-        self.tables: dict[int, torch.Tensor] = {}  # id(dataset) -> [rows, 2] reference log-probs
 
     def validate(self, setup) -> None:
         recipe, layout = setup.recipe, setup.layout
@@ -224,7 +223,7 @@ class Preference:
         mine = torch.cat(values) if values else torch.zeros(0, 2, dtype=torch.float64)
         table = torch.zeros(n, 2, dtype=torch.float64)
         # every rank's share, by its data-parallel rank (replica peers computed the same rows)
-        for part, dp_rank in zip(dist.all_gather_objects(mine), dist.all_gather_objects(rank)):
+        for dp_rank, part in dist.all_gather_objects((rank, mine)):
             rows = list(range(dp_rank, n, dp))
             table[rows] = part[:len(rows)]
         return table

@@ -98,10 +98,10 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
     max_prompt = cfg.max_prompt_length or seq_len // 2
     pad = _pad_id(tokenizer)
 
-    def fn(batch, indices):
+    def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        out = {k: [] for k in (*COLUMNS, "pair_index", "truncated", "identical", "empty")}
-        for row, index in zip(rows, indices):
+        out = {k: [] for k in (*COLUMNS, "truncated", "identical", "empty")}
+        for row in rows:
             prompt, chosen, rejected = pair_tokens(row, cfg, tokenizer)
             prompt, chosen, rejected, cut = fit(prompt, chosen, rejected, seq_len, max_prompt)
             for side, response in zip(SIDES, (chosen, rejected)):
@@ -109,16 +109,15 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
                 out[f"{side}_input_ids"].append(ids)
                 out[f"{side}_labels"].append(labels)
                 out[f"{side}_attention_mask"].append(mask)
-            out["pair_index"].append(index)
             out["truncated"].append(cut)
             out["identical"].append(chosen == rejected)
             out["empty"].append(not chosen or not rejected)
         return out
-    marked = dataset.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=dataset.column_names,
+    marked = dataset.map(fn, batched=True, batch_size=1000, remove_columns=dataset.column_names,
                          num_proc=num_proc, desc="tokenizing pairs")
     empty = np.asarray(marked["empty"], dtype=bool)
     out = marked.select(np.flatnonzero(~empty)).remove_columns(["truncated", "identical", "empty"])
-    out = out.map(lambda _, i: {"pair_index": i}, with_indices=True, desc="indexing pairs")  # rows of this split
+    out = out.add_column("pair_index", list(range(len(out))))  # the row's place in this split
     real = sum(int(np.asarray(out[f"{side}_attention_mask"]).sum()) for side in SIDES) if len(out) else 0
     stats = {"examples": len(dataset), "sequences": len(out), "pairs": len(out),
              "truncated": int(np.asarray(marked["truncated"]).sum()), "dropped": int(empty.sum()),
