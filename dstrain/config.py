@@ -58,7 +58,9 @@ class DataConfig:
     # `true` with `prompt_response` / `chat`: several examples per `seq_len` row (first fit, in data order),
     # `position_ids` restarting at each, attention never crossing examples, loss masks unchanged: the same
     # per-example losses and step gradients as padding, with far less padding. With `text`: documents stay packed
-    # but each attends only within itself (positions restart after every EOS)
+    # but each attends only within itself (positions restart after every EOS). With `preference`: a micro-batch's
+    # chosen and rejected sequences run as one row without their padding, none attending to another (TRL's
+    # `padding_free`)
     packing: bool = False
     text_field: str = "text"  # the text column (`format: text`)
     prompt_field: str = "prompt"  # the prompt column (`format: prompt_response`)
@@ -352,9 +354,6 @@ class Recipe:
         if self.data.format != "preference" and self.preference != PreferenceSection():
             raise UserError(f"preference.* keys are set but data.format={self.data.format}: set "
                             f"--data.format=preference for preference pairs, or drop the preference keys")
-        if self.data.format == "preference" and self.data.packing:
-            raise UserError("data.packing=true is not supported with data.format=preference yet; drop it (each pair "
-                            "is padded to train.seq_len)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -10,7 +10,8 @@ over the full logits, up to summation order.
 
 Installed by replacing two instance methods (the state dict, checkpoints and export do not change):
   model.forward(..., sum_loss_labels=labels[, label_positions, labels_shifted]) -> CausalLMOutputWithPast,
-                                            .loss = summed loss, no logits
+                                            .loss = summed loss, no logits (per_token=True: the loss of each
+                                            label position, in label_positions' order: preference training)
   lm_head.forward(hidden, labels=...)       -> the fused loss, called as a module so ZeRO-3 gathers the
                                                weight around it (and again before its backward).
 Any other call (labels absent) takes the model's own code unchanged.
@@ -68,6 +69,52 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_total, grad_weight * grad_total, grad_bias, None, None
 
 
+class _FusedLinearTokenNLL(torch.autograd.Function):
+    """cross_entropy(hidden @ weight.T + bias, labels) per token, chunk by chunk. A per-token loss feeds a non-linear
+    objective (DPO's per-sequence log-probs), so the upstream gradient of each token is known only in backward:
+    forward keeps the log-sum-exp per token and backward recomputes each chunk's logits (one more head matmul)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk):
+        nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(nll)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = _chunk_logits(hidden[start:start + chunk], weight, bias)
+            lse[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, labels[start:start + chunk, None]).squeeze(1)
+            nll[start:start + chunk] = lse[start:start + chunk] - picked
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.chunk = chunk
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h, y = hidden[start:start + ctx.chunk], labels[start:start + ctx.chunk]
+            probs = _chunk_logits(h, weight, bias).sub_(lse[start:start + ctx.chunk, None]).exp_()
+            probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+            probs.mul_(grad_nll[start:start + ctx.chunk, None].float())
+            grad_logits = probs.to(hidden.dtype)
+            torch.matmul(grad_logits, weight, out=grad_hidden[start:start + ctx.chunk])
+            grad_weight.addmm_(grad_logits.t(), h)
+            if grad_bias is not None:
+                grad_bias += probs.sum(0)
+            del probs, grad_logits
+        grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def linear_cross_entropy_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-token cross-entropy [tokens] (fp32) of `hidden @ weight.T (+ bias)`, `chunk` rows of logits at a time."""
+    return _FusedLinearTokenNLL.apply(hidden, weight, bias, labels, chunk)
+
+
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """Summed cross-entropy of `hidden @ weight.T (+ bias)` against labels (all valid), `chunk` rows at a time."""
@@ -80,9 +127,12 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     return total
 
 
-def _head_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0):
+def _head_forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0,
+                  per_token: bool = False):
     if labels is None:
         return F.linear(hidden, self.weight, self.bias)
+    if per_token:
+        return linear_cross_entropy_tokens(hidden, self.weight, self.bias, labels, chunk)
     return linear_cross_entropy_sum(hidden, self.weight, self.bias, labels, chunk)
 
 
@@ -129,7 +179,7 @@ def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     def forward(self, *args, sum_loss_labels: torch.Tensor | None = None, label_positions: torch.Tensor | None = None,
-                labels_shifted: bool = False, **kwargs):
+                labels_shifted: bool = False, per_token: bool = False, **kwargs):
         if sum_loss_labels is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)
@@ -142,7 +192,7 @@ def install(model: torch.nn.Module, chunk_tokens: int, precision: str) -> None:
             label_positions = label_positions_of(sum_loss_labels, labels_shifted)
         # prompts and padding drop out here: the head sees label tokens only
         loss = head(hidden.index_select(0, label_positions), labels=targets.index_select(0, label_positions),
-                    chunk=chunk_tokens)
+                    chunk=chunk_tokens, per_token=per_token)
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = types.MethodType(forward, model)

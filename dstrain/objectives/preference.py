@@ -33,16 +33,48 @@ STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/ma
 REFERENCE_FILE = "reference_logps.pt"
 
 
-def sequence_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed response log-probs [2B], response token counts [2B], logits) of chosen then rejected rows."""
+def sequence_logps(model, batch: dict[str, torch.Tensor], packed: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """(summed response log-probs [2B], response token counts [2B], summed NLL of every real token of the chosen
+    rows: ORPO's term) of chosen then rejected rows, from the per-position cross-entropy of the 2B sequences.
+
+    `packed` (data.packing): the 2B sequences run as one row without their padding, position_ids
+    restarting at each, so no sequence attends to another (TRL's padding-free mode). With the chunked head
+    (train.loss_chunk_tokens) the full logits are never materialised."""
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-    mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+    real = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]]).bool()
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-    target = labels[:, 1:]
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(target.shape)
-    return -nll.sum(1), (target != IGNORE_INDEX).sum(1), logits
+    no_target = torch.full_like(ids[:, :1], IGNORE_INDEX)
+    # position t's target (t + 1's token, where that is a real token): the shifted labels of every real token
+    targets = torch.cat([ids[:, 1:].masked_fill(~real[:, 1:], IGNORE_INDEX), no_target], 1)
+    if packed:
+        lengths = real.sum(1)
+        starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        inputs = {"input_ids": ids[real][None],
+                  "position_ids": (torch.arange(int(lengths.sum()), device=ids.device) - starts)[None]}
+        nll = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        nll[real] = token_nll(model, inputs, targets[real][None])[0]
+    else:
+        nll = token_nll(model, {"input_ids": ids, "attention_mask": real.long()}, targets)
+    response = torch.cat([labels[:, 1:] != IGNORE_INDEX, torch.zeros_like(real[:, :1])], 1)
+    half = batch["chosen_input_ids"].shape[0]
+    return -(nll * response).sum(1), response.sum(1), nll[:half].sum()
+
+
+def token_nll(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy [rows, cols] (fp32) of each position against `targets` (already aligned: position t's target;
+    IGNORE_INDEX -> 0)."""
+    from ..components.chunked_loss import label_positions_of
+    from .causal_lm import chunked_loss
+    if chunked_loss(model):  # the fused, chunked head (components/chunked_loss.py): label positions only
+        positions = label_positions_of(targets, shifted=True)
+        values = model(**inputs, use_cache=False, sum_loss_labels=targets, labels_shifted=True,
+                       label_positions=positions, per_token=True).loss
+        return torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device).index_put(
+            (positions,), values).view(targets.shape)
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +134,7 @@ class Preference:
     def __init__(self, cfg: PreferenceSection):
         self.cfg = cfg
         self.adapters_off = False  # the reference is the base with LoRA switched off (set in validate)
+        self.packed = False  # data.packing: a micro-batch's sequences run as one row without padding (validate)
 
     def validate(self, setup) -> None:
         recipe, layout = setup.recipe, setup.layout
@@ -110,8 +143,6 @@ class Preference:
         if layout.sequence_parallel > 1:
             raise UserError("data.format=preference does not run with sequence parallelism yet; use a ZeRO config "
                             "without sequence_parallel_size")
-        if recipe.train.loss_chunk_tokens:
-            raise UserError("train.loss_chunk_tokens is not supported with data.format=preference yet; set it to 0")
         from ..model import from_scratch
         from ..paths import local_or_hub
         if self.cfg.needs_reference and setup.init_from is None and from_scratch(
@@ -120,6 +151,7 @@ class Preference:
                             f"{recipe.model.name_or_path} starts from random weights; pass --init_from=<a run or "
                             f"its hf/ export> or a model with weights, or use preference.loss=simpo or orpo")
         self.adapters_off = self.cfg.needs_reference and recipe.lora.enabled
+        self.packed = recipe.data.packing
 
     # ------------------------------------------------------------------ counts and the loss
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -134,7 +166,7 @@ class Preference:
         return trim_padding(batch)
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
-        logps, lengths, logits = sequence_logps(model, batch)
+        logps, lengths, chosen_nll = sequence_logps(model, batch, self.packed)
         pc, pr = logps.chunk(2)
         nc, nr = lengths.chunk(2)
         rc = rr = None
@@ -146,12 +178,7 @@ class Preference:
         loss, chosen_rewards, rejected_rewards, lc, lr = pair_losses(self.cfg, pc, pr, nc, nr, rc, rr)
         summed = loss.sum()
         if self.cfg.loss == "orpo":  # NLL of the chosen sequences (prompt and response), a mean over tokens
-            half = batch["chosen_input_ids"].shape[0]
-            target = batch["chosen_input_ids"][:, 1:].masked_fill(batch["chosen_attention_mask"][:, 1:] == 0,
-                                                                  IGNORE_INDEX)
-            nll = F.cross_entropy(logits[:half].float().reshape(-1, logits.size(-1)), target.reshape(-1),
-                                  ignore_index=IGNORE_INDEX, reduction="sum")
-            summed = summed + nll * (totals["pairs"] / max(totals["chosen_tokens"], 1.0))
+            summed = summed + chosen_nll * (totals["pairs"] / max(totals["chosen_tokens"], 1.0))
         stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
                              (chosen_rewards > rejected_rewards).float().sum(),
                              (chosen_rewards - rejected_rewards).sum(), lc.detach().sum(), lr.detach().sum()])
@@ -165,7 +192,7 @@ class Preference:
         """LoRA: the reference is the base model, the same engine with its adapters switched off."""
         peft_model = getattr(model, "module", model)
         with peft_model.disable_adapter():
-            logps = sequence_logps(model, batch)[0]
+            logps = sequence_logps(model, batch, self.packed)[0]
         return logps.chunk(2)
 
     # ------------------------------------------------------------------ the reference pass
@@ -217,7 +244,7 @@ class Preference:
         for start in range(0, per_rank, micro_batch_size):
             rows = trim_padding(dataset[share[start:start + micro_batch_size]])
             batch = {k: v.long().to(engine.device) for k, v in rows.items() if k != "pair_index"}
-            values.append(sequence_logps(engine, batch)[0].view(2, -1).t().double().cpu())
+            values.append(sequence_logps(engine, batch, self.packed)[0].view(2, -1).t().double().cpu())
         if was_training:
             engine.train()
         mine = torch.cat(values) if values else torch.zeros(0, 2, dtype=torch.float64)

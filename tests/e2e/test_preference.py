@@ -85,6 +85,17 @@ def test_dpo_matches_a_plain_pytorch_loop(tmp_path, cache, tiny_llama, whole, ds
         assert_eval_rewards_from_export(run_dir, tiny_llama)
 
 
+def test_dpo_through_the_chunked_head_with_packed_pairs_under_zero3_matches_the_loop(tmp_path, cache, tiny_llama):
+    """train.loss_chunk_tokens (per-token log-probs from the fused head, 16 rows of logits at a time, gradients
+    formed in backward with the head's weight gathered by ZeRO-3 again) and data.packing (each micro-batch's 8
+    sequences in one row, position_ids restarting): the plain padded loop's losses and gradient norms, reference
+    pass included (it runs the same way)."""
+    run_dir = tmp_path / "run"
+    launch(args_for(tiny_llama, "zero3.json", run_dir, PARTITIONED + ["--train.loss_chunk_tokens=16",
+                                                                      "--data.packing=true"]), cache)
+    compare_with_loop(run_dir, tiny_llama, rtol=1e-5)
+
+
 def assert_eval_rewards_from_export(run_dir, base):
     """The last eval row's rewards/accuracies and margins, recomputed from hf/ and the base in plain PyTorch by the
     documented eval contract (rank r evaluates pairs r, r+2, ...; the first eval.max_batches micro-batches)."""

@@ -38,12 +38,18 @@ def tiny():  # fresh per test: TRL's trainer takes the models over (wraps, patch
     return policy, reference, AutoTokenizer.from_pretrained(MODEL)
 
 
-def ours(cfg: PreferenceSection, policy, reference, tokenizer, seq_len: int = 48):
-    """Our loss (mean over pairs), metrics and the policy's gradients on PAIRS."""
+def ours(cfg: PreferenceSection, policy, reference, tokenizer, seq_len: int = 48, chunk: int = 0,
+         packed: bool = False):
+    """Our loss (mean over pairs), metrics and the policy's gradients on PAIRS; `chunk`: through the chunked head
+    (train.loss_chunk_tokens), `packed`: the pairs' sequences in one row without padding (data.packing)."""
     from datasets import Dataset
     data, _ = fmt.tokenize(Dataset.from_list(PAIRS), DataConfig(format="preference"), tokenizer, seq_len, None)
     batch = {k: torch.tensor(data[k]) for k in data.column_names}
+    if chunk:
+        from dstrain.components import chunked_loss
+        chunked_loss.install(policy, chunk, "fp32")
     objective = Preference(cfg)
+    objective.packed = packed
     totals = {k: float(v) for k, v in objective.counts(batch).items()}
     if cfg.needs_reference:
         with torch.no_grad():
@@ -75,17 +81,22 @@ def trl_dpo(loss_type: str, beta: float, ls: float, policy, reference, tokenizer
     return loss.detach(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads, batch["input_ids"].shape[1]
 
 
-@pytest.mark.parametrize("loss_type,ours_name,ls", [("sigmoid", "dpo", 0.0), ("ipo", "ipo", 0.0),
-                                                   ("hinge", "hinge", 0.0), ("robust", "robust", 0.2)])
-def test_dpo_losses_match_trl_dpotrainer(tiny, loss_type, ours_name, ls):
+@pytest.mark.parametrize("loss_type,ours_name,ls,chunk,packed", [
+    ("sigmoid", "dpo", 0.0, 0, False), ("ipo", "ipo", 0.0, 0, False), ("hinge", "hinge", 0.0, 0, False),
+    ("robust", "robust", 0.2, 0, False),
+    ("sigmoid", "dpo", 0.0, 7, False), ("sigmoid", "dpo", 0.0, 0, True), ("ipo", "ipo", 0.0, 5, True)],
+    ids=["dpo", "ipo", "hinge", "robust", "dpo-chunked-head", "dpo-packed", "ipo-chunked-packed"])
+def test_dpo_losses_match_trl_dpotrainer(tiny, loss_type, ours_name, ls, chunk, packed):
     """One batch through TRL's DPOTrainer.compute_loss (its collator, its reference model) and through ours: the
-    loss, the logged rewards and log-probs, and every parameter's gradient agree."""
+    loss, the logged rewards and log-probs, and every parameter's gradient agree. Also through the chunked head
+    (7 and 5 rows of logits at a time: the per-token gradients are formed chunk by chunk in backward) and with the
+    pairs packed in one row (the padding-free mode): the same figures as TRL's padded batch."""
     policy, reference, tokenizer = tiny
     beta = 0.1 if loss_type != "ipo" else 0.5
     want_loss, want, want_grads, length = trl_dpo(loss_type, beta, ls, policy, reference, tokenizer)
     # padded as TRL pads (to the longest pair): CPU attention kernels round differently at other lengths (1e-5)
     got_loss, got, got_grads = ours(PreferenceSection(loss=ours_name, beta=beta, label_smoothing=ls), policy,
-                                    reference, tokenizer, seq_len=length)
+                                    reference, tokenizer, seq_len=length, chunk=chunk, packed=packed)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):
@@ -137,7 +148,13 @@ def test_orpo_matches_trls_orpo_trainer(tiny):
     torch.testing.assert_close(got_c, want_c)
     torch.testing.assert_close(got_r, want_r)
     policy, _, tokenizer = tiny
-    loss, metrics, _ = ours(PreferenceSection(loss="orpo", beta=0.25), policy, None, tokenizer)
+    loss, metrics, grads = ours(PreferenceSection(loss="orpo", beta=0.25), policy, None, tokenizer)
+    # the chunked head and packed pairs compute the same ORPO loss and gradients (NLL term included)
+    loss_cp, _, grads_cp = ours(PreferenceSection(loss="orpo", beta=0.25), copy.deepcopy(policy), None, tokenizer,
+                                chunk=6, packed=True)
+    torch.testing.assert_close(loss_cp, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_cp[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     from datasets import Dataset
     data, _ = fmt.tokenize(Dataset.from_list(PAIRS), DataConfig(format="preference"), tokenizer, 48, None)
     b = {k: torch.tensor(data[k]) for k in data.column_names}
@@ -228,8 +245,8 @@ def test_shipped_dpo_recipes_fit_where_they_say_and_count_two_rows_a_pair(llama_
 
 
 def test_what_preference_training_refuses_in_the_validation_pass():
-    """Pipeline stages, sequence parallelism and the chunked head are refused in one line each (not yet built);
-    LoRA switches the reference to the adapters-off base."""
+    """Pipeline stages and sequence parallelism are refused in one line each (not yet built); LoRA switches the
+    reference to the adapters-off base; the chunked head and packing are taken."""
     from dstrain.components import Setup
     from dstrain.config import load_recipe, parse_overrides
     from dstrain.errors import UserError
@@ -240,11 +257,13 @@ def test_what_preference_training_refuses_in_the_validation_pass():
         layout = Layout.from_ds_config(ds or {}, 2)
         return Setup(r, layout, {}, "fp32", None, Path("/tmp/x"), None, print)
     cases = [((), {"pipeline": {"stages": 2}}, "does not run on pipeline stages"),
-             ((), {"sequence_parallel_size": 2}, "does not run with sequence parallelism"),
-             (("--train.loss_chunk_tokens=1024",), None, "train.loss_chunk_tokens is not supported")]
+             ((), {"sequence_parallel_size": 2}, "does not run with sequence parallelism")]
     for overrides, ds, message in cases:
         with pytest.raises(UserError, match=message):
             Preference(PreferenceSection()).validate(setup(*overrides, ds=ds))
+    taken = Preference(PreferenceSection())
+    taken.validate(setup("--train.loss_chunk_tokens=1024", "--data.packing=true"))
+    assert taken.packed
     lora = Preference(PreferenceSection())
     lora.validate(setup("--lora.r=8"))
     assert lora.adapters_off
