@@ -73,7 +73,7 @@ test: system-deps $(VENV)/.installed
 	@$(MAKE) --no-print-directory lint docs
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
-	@rc=0; $(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
 	$(PY) -m pytest tests -q -m serial $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; exit $$rc
 
 test-fast: lint

@@ -1,7 +1,6 @@
 """Gradient compressors on two real gloo processes: error feedback, exact low-rank reconstruction, warm-up,
 state that resumes exactly, bytes counted at the collectives; config validation and refusals."""
 import os
-import socket
 
 import pytest
 import torch
@@ -13,19 +12,14 @@ from dstrain.comm_counter import CommCounter
 from dstrain.components import compression as C
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.errors import UserError
+from tests.helpers import free_port
 
 SHAPES = [(64, 48), (32, 3, 3), (48,), (7, 5)]  # a matrix, a conv-like tensor, a vector, a tiny matrix
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, fn, tmp_path, *args) -> list:
     """fn(rank, *args) on `world` gloo processes; returns each rank's result."""
-    port = _free_port()
+    port = free_port()
     mp.spawn(_worker, args=(world, port, fn, str(tmp_path), args), nprocs=world, join=True)
     return [torch.load(tmp_path / f"out{r}.pt", weights_only=False) for r in range(world)]
 

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROGRAM = """
@@ -21,17 +23,10 @@ print("not reached")
 """
 
 
-def _free_port() -> str:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def test_leave_flushes_output_and_keeps_the_exit_code():
     buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as under a plain launcher
     for code in (0, 75):
-        proc = subprocess.run([sys.executable, "-c", PROGRAM, _free_port(), str(code)], cwd=ROOT, env=buffered,
+        proc = subprocess.run([sys.executable, "-c", PROGRAM, str(free_port()), str(code)], cwd=ROOT, env=buffered,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == code, proc.stderr[-2000:]
         assert proc.stdout == "buffered stdout, no newline"
