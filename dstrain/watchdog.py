@@ -66,6 +66,8 @@ class Watchdog:
         self._armed = False
         self._last_progress = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._failed_collective = ""  # the traceback of a collective that failed while a peer was being named
+        self.store_timeout = max(cfg.heartbeat_interval, 5.0)
 
     # ------------------------------------------------------------------ main-thread API
     def start(self) -> Watchdog:
@@ -73,7 +75,7 @@ class Watchdog:
             import torch.distributed as dist
 
             self.store = dist.TCPStore(env.master()[0], int(env.master()[1]), is_master=False,
-                                       timeout=timedelta(seconds=max(self.cfg.heartbeat_interval, 5.0)),
+                                       timeout=timedelta(seconds=self.store_timeout),
                                        wait_for_workers=False)
             self.store.set(self._key("proc", self.ctx.rank), f"{self.host}\t{_machine_identity()}\t{os.getpid()}")
         self._thread = threading.Thread(target=self._run, name="dstrain-watchdog", daemon=True)
@@ -136,12 +138,19 @@ class Watchdog:
 
     def fail(self, error: BaseException, code: int = EXIT_CODE) -> NoReturn:
         """The main thread hit an unexpected error. A failed collective usually means a peer died: give the
-        ring a moment to name it; otherwise this rank's own error ends the job."""
-        traceback.print_exception(error, file=sys.stderr)
+        ring a moment to name it, and then that one line is what a person reads (the failed collective's
+        traceback, 60 lines through steps.py and the backend, says nothing more: it goes to the stacks file);
+        otherwise this rank's own error ends the job, its traceback printed."""
+        text = "".join(traceback.format_exception(error))
         if self.store is not None and looks_like_comm_failure(error):
-            deadline = time.monotonic() + self.cfg.peer_timeout + 2 * self.cfg.heartbeat_interval
+            self._failed_collective = text
+            # as long as the watchdog thread may take to name a peer: its timeout, a beat, and a store call that
+            # blocks until the store's own timeout when the peer was rank 0 (the store's host)
+            deadline = time.monotonic() + self.cfg.peer_timeout + 2 * self.cfg.heartbeat_interval + \
+                self.store_timeout
             while time.monotonic() < deadline:  # the watchdog thread exits the process when the flag comes
                 time.sleep(0.2)
+        print(text, end="", file=sys.stderr, flush=True)
         self.abort(f"rank {self.ctx.rank} on {self.host} failed: {_one_line(error)}", code)
 
     def abort(self, message: str, code: int = EXIT_CODE, dead: int = 0) -> NoReturn:
@@ -170,6 +179,8 @@ class Watchdog:
                 self.stacks_dir.mkdir(parents=True, exist_ok=True)
                 with open(self.stacks_dir / f"rank{self.ctx.rank}.txt", "w") as f:
                     f.write(f"rank {self.ctx.rank} on {self.host}, pid {os.getpid()}: {message}\n\n")
+                    if self._failed_collective:
+                        f.write(f"the main thread's failed collective:\n{self._failed_collective}\n")
                     f.flush()
                     faulthandler.dump_traceback(file=f, all_threads=True)
                 where = f"; Python stacks of every rank in {self.stacks_dir}"

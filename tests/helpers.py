@@ -90,6 +90,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {low}-{low + _PORTS_PER_WORKER - 1}")
 
 
+def tracebacks(err: str) -> list[str]:
+    """Each Python traceback in err: from its "Traceback" line to the exception line (the first unindented)."""
+    blocks, lines = [], err.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j].startswith(" ")), len(lines))
+            blocks.append("\n".join(lines[i:end + 1]))
+    return blocks
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything below it (launch/ scripts start the launcher in its own session, so
     killing the script's process group would leave the ranks running)."""

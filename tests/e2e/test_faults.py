@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics
+from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics, tracebacks
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
@@ -122,7 +122,8 @@ def start_ranks(run: Path, cache: Path, model: Path, extra: list[str]) -> list[s
 @pytest.mark.parametrize("victim,how", [(1, "kill"), (0, "kill"), (1, "freeze")])
 def test_survivor_exits_by_itself_naming_the_dead_rank(tmp_path, cache, tiny_llama, victim, how):
     """No launcher to clean up: the survivor must leave within the peer timeout (6 s here), naming the rank
-    that died. A frozen process (SIGSTOP, like a lost node) is found by its missing heartbeat."""
+    that died, in one line: no traceback of the collective that failed with it (that goes to the stacks file).
+    A frozen process (SIGSTOP, like a lost node) is found by its missing heartbeat."""
     run = tmp_path / "run"
     procs = start_ranks(run, cache, tiny_llama, ["--fault.peer_timeout=6"])
     try:
@@ -143,6 +144,7 @@ def test_survivor_exits_by_itself_naming_the_dead_rank(tmp_path, cache, tiny_lla
         assert f"rank {victim} on " in err and "stopped responding: no heartbeat" in err, err[-3000:]
     else:
         assert f"rank {victim} on " in err and "died" in err, err[-3000:]
+    assert not tracebacks(err), err[-4000:]
     assert (run / "stacks" / f"rank{1 - victim}.txt").exists()
 
 

@@ -31,6 +31,8 @@ def test_estimate_matches_measured_peak(tmp_path, cache, medium_llama, ds_config
     assert abs(ratio - 1) <= BOUND[ds_config]
 
 
+@pytest.mark.serial  # in the parallel part, beside another worker's jobs, one run measured 124 MiB saved where it
+# measures 271 alone (CI, 2026-11-25): the kernel's high-water mark is not independent of the rest of the machine
 def test_activation_checkpointing_saves_the_activation_memory(tmp_path, cache):
     """Issue 16: the activation-checkpointing test compared losses only, and checkpointing was in fact never on
     (transformers gates it on module.training; runs trained in eval mode). 8 layers x 8 x 512 tokens: the

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import BIN, ROOT, env, free_port, kill_tree, metrics
+from tests.helpers import BIN, ROOT, env, free_port, kill_tree, metrics, tracebacks
 
 STEPS = 400  # far more than the test waits for: the stop must come from the signal, not the end
 ARGS = [f"--train.max_steps={STEPS}", "--train.micro_batch_size=2", "--train.seq_len=32", "--eval.every=0",
@@ -48,16 +48,6 @@ def _ranks(proc) -> list[psutil.Process]:
 # one node (KeyboardInterrupt in its result.wait()), torchrun's agent turns SIGTERM into a SignalException.
 LAUNCHER_FRAMES = ("deepspeed/launcher/runner.py", "bin/deepspeed", "bin/torchrun", "torch/distributed/run.py",
                    "torch/distributed/elastic/", "subprocess.py", "torch/distributed/launcher/")
-
-
-def _tracebacks(err: str) -> list[str]:
-    """Each Python traceback in err: from its "Traceback" line to the exception line (the first unindented)."""
-    blocks, lines = [], err.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("Traceback (most recent call last):"):
-            end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j].startswith(" ")), len(lines))
-            blocks.append("\n".join(lines[i:end + 1]))
-    return blocks
 
 
 def _launchers_own(block: str) -> bool:
@@ -116,7 +106,7 @@ def test_stopping_by_hand_checkpoints_every_rank_and_exits_75(tmp_path, cache, t
     if launcher == "script":
         assert proc.returncode == 75, err[-4000:]
         assert "asked 2 rank(s)" in err
-    ours = [block for block in _tracebacks(err) if not _launchers_own(block)]
+    ours = [block for block in tracebacks(err) if not _launchers_own(block)]
     assert not ours, f"a traceback from a rank ({how}):\n" + "\n".join(ours)[-6000:]
     stopped_at = len(metrics(run)[0])
     assert (1 if early else 2) <= stopped_at < STEPS, err[-4000:]
