@@ -33,10 +33,12 @@ STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/ma
 REFERENCE_FILE = "reference_logps.pt"
 
 
-def sequence_logps(model, batch: dict[str, torch.Tensor], packed: bool = False) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor]:
-    """(summed response log-probs [2B], response token counts [2B], summed NLL of every real token of the chosen
-    rows: ORPO's term) of chosen then rejected rows, from the per-position cross-entropy of the 2B sequences.
+def sequence_logps(model, batch: dict[str, torch.Tensor], packed: bool = False,
+                   chosen_nll: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(summed response log-probs [2B], response token counts [2B], with `chosen_nll` the summed NLL of every real
+    token of the chosen rows: ORPO's term, else None) of chosen then rejected rows, from the per-position
+    cross-entropy of the 2B sequences (the response positions only, unless `chosen_nll`: the chunked head then
+    skips the prompts).
 
     `packed` (data.packing): the 2B sequences run as one row without their padding, position_ids
     restarting at each, so no sequence attends to another (TRL's padding-free mode). With the chunked head
@@ -44,9 +46,10 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], packed: bool = False) 
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     real = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]]).bool()
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
-    no_target = torch.full_like(ids[:, :1], IGNORE_INDEX)
-    # position t's target (t + 1's token, where that is a real token): the shifted labels of every real token
-    targets = torch.cat([ids[:, 1:].masked_fill(~real[:, 1:], IGNORE_INDEX), no_target], 1)
+    none = torch.zeros_like(real[:, :1])
+    response = torch.cat([labels[:, 1:] != IGNORE_INDEX, none], 1)  # position t predicts a response token
+    scored = torch.cat([real[:, 1:], none], 1) if chosen_nll else response
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], 1).masked_fill(~scored, IGNORE_INDEX)
     if packed:
         lengths = real.sum(1)
         starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
@@ -56,9 +59,8 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], packed: bool = False) 
         nll[real] = token_nll(model, inputs, targets[real][None])[0]
     else:
         nll = token_nll(model, {"input_ids": ids, "attention_mask": real.long()}, targets)
-    response = torch.cat([labels[:, 1:] != IGNORE_INDEX, torch.zeros_like(real[:, :1])], 1)
     half = batch["chosen_input_ids"].shape[0]
-    return -(nll * response).sum(1), response.sum(1), nll[:half].sum()
+    return -(nll * response).sum(1), response.sum(1), nll[:half].sum() if chosen_nll else None
 
 
 def token_nll(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,7 @@ class Preference:
         return trim_padding(batch)
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
-        logps, lengths, chosen_nll = sequence_logps(model, batch, self.packed)
+        logps, lengths, chosen_nll = sequence_logps(model, batch, self.packed, chosen_nll=self.cfg.loss == "orpo")
         pc, pr = logps.chunk(2)
         nc, nr = lengths.chunk(2)
         rc = rr = None
