@@ -123,6 +123,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     features = components.build(recipe, raw_ds)
     objective = objectives.make(recipe)  # what a step minimises: next-token loss, or DPO and its kin
     components.validate_all(features + [objective], setup)
+    checkpoint.check_background(recipe.checkpoint, ds_cfg)
     tokenizer = models.load_tokenizer(recipe.model)
     chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
         if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
@@ -176,7 +177,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                               pin_memory=engine.device.type == "cuda")
     val = data.eval_batches(prepared.val, train.micro_batch_size, layout, recipe.eval.max_batches) \
         if prepared.val is not None else []
-    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout, components.stateful(features))
+    background, said = checkpoint.background_decision(recipe.checkpoint, ds_cfg, layout, params_total, trained,
+                                                       env.ranks_per_node())
+    log(said)
+    ckpt = checkpoint.Checkpointer(run_dir, recipe.checkpoint, ctx, layout, components.stateful(features), background)
     stop = preempt.StopRequest(run_dir, ctx)  # SIGUSR1 / SIGTERM / a STOP file: checkpoint, exit 75
     start = ckpt.load(engine, start_from)["step"] if start_from else 0
     if start_from:
@@ -215,8 +219,11 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, *evaluate(engine, val, layout, objective))
             watchdog.progress()
+        ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
         if ckpt.due(step, last):
-            ckpt.save(engine, step, saved(step))
+            ckpt.save(engine, step, saved(step), wait=False, say=metrics.message)
+            ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
+                                 metrics.message)
             watchdog.progress()
         if stop.agreed(step, engine.device):
             last = step
@@ -224,7 +231,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     # ---- finish
     counter.stop()
-    final = ckpt.save(engine, max(start, last), saved(max(start, last)))
+    final = ckpt.save(engine, max(start, last), saved(max(start, last)), say=metrics.message)  # waits: written
     watchdog.close()  # past the last collective: ranks may now leave at different times
     resume_hint = f"run the same command again (--resume auto) to continue from {final.name}"
     outcome = {"status": "finished", "max_steps": train.max_steps, "checkpoint": str(final), "export": None,

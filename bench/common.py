@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,9 +24,8 @@ def make_llama(out: Path, **sizes) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from dstrain.dist import free_port as pick  # below the ephemeral range: no connection takes it meanwhile
+    return pick()
 
 
 def write_section(script: str, title: str, body: str) -> None:

@@ -201,7 +201,7 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
         raise SystemExit(f"{system} run {index}: {len(ends)} step times for {steps} steps")
     skip = args.skip
     switched = re.search(r"in the background; steps from (\d+) use them", (out / "log.txt").read_text())
-    return {"system": system, "run": index, "tokens_per_step": tokens, "zero_stage": stage, "engine": engine,
+    return {"system": system, "run": index, "master_port": port, "tokens_per_step": tokens, "zero_stage": stage, "engine": engine,
             "tokens_per_s": tokens * (steps - skip) / (ends[-1] - ends[skip - 1]),
             "first_step_s": ends[0] - launched, "last_step_s": ends[-1] - launched,
             "compiled_from_step": int(switched.group(1)) if switched else None, "final_loss": statistics.mean(losses[-5:]), "losses": losses,

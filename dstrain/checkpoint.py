@@ -20,11 +20,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +36,7 @@ import torch
 
 from . import ds_internals, faults
 from .config import CheckpointConfig
-from .dist import DistContext, all_gather_objects, barrier, broadcast_object, looks_like_comm_failure
+from .dist import DistContext, all_gather_objects, all_reduce_sum, barrier, broadcast_object, looks_like_comm_failure
 from .errors import EXIT_SAVE_FAILED, UserError
 from .layout import Layout
 
@@ -106,9 +109,19 @@ def has_frozen(engine) -> bool:
     return any(not p.requires_grad for p in engine.module.parameters())
 
 
+@dataclass
+class _InFlight:
+    """A save whose files a background writer is still writing (checkpoint.background)."""
+    step: int
+    tmp: Path
+    final: Path
+    client_state: dict
+    job: object  # background_save.Job
+
+
 class Checkpointer:
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, ctx: DistContext, layout: Layout | None = None,
-                 extras: dict | None = None):
+                 extras: dict | None = None, background: bool = False):
         self.root = run_dir / "checkpoints"
         self.cfg, self.ctx = cfg, ctx
         # Per-rank state besides DeepSpeed's, by name: objects with state_dict() / load_state_dict(state,
@@ -117,67 +130,193 @@ class Checkpointer:
         # DeepSpeed's offline consolidation (zero_to_fp32) cannot merge tensor-parallel shards, so TP runs
         # also store the gathered weights; every rank takes part in the gather.
         self.consolidate = layout is not None and layout.tensor_parallel > 1
+        self.writer = None
+        if background:  # dstrain/background_save.py: the step waits for a host copy, a thread writes the files
+            from .background_save import Writer, engine_for
+            self.writer = Writer(ctx.rank, _file_record)
+            self.host_engine = engine_for(self.writer)
+        self.in_flight: _InFlight | None = None
+        self.failures = 0  # background saves failed in a row
+        self.every: int | None = None  # checkpoint.every=auto: the interval, once the first save has measured the stall
+        self.last_call: float | None = None
+        self.step_times: list[float] = []
+        self.stalls: list[float] = []  # seconds the training loop spent in each save (the copy, or all of it)
+        self.writes: list[float] = []  # seconds each background write took (this rank)
+
+    PROBE_STEP = 5  # checkpoint.every=auto: the first save, which measures the stall
 
     def due(self, step: int, max_steps: int) -> bool:
-        return step == max_steps or (self.cfg.every > 0 and step % self.cfg.every == 0)
+        """Whether step ends with a save. Called once a step: with checkpoint.every=auto it also times the steps."""
+        if self.cfg.every != "auto":
+            return step == max_steps or (self.cfg.every > 0 and step % self.cfg.every == 0)
+        now = time.perf_counter()
+        if self.last_call is not None:
+            self.step_times.append(now - self.last_call)
+        self.last_call = now
+        if step == max_steps:
+            return True
+        if self.every is None:  # not measured yet: the first save measures the stall
+            return step >= self.PROBE_STEP and not self.stalls
+        return step % self.every == 0
 
-    def save(self, engine, step: int, client_state: dict) -> Path:
+    def choose_interval(self, nodes: int, mtbf_hours: float, device, say: Callable[[str], None]) -> None:
+        """checkpoint.every=auto, after the first save: Young/Daly's interval, sqrt(2 x stall x MTBF of the job),
+        in steps of the median step time; said with the work a failure is expected to cost."""
+        if self.cfg.every != "auto" or self.every is not None or not self.stalls or not self.step_times:
+            return
+        import statistics
+
+        # the ranks' means: every rank must choose the same interval (a save is collective)
+        stall, step_s = (v / self.ctx.world_size for v in all_reduce_sum(
+            [self.stalls[-1], statistics.median(self.step_times[-20:])], device))
+        stall = max(stall, 1e-3)
+        mtbf_s = mtbf_hours * 3600 / max(1, nodes)
+        interval_s = math.sqrt(2 * stall * mtbf_s)
+        self.every = max(1, round(interval_s / max(step_s, 1e-6)))
+        lost = self.every * step_s / 2 + stall
+        say(f"checkpoint.every=auto: every {self.every:,} steps ({interval_s / 60:,.1f} min at {step_s:.3g} s a step; "
+            f"a save stalls the step {stall:.3g} s; mean time between failures of {nodes} node"
+            f"{'s' if nodes > 1 else ''} {mtbf_s / 3600:,.0f} h, fault.mtbf_hours={mtbf_hours:g} per node): a failure "
+            f"costs about {_duration(lost)} of work, saves {100 * stall / (self.every * step_s):.2g}% of the time")
+
+    def save(self, engine, step: int, client_state: dict, wait: bool = True,
+             say: Callable[[str], None] | None = None) -> Path:
+        """Save step's state as checkpoints/step_N. In the background (checkpoint.background) with wait=False,
+        return once the state is copied off the device; poll() publishes it later. A failed save raises
+        SaveError; a failed background save is reported through say and the next save tries again, unless
+        wait=True (the last save of a run), which raises."""
         final = self.root / tag_for(step)
+        if self.in_flight is not None and self.in_flight.step == step:  # saved at the step, now waited for
+            self.finish(step, say, last=wait)
+            return final
         if (final / COMPLETE).exists():
             return final
-        tmp_tag = f".tmp-{tag_for(step)}"
-        tmp = self.root / tmp_tag
-        rank = self.ctx.rank
+        began = time.perf_counter()
+        self.finish(step, say)  # at most one save in flight: the previous one is written and published first
+        tmp = self.root / f".tmp-{tag_for(step)}"
         try:
             if self.ctx.is_main:
                 self.root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
             barrier()
-            state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
-            engine.save_checkpoint(str(self.root), tag=tmp_tag, client_state=state, save_latest=False,
-                                   exclude_frozen_parameters=has_frozen(engine))
-            torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-            for name, extra in self.extras.items():
-                torch.save(extra.state_dict(), tmp / f"{name}_rank{rank}.pt")
-            if self.consolidate:
-                full = ds_internals.consolidated_16bit_state_dict(engine)  # all ranks gather; rank 0 receives
-                if self.ctx.is_main:
-                    torch.save(full, tmp / CONSOLIDATED)
+            if self.writer is not None:
+                self.in_flight = _InFlight(step, tmp, final, client_state, self.writer.begin(step, tmp))
+                with ds_internals.using_checkpoint_engine(engine, self.host_engine):
+                    self._write(engine, step, tmp, client_state, self.writer.put)
+                self.writer.seal()
+                self.stalls.append(time.perf_counter() - began)
+                if wait:
+                    self.finish(step, say, last=True)
+                return final
+            self._write(engine, step, tmp, client_state, torch.save)
             os.sync()  # this node's shards reach the disk before any rank lists them as complete
-            faults.point("save:shards", rank, step)
+            faults.point("save:shards", self.ctx.rank, step)
             barrier()
             names = broadcast_object(sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
                                      if self.ctx.is_main else None)
-            mine = {n: _file_record(tmp / n) for i, n in enumerate(names) if i % self.ctx.world_size == rank}
-            records = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
-            if self.ctx.is_main:
-                manifest = {"step": step, "world_size": self.ctx.world_size, **client_state,
-                            "files": dict(sorted(records.items()))}
-                write_atomic(tmp / COMPLETE, json.dumps(manifest, indent=1))
-                _fsync_dir(tmp)
-                faults.point("save:manifest", rank, step)
-                if final.exists():  # an incomplete directory of that name (never complete, so never resumed)
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                _fsync_dir(self.root)
-                faults.point("save:publish", rank, step)
-                write_atomic(self.root / "latest", final.name + "\n")
-                faults.point("save:prune", rank, step)
-                for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-                    for derived in self.root.glob(old.name + UNIVERSAL_SUFFIX + "*"):  # its conversion, a failure mark
-                        if derived.is_dir():
-                            shutil.rmtree(derived, ignore_errors=True)
-                        else:
-                            derived.unlink(missing_ok=True)
+            mine = {n: _file_record(tmp / n) for i, n in enumerate(names) if i % self.ctx.world_size == self.ctx.rank}
+            self._publish(step, tmp, final, client_state, mine)
         except Exception as error:  # torch.save reports a full disk as e.g. "unexpected pos 876224 vs 876112"
-            if looks_like_comm_failure(error):
-                raise  # a peer died mid-save: the watchdog names it
-            message = self._save_failure(step, error)
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; nothing complete lives there
-            raise SaveError(message) from error
+            raise self._failed(step, tmp, error) from error
         barrier()
+        self.stalls.append(time.perf_counter() - began)
         return final
+
+    def _write(self, engine, step: int, tmp: Path, client_state: dict, save: Callable) -> None:
+        """Every file of this rank's share of the checkpoint, through save(obj, path)."""
+        state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
+        engine.save_checkpoint(str(self.root), tag=tmp.name, client_state=state, save_latest=False,
+                               exclude_frozen_parameters=has_frozen(engine))
+        save(_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+        for name, extra in self.extras.items():
+            save(extra.state_dict(), tmp / f"{name}_rank{self.ctx.rank}.pt")
+        if self.consolidate:
+            full = ds_internals.consolidated_16bit_state_dict(engine)  # all ranks gather; rank 0 receives
+            if self.ctx.is_main:
+                save(full, tmp / CONSOLIDATED)
+
+    def _publish(self, step: int, tmp: Path, final: Path, client_state: dict, mine: dict) -> None:
+        """Every rank's file records gathered; rank 0 writes complete.json, renames the folder into place,
+        points `latest` at it and prunes the oldest."""
+        records = {k: v for part in all_gather_objects(mine) for k, v in part.items()}
+        if not self.ctx.is_main:
+            return
+        for path in tmp.rglob("*"):  # files DeepSpeed wrote itself rather than through the checkpoint engine
+            name = str(path.relative_to(tmp))
+            if path.is_file() and name not in records:
+                records[name] = _file_record(path)
+        manifest = {"step": step, "world_size": self.ctx.world_size, **client_state,
+                    "files": dict(sorted(records.items()))}
+        write_atomic(tmp / COMPLETE, json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+        faults.point("save:manifest", self.ctx.rank, step)
+        if final.exists():  # an incomplete directory of that name (never complete, so never resumed)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        faults.point("save:publish", self.ctx.rank, step)
+        write_atomic(self.root / "latest", final.name + "\n")
+        faults.point("save:prune", self.ctx.rank, step)
+        for old in complete_checkpoints(self.root)[:-self.cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+            for derived in self.root.glob(old.name + UNIVERSAL_SUFFIX + "*"):  # its conversion, a failure mark
+                if derived.is_dir():
+                    shutil.rmtree(derived, ignore_errors=True)
+                else:
+                    derived.unlink(missing_ok=True)
+
+    def _failed(self, step: int, tmp: Path, error: BaseException) -> BaseException:
+        if looks_like_comm_failure(error):
+            return error  # a peer died mid-save: the watchdog names it
+        message = self._save_failure(step, error)
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; nothing complete lives there
+        return SaveError(message)
+
+    def poll(self, step: int, device, say: Callable[[str], None]) -> None:
+        """At the end of step: publish the save in flight once every rank's writer has finished (one small
+        all-reduce per step while a save is in flight, none otherwise)."""
+        if self.in_flight is None:
+            return
+        done = all_reduce_sum([float(self.in_flight.job.done.is_set())], device)[0]
+        if done == self.ctx.world_size:
+            self._complete(step, say, last=False)
+
+    def finish(self, step: int, say: Callable[[str], None] | None = None, last: bool = False) -> None:
+        """At step: wait for the save in flight, if any, and publish it (every rank calls this)."""
+        if self.in_flight is not None:
+            self.in_flight.job.done.wait()
+            self._complete(step, say, last)
+
+    def _complete(self, now: int, say: Callable[[str], None] | None, last: bool) -> None:
+        """Publish the save in flight; a failed one is said and the next save tries again, but a second failure
+        in a row (a disk that stays full) or a failure of the run's last save raises SaveError."""
+        flight, self.in_flight = self.in_flight, None
+        job = flight.job
+        self.writes.append(job.write_s)
+        said = all_gather_objects(None if job.error is None else f"{type(job.error).__name__}: {job.error}")
+        failed = [(rank, text) for rank, text in enumerate(said) if text is not None]
+        try:
+            if failed:
+                rank, text = failed[0]
+                raise job.error if job.error is not None else RuntimeError(f"{text} (on rank {rank})")
+            faults.point("save:shards", self.ctx.rank, flight.step)
+            self._publish(flight.step, flight.tmp, flight.final, flight.client_state, job.records)
+        except Exception as error:
+            if looks_like_comm_failure(error):
+                raise
+            barrier()  # every rank has stopped writing into tmp before it is removed
+            failure = self._failed(flight.step, flight.tmp, error)
+            self.failures += 1
+            if last or say is None or self.failures > 1:
+                raise failure from error
+            if self.ctx.is_main:
+                say(f"warning: {failure} (written in the background; the next save tries again)")
+            return
+        self.failures = 0
+        barrier()
+        if say is not None and now > flight.step and self.ctx.is_main:
+            say(f"checkpoint {flight.final.name} complete: written in the background in {job.write_s:.1f} s while "
+                f"steps {flight.step + 1}-{now} ran; the step waited {self.stalls[-1]:.2f} s for its copy")
 
     def _save_failure(self, step: int, error: BaseException) -> str:
         try:
@@ -221,6 +360,48 @@ class Checkpointer:
                 print(f"warning: {resume.path.name} holds no {name} state; it starts afresh", file=sys.stderr)
             return
         extra.load_state_dict(torch.load(source, weights_only=False), same_world=same_world)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:,.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:,.1f} h"
+
+
+# ----------------------------------------------------------------------------- background or not
+
+def _uses_nvme(ds_cfg: dict) -> bool:
+    zero = ds_cfg.get("zero_optimization") or {}
+    return any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_optimizer", "offload_param"))
+
+
+def check_background(cfg: CheckpointConfig, ds_cfg: dict) -> None:
+    """Part of the validation pass: a setting that cannot apply is said before anything is built."""
+    if cfg.background == "true" and _uses_nvme(ds_cfg):
+        raise UserError("checkpoint.background=true cannot apply with NVMe offload (DeepSpeed copies its swap "
+                        "files while it saves); use checkpoint.background=auto or false")
+
+
+def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, parameters: int,
+                        trained: int | None, ranks_per_node: int) -> tuple[bool, str]:
+    """Whether saves run in the background, and the line that says so. The host copy per rank is about what
+    DeepSpeed writes: fp32 weights and two Adam moments of this rank's optimizer share, plus the module's
+    weights (rank 0 of ZeRO-0/1/2 writes them whole)."""
+    if cfg.background == "false":
+        return False, "checkpoints: written before the step goes on (checkpoint.background=false)"
+    if _uses_nvme(ds_cfg):
+        return False, "checkpoints: written before the step goes on (NVMe offload: DeepSpeed copies its swap files)"
+    import psutil
+
+    stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+    share = layout.zero_shards if stage >= 1 else 1
+    split = layout.pipeline_stages * layout.tensor_parallel
+    copy = 12 * (trained or parameters) // (split * share) + 4 * parameters // split
+    free = psutil.virtual_memory().available // max(1, ranks_per_node)
+    size = f"a {copy / 2**20:,.0f} MiB host copy per rank"
+    if cfg.background == "auto" and copy > free // 2:
+        return False, (f"checkpoints: written before the step goes on ({size} would not fit in half of the "
+                       f"{free / 2**20:,.0f} MiB free per rank; checkpoint.background=true forces it)")
+    return True, f"checkpoints: written in the background ({size}; the step waits only for the copy)"
 
 
 # ----------------------------------------------------------------------------- integrity

@@ -170,12 +170,23 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     """Checkpoints in `<run dir>/checkpoints/step_N`, and the export at the end."""
-    every: int = 100  # optimizer steps between checkpoints; one is always saved at the end
+    # optimizer steps between checkpoints (0: only at the end; one is always saved at the end). `auto`: the
+    # interval that loses the least time to saves and failures together (Young/Daly: sqrt(2 x the save's stall x
+    # the job's mean time between failures), from fault.mtbf_hours and the stall measured at a first save at step 5)
+    every: int | str = 100
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a newer one is complete
     export_hf: bool = True  # write `<output_dir>/hf` (Hugging Face format) at the end
     verify: bool = True  # check every file of a checkpoint against its SHA-256 before resuming from it
+    # write checkpoints in the background: the step waits only while the state is copied to host memory.
+    # `auto`: yes unless NVMe offload (DeepSpeed copies its swap files during the save) or the host copy would
+    # not fit in free memory; `true`, `false`
+    background: str = "auto"
 
     def __post_init__(self) -> None:
+        _one_of("checkpoint.background", self.background, ("auto", "true", "false"))
+        if not (self.every == "auto" or (isinstance(self.every, int) and not isinstance(self.every, bool)
+                                         and self.every >= 0)):
+            raise UserError(f"checkpoint.every={self.every!r} must be a number of steps (0: only at the end) or auto")
         if self.keep_last < 1:
             raise UserError(f"checkpoint.keep_last={self.keep_last} must be at least 1")
 
@@ -186,6 +197,9 @@ class FaultConfig:
     peer_timeout: float = 60.0  # s without a heartbeat from another rank before it is declared dead
     stall_timeout: float = 1800.0  # s without a finished step, eval or save before the run is declared stuck
     heartbeat_interval: float = 2.0  # s between heartbeats (and checks of the ranks' abort flag)
+    # mean time between failures of one node, hours (checkpoint.every=auto divides it by the nodes). Default from
+    # Llama 3's report: 419 unexpected interruptions in 54 days on 2,048 nodes of 8 GPUs, about 6,300 h a node
+    mtbf_hours: float = 6000.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval <= self.peer_timeout / 3:
@@ -193,6 +207,8 @@ class FaultConfig:
                             f"third of fault.peer_timeout={self.peer_timeout}")
         if self.stall_timeout <= 0:
             raise UserError(f"fault.stall_timeout={self.stall_timeout} must be positive (seconds)")
+        if self.mtbf_hours <= 0:
+            raise UserError(f"fault.mtbf_hours={self.mtbf_hours} must be positive (hours between failures of a node)")
 
 
 @dataclass
@@ -457,6 +473,7 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "eval_steps": "eval.every", "save_total_limit": "checkpoint.keep_last", "report_to": "log.wandb",
            "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
            "lora_target": "target_modules", "lora_target_modules": "target_modules",
+           "async": "background", "async_save": "background",
            "adapter": "lora.r", "finetuning_type": "lora.r", "peft": "lora", "load_in_4bit": "lora.quantize"}
 # Keys of features this repository does not have, with what to do instead of a misleading spelling hint.
 UNSUPPORTED = {"data.streaming": "streaming datasets are not supported: data is tokenized once into a cache; "

@@ -36,10 +36,26 @@ def env_context() -> DistContext:
 
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 10000, high: int = 32768, start: int | None = None) -> int:
+    """A free TCP port in [low, high), which lies below the kernel's ephemeral range (32768-60999 on Linux).
+
+    A port from bind(0) comes from the ephemeral range, where every outgoing connection (gloo's, among them)
+    takes its local port: between the pick and the launch's bind one of them can take it (CI: "port 36155 on
+    127.0.0.1 is already in use"). Below that range only a bind takes a port. The scan begins at `start`
+    (a random place when None) and wraps around."""
+    import random
+
+    span = high - low
+    start = random.randrange(span) if start is None else start
+    for i in range(span):
+        port = low + (start + i) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}-{high - 1}")
 
 
 def init() -> DistContext:
@@ -49,7 +65,7 @@ def init() -> DistContext:
     if not env.launched():  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     ctx = env_context()
     if torch.cuda.is_available():
         torch.cuda.set_device(ctx.local_rank)

@@ -258,6 +258,25 @@ def universal_load_repairs(engine, universal: bool) -> Iterator[None]:
             state["step"] = state["step"].clone()
 
 
+def checkpoint_engine_base() -> type:
+    """DeepSpeed's plain checkpoint engine class (torch.save per file), for a subclass that writes differently
+    (dstrain/background_save.py). deepspeed.runtime.checkpoint_engine is undocumented."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    return TorchCheckpointEngine
+
+
+@contextmanager
+def using_checkpoint_engine(engine, checkpoint_engine) -> Iterator[None]:
+    """engine.save_checkpoint writes every file through engine.checkpoint_engine.save(state_dict, path): swapped
+    for one save, then the engine's own put back. DeepSpeedEngine.checkpoint_engine is not public."""
+    own = engine.checkpoint_engine
+    engine.checkpoint_engine = checkpoint_engine
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = own
+
+
 def inductor_cache_dir() -> Path:
     """The folder inductor caches compiled kernels in (shared by a node's ranks). No public API names it:
     torch._inductor.runtime.cache_dir_utils.cache_dir."""

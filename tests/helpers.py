@@ -7,7 +7,6 @@ import math
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,30 +63,20 @@ _next_port: list[int] = []
 
 
 def free_port() -> int:
-    """A free TCP port for a launch's master (or a test server), drawn below the kernel's ephemeral range.
+    """A free TCP port for a launch's master (or a test server), below the ephemeral range (dstrain.dist.free_port
+    says why). Each xdist worker draws from its own block, in turn, so two workers never pick the same one and a
+    worker does not reuse a port that its previous run may still hold while exiting."""
+    from dstrain.dist import free_port as pick
 
-    A port the kernel hands out for bind(0) comes from the ephemeral range (32768-60999), the same range every
-    gloo connection of the suite's other runs takes its local ports from: between this pick and the launch's
-    bind, one of them took it (CI: "port 36155 on 127.0.0.1 is already in use"). Below that range only a bind
-    takes a port; each xdist worker draws from its own block, in turn, so two workers never pick the same one and
-    a worker does not reuse a port that its previous run may still hold while exiting."""
     if not _next_port:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
         block = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
         low = 12000 + block * _PORTS_PER_WORKER
-        _next_port.extend([low, low + (os.getpid() % _PORTS_PER_WORKER)])
+        _next_port.extend([low, os.getpid() % _PORTS_PER_WORKER])
     low, offset = _next_port
-    for _ in range(_PORTS_PER_WORKER):
-        port = low + offset % _PORTS_PER_WORKER
-        offset += 1
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        _next_port[1] = offset
-        return port
-    raise RuntimeError(f"no free port in {low}-{low + _PORTS_PER_WORKER - 1}")
+    port = pick(low, low + _PORTS_PER_WORKER, start=offset)
+    _next_port[1] = port - low + 1
+    return port
 
 
 def tracebacks(err: str) -> list[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from ..dist import free_port
 from ..metrics import read_metrics
 
 TRIAL_STEPS = 6
@@ -141,9 +141,7 @@ def _shared_port(ctx) -> int:
     """A free port on rank 0's host (where the trial's rendezvous store listens), the same on every rank."""
     port = 0
     if ctx.is_main:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = free_port()
     value = torch.tensor([port], dtype=torch.int64)
     tdist.broadcast(value, src=0)
     return int(value.item())

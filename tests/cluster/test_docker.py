@@ -7,13 +7,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import yaml
-
 from tests.cluster.conftest import need
 from tests.helpers import ROOT
 
 BASE = "localhost/dstrain-test-base:bookworm"
 IMAGE = "localhost/dstrain-test:latest"
+STEPS = 40
 
 
 def pip_settings() -> tuple[list[str], list[str]]:
@@ -59,8 +58,11 @@ def test_image_builds_and_trains_the_default_recipe(tmp_path):
     args, mounts = pip_settings()
     # One op is enough to show that ops are compiled into the image (the default also builds AsyncIO and
     # FusedAdam: about two more minutes of the suite on 2 cores, the same mechanism)
+    # 40 of the recipe's 150 steps: the eval loss has halved by then (6.4 -> 2.1 measured at step 40), and the
+    # whole recipe's run is test_default_recipe's; a minute less of the suite
     cmd = ["podman", "build", "--isolation", "chroot", "--target", "test", "--build-arg", f"BASE_IMAGE={BASE}",
-           "--build-arg", "DS_PREBUILD_OPS=CPUAdamBuilder", *args, *mounts, "-t", IMAGE, str(ROOT)]
+           "--build-arg", "DS_PREBUILD_OPS=CPUAdamBuilder", "--build-arg", f"SMOKE_ARGS=--train.max_steps={STEPS}",
+           *args, *mounts, "-t", IMAGE, str(ROOT)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     finally:
@@ -69,5 +71,4 @@ def test_image_builds_and_trains_the_default_recipe(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     assert "built CPUAdamBuilder for cpu" in out, out[-8000:]  # offload's op is in the image, not JIT at start
-    max_steps = yaml.safe_load((ROOT / "recipes/tiny/pretrain.yaml").read_text())["train"]["max_steps"]
-    assert f"image smoke test: {max_steps} steps" in out, out[-8000:]
+    assert f"image smoke test: {STEPS} steps" in out, out[-8000:]

@@ -4,23 +4,21 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import ROOT
 
-# a side-by-side speed measurement: run alone (make test runs `serial` tests after the parallel part)
-pytestmark = pytest.mark.serial
+# Not `serial`: the test checks that the bench works and reports consistent figures, not how fast either side is
+# (docs/benchmarks.md's figures come from `make bench` on a quiet machine).
 
 
 def test_speed_bench_runs_both_sides_on_the_same_job(tmp_path):
     import glob
     results = tmp_path / "speed.json"
-    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = subprocess.run([sys.executable, "bench/speed.py", "--repeats", "1", "--steps", "12", "--skip", "2",
                            "--systems", "dstrain", "hf_trainer", "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= before, "the bench left /dev/shm buffers"
     out = json.loads(results.read_text())
+    left = [p for r in out["runs"] for p in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{r['master_port']}_*")]
+    assert not left, f"the bench left /dev/shm buffers: {left}"  # its own ports: the other worker's runs have theirs
     ours, peer = out["summary"]["systems"]["dstrain"], out["summary"]["systems"]["hf_trainer"]
     print(f"dstrain {ours['tokens_per_s']:.0f} tok/s, first step {ours['first_step_s']:.1f} s, loss "
           f"{ours['final_loss']:.3f}; Trainer {peer['tokens_per_s']:.0f}, {peer['first_step_s']:.1f} s, "

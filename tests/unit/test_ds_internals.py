@@ -90,6 +90,19 @@ def fp32_norm():  # ZeRO-0 fp32, clipping at 1e-3: the logged norm is the pre-cl
     e.step()
     return [e.get_global_grad_norm(), want]
 check("fp32_norm", fp32_norm)
+def checkpoint_engine_seam():  # every file of a save goes through checkpoint_engine.save; the engine's own returns
+    import os, tempfile
+    seen = []
+    class Recording(ds_internals.checkpoint_engine_base()):
+        def save(self, state_dict, path):
+            seen.append(os.path.basename(path))
+            super().save(state_dict, path)
+    folder = tempfile.mkdtemp()
+    with ds_internals.using_checkpoint_engine(e1, Recording()):
+        e1.save_checkpoint(folder, tag="t", save_latest=False)
+    written = sorted(f for f in os.listdir(os.path.join(folder, "t")) if f.endswith(".pt"))
+    return [sorted(seen), written, type(e1.checkpoint_engine).__name__]
+check("checkpoint_engine", checkpoint_engine_seam)
 backend = ds_internals.comm_backend()
 out["comm_backend"] = backend is not None and all(hasattr(backend, a) for a in ("all_gather_function",
                                                                                  "reduce_scatter_function"))
@@ -141,6 +154,16 @@ def test_fp32_grad_norm_seam(engine_results):
     got, want = engine_results["fp32_norm"]
     assert got == pytest.approx(want, rel=1e-6) and want > 1e-2, moved(
         "DeepSpeedEngine.clip_fp32_gradients / deepspeed.runtime.utils.clip_grad_norm_") + f": {got} vs {want}"
+
+
+def test_checkpoint_engine_seam(engine_results):
+    """background checkpoints (dstrain/background_save.py) rely on every checkpoint file passing through
+    engine.checkpoint_engine.save(state_dict, path)."""
+    result = engine_results["checkpoint_engine"]
+    assert isinstance(result, list), moved("DeepSpeedEngine.checkpoint_engine") + f": {result}"
+    seen, written, after = result
+    assert seen and seen == written and after == "TorchCheckpointEngine", moved(
+        "DeepSpeedEngine.checkpoint_engine (every save_checkpoint file through its save())") + f": {seen} vs {written}"
 
 
 def test_comm_backend_keeps_its_collectives(engine_results):

@@ -1,0 +1,141 @@
+"""Checkpoints written in the background (`checkpoint.background`): the training step waits only while the state
+is copied off the device; a thread per rank writes the files, fsyncs and hashes them, and the checkpoint is
+published (complete.json, then the atomic rename: dstrain/checkpoint.py) at a later step boundary, once every
+rank's writer has finished. At most one save is in flight: a save due while the previous one is still being
+written waits for it first.
+
+Why a writer of our own (issue 32 asked to prefer an existing engine):
+- DeepSpeed 0.19.8's DecoupledCheckpointEngine hands the live tensors to a spawned writer process (shared memory or
+  CUDA IPC, no copy), so it must hold the next optimizer step until the write has ended: with steps shorter than
+  the write, the stall is the write. Its commit runs inside engine.step(), where the all-rank manifest and the
+  atomic rename that resume relies on cannot run, and it writes through the aio op's FastFileWriter.
+- torch.distributed.checkpoint's async_save has the shape used here (stage to host memory, write in the
+  background), but writes DCP's format, which DeepSpeed's load_checkpoint, its universal conversion and
+  zero_to_fp32 (the export) do not read.
+So the files stay DeepSpeed's, written through DeepSpeed's own seam for this, the checkpoint engine: while a save
+runs, engine.checkpoint_engine is a HostCopyEngine, whose save(state_dict, path) queues a host copy instead of
+calling torch.save (ds_internals.checkpoint_engine_base, ds_internals.using_checkpoint_engine).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import ds_internals, faults
+
+_SEAL = object()
+
+
+def host_copy(obj, memo: dict | None = None):
+    """A copy of obj whose tensors live in host memory and share nothing with the training state (which the next
+    optimizer step changes in place). Views keep sharing: each storage is copied once and the views rebuilt on
+    the copy, so torch.save writes the same bytes it would have written from the live state (ZeRO's module
+    weights, for one, are views of one flat buffer)."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        storage = t.untyped_storage()
+        key = (storage.device, storage.data_ptr(), storage.nbytes())
+        if key not in memo:
+            pinned = storage.device.type != "cpu" and torch.cuda.is_available()
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+            memo[key] = host.copy_(storage, non_blocking=pinned)  # the caller synchronises once, at seal
+        return torch.empty(0, dtype=t.dtype).set_(memo[key], t.storage_offset(), t.size(), t.stride())
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = host_copy(value, memo)
+        return out
+    if isinstance(obj, list):
+        return [host_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        items = [host_copy(v, memo) for v in obj]  # torch.Size and named tuples keep their type
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
+
+
+@dataclass
+class Job:
+    """One checkpoint's files on this rank."""
+    step: int
+    folder: Path
+    records: dict = field(default_factory=dict)  # file name (relative to folder) -> {"size", "sha256"}
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    copy_s: float = 0.0  # what the training step waited for: the copy off the device
+    write_s: float = 0.0  # what the thread took: writing, fsync, hashing
+
+
+class Writer:
+    """This rank's background writer: a thread taking (host copy, path) items in order."""
+
+    def __init__(self, rank: int, record) -> None:
+        self.rank, self.record = rank, record  # record(path) -> {"size", "sha256"} (checkpoint._file_record)
+        self.items: queue.Queue = queue.Queue()
+        self.job: Job | None = None
+        self.thread = threading.Thread(target=self._run, name="dstrain-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def begin(self, step: int, folder: Path) -> Job:
+        self.job = Job(step, folder)
+        return self.job
+
+    def put(self, obj, path: str | Path) -> None:
+        began = time.perf_counter()
+        self.items.put((self.job, host_copy(obj), Path(path)))
+        self.job.copy_s += time.perf_counter() - began
+
+    def seal(self) -> Job:
+        """Every file of the job is queued: the device copies must have landed before the thread reads them."""
+        began = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.job.copy_s += time.perf_counter() - began
+        self.items.put((self.job, _SEAL, None))
+        return self.job
+
+    def _run(self) -> None:
+        while True:
+            job, obj, path = self.items.get()
+            if obj is _SEAL:
+                job.done.set()
+                continue
+            if job.error is not None:  # an earlier file failed: the checkpoint is lost, skip the rest
+                continue
+            began = time.perf_counter()
+            try:
+                faults.point("save:write", self.rank, job.step)
+                torch.save(obj, path)  # by path, as DeepSpeed's engine does: the archive inside is named after it
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                job.records[str(path.relative_to(job.folder))] = self.record(path)
+            except BaseException as error:  # noqa: BLE001 -- reported at the step boundary that publishes
+                job.error = error
+            finally:
+                del obj
+                job.write_s += time.perf_counter() - began
+
+
+def engine_for(writer: Writer):
+    """A DeepSpeed checkpoint engine whose save() queues a host copy on writer (DeepSpeed's other calls as its
+    TorchCheckpointEngine: load, makedirs, commit)."""
+    base = ds_internals.checkpoint_engine_base()
+
+    class HostCopyEngine(base):
+        def save(self, state_dict, path: str) -> None:
+            writer.put(state_dict, path)
+
+        def preserves_storage_sharing(self) -> bool:
+            return False  # host_copy already gives each tensor its own storage: DeepSpeed need not clone first
+
+    return HostCopyEngine()

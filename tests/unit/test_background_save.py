@@ -1,0 +1,82 @@
+"""The host copy a background checkpoint writes (dstrain/background_save.py) and when saves go to the background."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain import checkpoint
+from dstrain.background_save import Writer, host_copy
+from dstrain.config import CheckpointConfig
+from dstrain.errors import UserError
+from dstrain.layout import Layout
+
+
+def test_host_copy_is_independent_of_later_in_place_updates_and_keeps_views_shared():
+    flat = torch.arange(12.0)  # ZeRO's module weights are views of one flat buffer
+    state = {"module": {"a": flat[:4].view(2, 2), "b": flat[4:]}, "shape": torch.Size([2, 2]), "lr": 0.1,
+             "groups": [{"step": torch.tensor(3)}], "pair": (flat[0:1], "x")}
+    copied = host_copy(state)
+    flat.add_(100.0)  # the next optimizer step, in place
+    state["groups"][0]["step"] += 1
+    assert copied["module"]["a"].tolist() == [[0.0, 1.0], [2.0, 3.0]] and copied["module"]["b"][0].item() == 4.0
+    assert copied["groups"][0]["step"].item() == 3 and copied["pair"][0].item() == 0.0
+    assert type(copied["shape"]) is torch.Size and copied["lr"] == 0.1 and copied["pair"][1] == "x"
+    # one storage copied once, the views rebuilt on it: torch.save writes the same bytes as from the live state
+    a, b = copied["module"]["a"], copied["module"]["b"]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    assert b.storage_offset() == 4
+
+
+def test_writer_records_files_and_reports_a_failure(tmp_path):
+    writer = Writer(0, checkpoint._file_record)
+    job = writer.begin(4, tmp_path)
+    writer.put({"w": torch.ones(3)}, tmp_path / "a.pt")
+    writer.seal()
+    assert job.done.wait(30) and job.error is None
+    assert job.records["a.pt"] == checkpoint._file_record(tmp_path / "a.pt")
+    assert torch.load(tmp_path / "a.pt")["w"].tolist() == [1.0, 1.0, 1.0]
+    failed = writer.begin(8, tmp_path)
+    writer.put({"w": torch.ones(3)}, tmp_path / "missing" / "b.pt")  # no such folder: the write fails
+    writer.put({"w": torch.ones(3)}, tmp_path / "c.pt")  # skipped: the checkpoint is already lost
+    writer.seal()
+    assert failed.done.wait(30) and "does not exist" in str(failed.error) and not (tmp_path / "c.pt").exists()
+
+
+NVME = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+
+
+def test_background_decision():
+    layout = Layout(2)
+    on, said = checkpoint.background_decision(CheckpointConfig(), {"zero_optimization": {"stage": 2}}, layout,
+                                              10**6, None, 2)
+    assert on and "written in the background" in said and "host copy per rank" in said
+    off, said = checkpoint.background_decision(CheckpointConfig(), NVME, layout, 10**6, None, 2)
+    assert not off and "NVMe" in said
+    off, said = checkpoint.background_decision(CheckpointConfig(background="false"), {}, layout, 10**6, None, 2)
+    assert not off
+    huge, said = checkpoint.background_decision(CheckpointConfig(), {}, layout, 10**14, None, 2)
+    assert not huge and "would not fit" in said
+    with pytest.raises(UserError, match="checkpoint.background=true cannot apply with NVMe offload"):
+        checkpoint.check_background(CheckpointConfig(background="true"), NVME)
+    with pytest.raises(UserError, match="checkpoint.background"):
+        CheckpointConfig(background="sometimes")
+
+
+def test_every_auto_is_young_daly_from_the_measured_stall(monkeypatch):
+    """The first save at step 5 measures the stall; the interval is sqrt(2 x stall x MTBF of the job) in steps."""
+    from dstrain.dist import DistContext
+
+    ckpt = checkpoint.Checkpointer(Path("/nonexistent"), CheckpointConfig(every="auto"), DistContext(0, 0, 1))
+    clock = iter(float(i) * 0.5 for i in range(100))  # steps of 0.5 s
+    monkeypatch.setattr(checkpoint.time, "perf_counter", lambda: next(clock))
+    assert [ckpt.due(s, 1000) for s in range(1, 6)] == [False] * 4 + [True]
+    ckpt.stalls.append(0.2)  # what save() records
+    said = []
+    ckpt.choose_interval(4, 6000.0, torch.device("cpu"), said.append)
+    # sqrt(2 x 0.2 s x 6000 h x 3600 / 4 nodes) = 1,470 s = 2,939 steps of 0.5 s
+    assert ckpt.every == 2939 and "every 2,939 steps" in said[0] and "fault.mtbf_hours=6000" in said[0]
+    assert ckpt.due(2939 * 2, 10**6) and not ckpt.due(2939 * 2 + 1, 10**6) and ckpt.due(10**6, 10**6)
+    with pytest.raises(UserError, match="checkpoint.every"):
+        CheckpointConfig(every="sometimes")
