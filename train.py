@@ -79,6 +79,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         ds_config,
         ds_internals,
         env,
+        events,
         export,
         faults,
         flops,
@@ -185,6 +186,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     start = ckpt.load(engine, start_from)["step"] if start_from else 0
     if start_from:
         stream.resume(start, start_from.manifest.get("samples", start * stream.global_batch))
+    events.record_start(run_dir, ctx, start, log)  # who takes part; what a change of members cost (events.jsonl)
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     memory.reset_peak()  # from here on, the training phase's peak (what the preflight models)
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
@@ -235,7 +237,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     watchdog.close()  # past the last collective: ranks may now leave at different times
     resume_hint = f"run the same command again (--resume auto) to continue from {final.name}"
     outcome = {"status": "finished", "max_steps": train.max_steps, "checkpoint": str(final), "export": None,
-               "next": None}
+               "next": None, "saves": {"background": background, "every": ckpt.every or recipe.checkpoint.every,
+                                       "stall_s": ckpt.stalls, "write_s": ckpt.writes}}
     if stop.stopped_at:
         metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
                         f"run again with --resume auto to continue")

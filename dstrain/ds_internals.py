@@ -277,6 +277,21 @@ def using_checkpoint_engine(engine, checkpoint_engine) -> Iterator[None]:
         engine.checkpoint_engine = own
 
 
+def elastic_agent_exit_barrier(seconds: float) -> None:
+    """torchrun's agent waits up to 300 s at its exit barrier for every agent of the last round, also for one whose
+    node died after the round formed, and torchrun has no flag for it. Its launch_agent builds
+    torch.distributed.launcher.api.LocalElasticAgent (not public API): replaced by a subclass with this timeout."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    class Agent(LocalElasticAgent):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("exit_barrier_timeout", seconds)
+            super().__init__(*args, **kwargs)
+
+    api.LocalElasticAgent = Agent
+
+
 def inductor_cache_dir() -> Path:
     """The folder inductor caches compiled kernels in (shared by a node's ranks). No public API names it:
     torch._inductor.runtime.cache_dir_utils.cache_dir."""

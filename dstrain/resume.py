@@ -230,8 +230,9 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
         raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
                         f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
                         f"{batch_hint(global_batch, data_parallel)}")
-    log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: grad_accum_steps "
-        f"{train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}")
+    log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: " + (
+        f"grad_accum_steps {train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}"
+        if accum != train.grad_accum_steps else f"the global batch stays {global_batch}"))
     universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
     return replace(train, grad_accum_steps=accum), replace(resume, universal=universal)
 

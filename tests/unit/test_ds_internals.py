@@ -338,3 +338,20 @@ def test_sequence_parallel_state_and_zero3_gradient_divisor():
     assert ds_internals.sequence_parallel_gradient_divisor(Engine(2, True), layout) == 4
     with pytest.raises(RuntimeError, match="needs reduce_scatter"):  # the component refuses this config first
         ds_internals.sequence_parallel_gradient_divisor(Engine(3, False), layout)
+
+
+def test_elastic_agent_exit_barrier(monkeypatch):
+    """dstrain.elastic_run shortens torchrun's exit barrier by replacing the agent class its launch_agent builds."""
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    assert "exit_barrier_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters, moved(
+        "LocalElasticAgent(exit_barrier_timeout=)")
+    assert "LocalElasticAgent(" in inspect.getsource(api.launch_agent), moved(
+        "torch.distributed.launcher.api.launch_agent (it no longer builds LocalElasticAgent)")
+    assert "barrier_timeout=self._exit_barrier_timeout" in inspect.getsource(agent_api.SimpleElasticAgent), moved(
+        "SimpleElasticAgent._exit_barrier's timeout")
+    monkeypatch.setattr(api, "LocalElasticAgent", LocalElasticAgent)  # put back after the test
+    ds_internals.elastic_agent_exit_barrier(12.0)
+    assert issubclass(api.LocalElasticAgent, LocalElasticAgent) and api.LocalElasticAgent is not LocalElasticAgent

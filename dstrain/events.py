@@ -1,0 +1,52 @@
+"""events.jsonl in the run directory: a row per launch of the run (its nodes, world, the step it starts at) and,
+when the membership changed since the previous launch (a node lost or back, an elastic restart, a resume on
+another world), who left, who joined, the old and new world, the steps recomputed and the seconds lost. That
+change is also said in one line.
+
+A node is a launcher process on a host (`host/pid`): torchrun's agent, DeepSpeed's launch.py, so two agents on
+one machine count as two nodes and a restarted agent as a node that joined.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import env
+from .dist import DistContext, all_gather_objects
+from .metrics import read_metrics
+
+NAME = "events.jsonl"
+
+
+def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable[[str], None]) -> dict | None:
+    """Every rank calls this once the starting step is known, before the metrics log drops the rows a lost
+    attempt logged past its checkpoint (those are the steps recomputed). Returns rank 0's row."""
+    nodes = sorted(set(all_gather_objects(f"{socket.gethostname()}/{os.getppid()}")))
+    if not ctx.is_main:
+        return None
+    path = run_dir / NAME
+    now = time.time()
+    row = {"event": "start", "time": now, "step": start_step, "world_size": ctx.world_size, "nodes": nodes,
+           "elastic_restart": env.elastic_restart()}
+    previous = [r for r in read_metrics(path) if r.get("event") == "start"]
+    if previous:
+        before = previous[-1]
+        left, joined = sorted(set(before["nodes"]) - set(nodes)), sorted(set(nodes) - set(before["nodes"]))
+        done = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and "time" in r]
+        redone = [r for r in done if r["step"] > start_step]
+        last = done[-1] if done else None
+        # the wall time since the lost attempt's last step, plus what its steps past the checkpoint had cost
+        lost = (now - last["time"] if last else 0.0) + sum(r.get("step_s", 0.0) for r in redone)
+        row.update(left=left, joined=joined, old_world_size=before["world_size"], steps_recomputed=len(redone),
+                   seconds_lost=round(lost, 1), last_logged_step=last["step"] if last else None)
+        if left or joined or before["world_size"] != ctx.world_size:
+            say(f"membership changed: {', '.join(left) or 'none'} left, {', '.join(joined) or 'none'} joined; world "
+                f"{before['world_size']} -> {ctx.world_size}; {len(redone)} step(s) recomputed; {lost:.1f} s lost "
+                f"since step {row['last_logged_step']} was logged (events.jsonl)")
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row

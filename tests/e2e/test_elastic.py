@@ -1,0 +1,101 @@
+"""Elastic training on torch's elastic agent (launch/elastic.sh): two torchrun agents on loopback act as two
+nodes; one is lost mid-run (agent and rank killed with SIGKILL), the survivor's agent meets alone in a new
+rendezvous round and its rank resumes on the new world from the newest checkpoint, keeping the global batch,
+to the end: every step's loss equals an uninterrupted run's."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics, tracebacks
+
+ARGS = ["--train.max_steps=100", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
+        "--train.grad_accum_steps=1", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
+        "--log.wandb=false", "--log.progress_bar=false", "--ds_config", "zero2.json", "--checkpoint.every=4",
+        "--fault.heartbeat_interval=0.5", "--checkpoint.export_hf=false"]
+
+
+def logged(run) -> int:
+    try:
+        return len(metrics(run)[0])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_for(what, agent, log, timeout=300) -> None:
+    deadline = time.time() + timeout
+    while not what():
+        assert time.time() < deadline and agent.poll() is None, log.read_text()[-6000:]
+        time.sleep(0.1)
+
+
+def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_path, cache, tiny_llama):
+    """Agents a and b start together (world 2). At step 10 b's node is lost: agent and rank killed with SIGKILL.
+    a's rank names the dead rank and exits, a's agent meets alone in a new round, and its rank resumes from the
+    newest checkpoint on 1 rank with twice the accumulation. Then a new agent (b2) starts: a's agent stops its
+    rank (SIGTERM: a checkpoint at once), both meet, and the job goes on on 2 ranks to the end."""
+    run, whole = tmp_path / "run", tmp_path / "whole"
+    args = ARGS + [f"--model.name_or_path={tiny_llama}"]
+    port = free_port()
+    agent_env = env(cache, RDZV_ENDPOINT=f"127.0.0.1:{port}", NNODES="1:2", NPROC_PER_NODE="1",
+                    MAX_RESTARTS="3", PYTHON=sys.executable, OUTPUT_DIR=str(run),
+                    DSTRAIN_EXIT_BARRIER_TIMEOUT="10")
+    logs = {name: tmp_path / f"agent_{name}.txt" for name in ("a", "b", "b2")}
+
+    def start(name):
+        with open(logs[name], "w") as log:
+            return subprocess.Popen(["launch/elastic.sh", *args], cwd=ROOT, env=agent_env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    a = start("a")  # first: it hosts the rendezvous store (the c10d backend's), and it is the one that stays
+    wait_for(lambda: listening(port), a, logs["a"])
+    agents = [a, start("b")]
+    try:
+        wait_for(lambda: logged(run) >= 10, a, logs["a"])
+        lost_at = time.time()
+        kill_tree(agents[1].pid)  # the node is gone: its agent and its rank at once (SIGKILL)
+        wait_for(lambda: "world changed from 2 to 1" in logs["a"].read_text(), a, logs["a"])
+        back_at = time.time()
+        wait_for(lambda: logged(run) >= 14, a, logs["a"])  # training alone (it resumed at step 8 or so)
+        agents.append(start("b2"))
+        wait_for(lambda: "world changed from 1 to 2" in logs["a"].read_text(), a, logs["a"])
+        # b2's node freezes (its agent stopped, its rank goes on to the end): at the end a's agent waits for it
+        # only DSTRAIN_EXIT_BARRIER_TIMEOUT seconds (torchrun's own barrier: 300 s), then exits
+        frozen = [p for p in psutil.Process(agents[2].pid).children(recursive=True)
+                  if "dstrain.elastic_run" in " ".join(p.cmdline())]
+        assert len(frozen) == 1
+        frozen[0].suspend()
+        assert a.wait(timeout=600) == 0, logs["a"].read_text()[-6000:]
+        waited = time.time() - (run / "summary.json").stat().st_mtime
+        frozen[0].resume()
+        assert agents[2].wait(timeout=120) == 0, logs["b2"].read_text()[-6000:]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    said = logs["a"].read_text()
+    assert "grad_accum_steps 1 -> 2 keeps the global batch at 8" in said, said[-6000:]
+    assert "world changed from 1 to 2 data-parallel ranks" in said + logs["b2"].read_text(), said[-6000:]
+    ours = [t for t in tracebacks(said) if "dstrain/" in t or "train.py" in t]
+    assert not ours, ours[0]
+    assert back_at - lost_at < 90, f"{back_at - lost_at:.0f} s from the loss to training again"
+    assert 8 < waited < 60, f"a's agent left {waited:.0f} s after the run ended (exit barrier: 10 s)"
+    starts = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [r["world_size"] for r in starts] == [2, 1, 2], starts
+    assert starts[1]["left"] and not starts[1]["joined"] and starts[2]["joined"], starts
+    assert starts[1]["steps_recomputed"] <= 4 and starts[2]["steps_recomputed"] == 0, starts  # every=4; SIGTERM
+    assert starts[1]["step"] < starts[2]["step"] < 100, starts  # each world trained some of the steps
+
+    launch(args + ["--output_dir", str(whole)], cache)  # the uninterrupted run: 2 ranks throughout
+    got, want = metrics(run)[0], metrics(whole)[0]
+    assert len(got) == 100 and got == pytest.approx(want, rel=1e-5, abs=0)

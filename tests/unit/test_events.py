@@ -1,0 +1,27 @@
+"""events.jsonl: a row per launch, and the cost of a change of members (dstrain/events.py)."""
+from __future__ import annotations
+
+import json
+
+from dstrain import events
+from dstrain.dist import DistContext
+
+
+def test_a_changed_membership_is_one_line_and_a_row(tmp_path, monkeypatch):
+    ctx = DistContext(0, 0, 1)
+    said = []
+    monkeypatch.setattr(events.os, "getppid", lambda: 111)
+    first = events.record_start(tmp_path, ctx, 0, said.append)
+    assert first["world_size"] == 1 and len(first["nodes"]) == 1 and not said
+    # the first launch logged 12 steps of 0.5 s each, the newest checkpoint is step 8; then it was lost
+    rows = [{"step": s, "loss": 1.0, "time": first["time"] - 10 + 0.5 * s, "step_s": 0.5} for s in range(1, 13)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(events.os, "getppid", lambda: 222)  # another launcher process: another node
+    again = events.record_start(tmp_path, ctx, 8, said.append)
+    assert again["steps_recomputed"] == 4 and again["left"] == first["nodes"] and again["joined"] == again["nodes"]
+    assert again["seconds_lost"] >= 6.0  # the 4 steps (2 s), plus the wall time since step 12 (4 s or more)
+    assert len(said) == 1 and "4 step(s) recomputed" in said[0] and "world 1 -> 1" in said[0]
+    starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in starts] == [0, 8]
+    events.record_start(tmp_path, ctx, 12, said.append)  # the same members: a row, nothing said
+    assert len(said) == 1
