@@ -102,6 +102,10 @@ class Writer:
         return self.job
 
     def _run(self) -> None:
+        try:  # Linux schedules threads apart: where training keeps every core busy, the writer yields to it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         while True:
             job, obj, path = self.items.get()
             if obj is _SEAL:
