@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps prebuild-ops train test test-fast bench bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps prebuild-ops train test test-fast bench bench-checkpoints bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -122,6 +122,11 @@ bench-long-context: setup
 # prepare_data on a generated 2 GiB corpus (1 vs 2 workers), then start-up and RSS per rank on it vs the tiny corpus
 bench-prepare-data: setup
 	$(PY) bench/prepare_data.py $(BENCH_ARGS)
+
+# checkpoint stall and tokens/s: synchronous against background saves, ZeRO-2 and ZeRO-3 on the ~100M bench model
+# (about 10 min on 2 cores with these settings)
+bench-checkpoints: setup
+	$(PY) bench/checkpoints.py --steps 16 --every 5 --skip 3 --write $(BENCH_ARGS)
 
 bench-compression: setup
 	$(call apt_install,iproute2)

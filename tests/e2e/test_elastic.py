@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics, tracebacks
 
-ARGS = ["--train.max_steps=100", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
+ARGS = ["--train.max_steps=70", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=1", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
         "--log.wandb=false", "--log.progress_bar=false", "--ds_config", "zero2.json", "--checkpoint.every=4",
         "--fault.heartbeat_interval=0.5", "--checkpoint.export_hf=false"]
@@ -50,7 +50,7 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
     port = free_port()
     agent_env = env(cache, RDZV_ENDPOINT=f"127.0.0.1:{port}", NNODES="1:2", NPROC_PER_NODE="1",
                     MAX_RESTARTS="3", PYTHON=sys.executable, OUTPUT_DIR=str(run),
-                    DSTRAIN_EXIT_BARRIER_TIMEOUT="10")
+                    DSTRAIN_EXIT_BARRIER_TIMEOUT="5")
     logs = {name: tmp_path / f"agent_{name}.txt" for name in ("a", "b", "b2")}
 
     def start(name):
@@ -89,13 +89,13 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
     ours = [t for t in tracebacks(said) if "dstrain/" in t or "train.py" in t]
     assert not ours, ours[0]
     assert back_at - lost_at < 90, f"{back_at - lost_at:.0f} s from the loss to training again"
-    assert 8 < waited < 60, f"a's agent left {waited:.0f} s after the run ended (exit barrier: 10 s)"
+    assert 4 < waited < 60, f"a's agent left {waited:.0f} s after the run ended (exit barrier: 5 s)"
     starts = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [r["world_size"] for r in starts] == [2, 1, 2], starts
     assert starts[1]["left"] and not starts[1]["joined"] and starts[2]["joined"], starts
     assert starts[1]["steps_recomputed"] <= 4 and starts[2]["steps_recomputed"] == 0, starts  # every=4; SIGTERM
-    assert starts[1]["step"] < starts[2]["step"] < 100, starts  # each world trained some of the steps
+    assert starts[1]["step"] < starts[2]["step"] < 70, starts  # each world trained some of the steps
 
     launch(args + ["--output_dir", str(whole)], cache)  # the uninterrupted run: 2 ranks throughout
     got, want = metrics(run)[0], metrics(whole)[0]
-    assert len(got) == 100 and got == pytest.approx(want, rel=1e-5, abs=0)
+    assert len(got) == 70 and got == pytest.approx(want, rel=1e-5, abs=0)
