@@ -8,7 +8,8 @@ points   validate (before the validation pass, step 0), step (before a training 
          save:prune (published, old checkpoints not yet pruned)
 actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
          "No space left on device", like a full disk), slow (sleep `seconds=N`, default 30, then go on:
-         a slow data loader or file system)
+         a slow data loader or file system; with `until=EVENT` only until the code calls release(EVENT):
+         `step:slow:seconds=10:until=compiled` slows the steps while train.compile works in the background)
 
 Real failures are used where a test can make them (kill -9 from outside, a full tmpfs); injection covers
 the points in between that no outside timing can hit reliably.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 
 from . import env
@@ -33,7 +35,7 @@ def _parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:
         for part in parts:
             key, sep, value = part.partition("=")
             if sep:
-                where[key] = int(value)
+                where[key] = int(value) if value.lstrip("-").isdigit() else value
             else:
                 point_parts.append(part)
         *point, action = point_parts
@@ -42,6 +44,13 @@ def _parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:
 
 
 _RULES = _parse(_SPEC)
+_RELEASED: dict[str, threading.Event] = {}
+
+
+def release(event: str) -> None:
+    """The code reached `event` (e.g. "compiled"): a `slow ... until=event` fault stops slowing."""
+    if _RULES:
+        _RELEASED.setdefault(event, threading.Event()).set()
 
 
 def point(name: str, rank: int, step: int) -> None:
@@ -55,7 +64,11 @@ def point(name: str, rank: int, step: int) -> None:
             while True:
                 time.sleep(3600)
         elif action == "slow":
-            time.sleep(cond.get("seconds", 30))
+            until = _RELEASED.setdefault(cond["until"], threading.Event()) if "until" in cond else None
+            if until is None:
+                time.sleep(cond.get("seconds", 30))
+            else:
+                until.wait(cond.get("seconds", 30))
         elif action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         else:

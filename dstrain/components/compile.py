@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .. import env
+from .. import env, faults
 from ..config import Recipe
 from ..ds_config import zero_stage
 from ..ds_internals import inductor_cache_dir
@@ -133,6 +133,7 @@ class RegionalCompile:
                     pass
         self.seconds = time.perf_counter() - began
         self.ready.set()
+        faults.release("compiled")
 
     def poll(self, step: int, say: Callable[[str], None]) -> None:
         """At a step boundary: start the compile after the first step (which it must not slow down), switch

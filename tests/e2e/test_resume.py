@@ -78,7 +78,7 @@ def test_sigterm_to_one_rank_checkpoints_exits_75_and_resumes_exactly(tmp_path, 
 
     from tests.helpers import BIN, ROOT, env, free_port
 
-    steps = 100  # long enough that the signal lands mid-run (a step takes tens of ms)
+    steps = 40  # long enough that the signal lands mid-run (a step takes tens of ms; the stop comes 1-2 steps later)
     args = ARGS + [f"--model.name_or_path={tiny_llama}", f"--train.max_steps={steps}", "--eval.every=0",
                    "--checkpoint.every=0"]
     run = tmp_path / "run"
