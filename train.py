@@ -46,6 +46,11 @@ def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path) -> int:
     resume.resolve_resume(args.resume, run_dir / "checkpoints")  # a bad --resume fails before anything starts
     init_from = resume.resolve_init_from(args.init_from)
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
+    if env.elastic():  # the world the elastic agents formed may be more than the run can use
+        from dstrain import elastic
+        found = elastic.fit(env.world_size(), raw_ds, recipe, args.world_size, args.resume, run_dir)
+        if not elastic.apply(found, run_dir):
+            return elastic.stand_by(run_dir)
     ctx = dist.init()
     run_lock.lock_run_dir(run_dir, ctx.is_main)  # one run per directory: a second launch is refused here
     watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang

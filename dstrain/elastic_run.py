@@ -3,17 +3,21 @@
 At the end of a job torch's elastic agent waits for every agent of the last rendezvous round, up to 300 s, and a
 node lost after that round formed never comes: the job's survivors sat 5 minutes before exiting. The ranks of a
 dstrain run already leave together (rank 0 waits for the others), so the agents need not wait long:
-DSTRAIN_EXIT_BARRIER_TIMEOUT seconds, 30 by default. Everything else is torchrun's.
+DSTRAIN_EXIT_BARRIER_TIMEOUT seconds, 30 by default. It also sets DSTRAIN_ELASTIC=1 for the ranks: a world the run
+cannot use is fitted, not refused (dstrain/elastic.py). Everything else is torchrun's.
 """
 from __future__ import annotations
 
 
 def main() -> None:
+    import os
+
     from torch.distributed.run import main as torchrun
 
     from dstrain import ds_internals, env
 
     ds_internals.elastic_agent_exit_barrier(env.exit_barrier_timeout())
+    os.environ["DSTRAIN_ELASTIC"] = "1"  # the ranks inherit it
     torchrun()
 
 

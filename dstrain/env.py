@@ -34,6 +34,9 @@ DOCUMENTED = {
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
     "SLURM_ARRAY_TASK_MIN": "prepare_data in a SLURM array job: the first task id (0 when absent)",
+    "DSTRAIN_ELASTIC": "set to 1 by `python -m dstrain.elastic_run` (launch/elastic.sh): a world the DeepSpeed config "
+                       "or the checkpoint cannot use is fitted (the largest usable subset trains, the other ranks "
+                       "stand by) instead of refused; set it yourself under a bare elastic `torchrun`",
     "DSTRAIN_EXIT_BARRIER_TIMEOUT": "`python -m dstrain.elastic_run` (launch/elastic.sh): seconds torch's elastic "
                                     "agent waits at the end for the other agents, which may be gone (default 30; "
                                     "torchrun's own is 300)",
@@ -60,6 +63,10 @@ def world_size(default: int = 1) -> int:
 def elastic_restart() -> int:
     """How many times torchrun's agent has restarted its ranks (0 outside torchrun)."""
     return int(_get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def elastic() -> bool:
+    return _get("DSTRAIN_ELASTIC") == "1"
 
 
 def exit_barrier_timeout() -> float:
