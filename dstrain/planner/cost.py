@@ -13,7 +13,8 @@ step = compute + exposed communication + optimizer (+ offload transfers), per op
       ZeRO-2   the same reduction in every micro-batch's backward, all-gather after the step
       ZeRO-3   per micro-batch two all-gathers of the parameters (forward, backward) and a reduce-scatter
       compression  (ZeRO-0/1) powersgd: all-reduce of P and Q (rank r) per matrix + the uncompressed vectors and
-               embedding; sign: all-gather of 1 bit + 1/32 scale byte per element (after warm-up)
+               embedding; sign: all-gather of 1 bit + 1/32 scale byte per element (after warm-up); topk: all-gather
+               of an int32 index and an fp32 value per kept entry (topk_fraction of each matrix)
       tensor parallel  all-reduces of a micro-batch's activations per layer: 2 forward, 2 backward (Megatron)
                or one per column-parallel linear (AutoTP: 5 in a Llama layer); the forward's again when recomputed
       pipeline  each stage boundary passes a micro-batch's activations forward and their gradient back, over
@@ -226,7 +227,7 @@ def _compressed_calls(compression, work: Workload, dp: int) -> list:
     import math
     plain = 0  # fp32 elements all-reduced uncompressed (vectors and the embedding), once per step
     p_elems = q_elems = 0
-    signed = 0
+    signed = kept = 0
     for shape in work.matrices:
         n = math.prod(shape)
         if len(shape) < 2 or (tuple(shape) in work.embedding_shapes and not compression.compress_embeddings):
@@ -239,6 +240,8 @@ def _compressed_calls(compression, work: Workload, dp: int) -> list:
                 plain += n
                 continue
             p_elems, q_elems = p_elems + rows * r, q_elems + cols * r
+        elif compression.method == "topk":
+            kept += math.ceil(compression.topk_fraction * n)
         else:
             signed += n
     out = []
@@ -248,7 +251,10 @@ def _compressed_calls(compression, work: Workload, dp: int) -> list:
     else:
         if plain:
             out.append(("all_reduce", "dp", 4 * plain, 1, "boundary"))
-        out.append(("all_gather", "dp", dp * (signed / 8 + 4 * signed / 128), 1, "boundary"))  # every rank's share
+        if compression.method == "topk":  # int32 index + fp32 value per kept entry, every rank's share
+            out.append(("all_gather", "dp", dp * 8 * kept, 1, "boundary"))
+        else:
+            out.append(("all_gather", "dp", dp * (signed / 8 + 4 * signed / 128), 1, "boundary"))
     return [c for c in out if c[2] > 0]
 
 

@@ -39,6 +39,7 @@ def rows(run_dir):
     ("zero1.json", "powersgd", 1, 1.9, True),
     ("zero1.json", "sign", 1, 1.9, True),
     ("zero0.json", "powersgd", 0, 4.0, False),
+    ("zero1.json", "topk", 1, 1.9, False),
 ])
 def test_compressed_training(ds_config, method, stage, min_ratio, resume, tmp_path, cache, tiny_llama, uncompressed):
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--ds_config", ds_config, f"--compression.method={method}",

@@ -44,6 +44,27 @@ def test_writer_records_files_and_reports_a_failure(tmp_path):
     assert failed.done.wait(30) and "does not exist" in str(failed.error) and not (tmp_path / "c.pt").exists()
 
 
+def test_the_next_save_reuses_the_host_buffers_and_writes_its_own_values(tmp_path):
+    """A save's host buffers are kept once written (fresh memory's page faults were most of the stall) and the next
+    save copies into them: its files hold the new state, not the old one's bytes."""
+    writer = Writer(0, checkpoint._file_record)
+    weights = torch.zeros(1000)
+    used = []
+    for step, value in ((4, 1.0), (8, 2.0), (12, 3.0)):
+        weights.fill_(value)
+        kept = [s for spare in writer.spare.values() for s in spare]  # the last save's buffers
+        job = writer.begin(step, tmp_path)
+        writer.put({"w": weights, "m": weights[:10]}, tmp_path / f"s{step}.pt")
+        used.append([storage for _, _, storage in job.storages])
+        assert step == 4 or used[-1] == kept and all(a is b for a, b in zip(used[-1], kept))
+        writer.seal()
+        assert job.done.wait(30) and job.error is None
+        weights.fill_(-1.0)  # the next optimizer steps change the live state
+        saved = torch.load(tmp_path / f"s{step}.pt")
+        assert saved["w"].tolist() == [value] * 1000 and saved["m"].tolist() == [value] * 10
+    assert [len(u) for u in used] == [1, 1, 1]  # one storage copied once per save (the view shares it)
+
+
 NVME = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
 
 

@@ -61,7 +61,7 @@ def _train(rank, method, steps, warmup, state=None, first=0):
     return {"applied": applied, "mean": true_mean, "state": reducer.state_dict()}
 
 
-@pytest.mark.parametrize("method", ["powersgd", "sign"])
+@pytest.mark.parametrize("method", ["powersgd", "sign", "topk"])
 def test_error_feedback_keeps_the_sum_of_updates(method, tmp_path):
     """Sum of applied updates == sum of true mean gradients - mean residual, for every tensor."""
     results = _run(2, _train, tmp_path, method, 12, 2)
@@ -101,7 +101,7 @@ def test_low_rank_input_is_reconstructed_exactly(tmp_path):
     torch.testing.assert_close(results[1]["applied"], mean, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["powersgd", "sign"])
+@pytest.mark.parametrize("method", ["powersgd", "sign", "topk"])
 def test_state_resumes_exactly(method, tmp_path):
     whole = _run(2, _train, tmp_path, method, 8, 2)
     first = _run(2, _train, tmp_path, method, 5, 2)
@@ -123,7 +123,7 @@ def _count(rank, method):
     return {"compressed": compressed, "total": counter.wire_bytes, "calls": counter.calls}
 
 
-@pytest.mark.parametrize("method, ratio", [("powersgd", 32.0), ("sign", 25.6)])
+@pytest.mark.parametrize("method, ratio", [("powersgd", 32.0), ("sign", 25.6), ("topk", 262144 / (656 * 8))])
 def test_bytes_are_counted_at_the_collectives(method, ratio, tmp_path):
     result = _run(2, _count, tmp_path, method)[0]
     plain = 256 * 256 * 4  # fp32 ring all-reduce on 2 ranks: each sends its whole tensor once
@@ -232,7 +232,9 @@ def test_an_old_json_or_shipped_name_says_where_the_setting_moved():
 
 @pytest.mark.parametrize("overrides, patch, message", [
     (["--compression.metod=sign"], {}, r"unknown recipe key 'compression.metod' \(did you mean 'method'"),
-    (["--compression.method=topk"], {}, r"compression.method='topk' is not one of none, powersgd, sign"),
+    (["--compression.method=top_k"], {}, r"compression.method='top_k' is not one of none, powersgd, sign, topk"),
+    (["--compression.topk_fraction=1.5"], {}, r"compression.topk_fraction=1.5 must be a number in \(0, 1\)"),
+    (["--compression.topk_fraction=0"], {}, r"compression.topk_fraction=0.0 must be a number in \(0, 1\)"),
     (["--compression.rank=0"], {}, r"compression.rank=0 must be a positive integer"),
     ([], {"zero_optimization.stage": 2}, r"compression.method=powersgd works with ZeRO stage 0 or 1, but this config "
                                          r"uses ZeRO-2"),
