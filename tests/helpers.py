@@ -169,7 +169,7 @@ def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
 def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
                      lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None,
-                     lora: dict | None = None, dpo_beta: float | None = None):
+                     lora: dict | None = None, dpo_beta: float | None = None, topk: dict | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
@@ -182,7 +182,12 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     with peft's get_peft_model right after torch.manual_seed(seed) (the documented adapter-init contract) and only
     they train. `dpo_beta`, when given: the rows are preference pairs and the loss is DPO's (sigmoid) mean over the
     global batch's pairs, the reference being the model as loaded, in eval mode, run beside the policy (no stored
-    log-probs), and each side's log-prob a log_softmax/gather sum over its response tokens."""
+    log-probs), and each side's log-prob a log_softmax/gather sum over its response tokens. `topk`, when given
+    ({"world", "micro", "fraction", "warmup", "exempt"}): from optimizer step `warmup` on, each of `world` data-parallel
+    ranks' gradient is computed on its share of the global batch (micro-batch m of rank r holds positions
+    (m x world + r) x micro ...), and each matrix's is cut to its fraction largest-magnitude entries plus the
+    rank's carried-over remainder (error feedback), the cut ones summed over the ranks and averaged; vectors
+    and the `exempt` shapes (the embedding) averaged whole. Written from the method's definition."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -225,15 +230,19 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         return min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * p)) / 2
 
     losses = []
+    errors: dict = {}  # topk: (rank, parameter index) -> the remainder not sent yet
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr * lr_scale * factor(step + 1)
-        if dpo_beta is not None:
+        if topk is not None and step >= topk["warmup"]:
+            loss, target, real = _topk_step(model, batch(step), trained, topk, errors)
+        elif dpo_beta is not None:
             loss, target, real = _dpo_loss(model, reference, train[indices(step)], dpo_beta)
         else:
             loss, target, real = _lm_loss(model, *batch(step))
-        opt.zero_grad()
-        loss.backward()
+        if topk is None or step < topk["warmup"]:
+            opt.zero_grad()
+            loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm if max_grad_norm else float("inf"))
         opt.step()
         losses.append(loss.item())
@@ -242,6 +251,35 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
             record.setdefault("tokens", []).append(real)
             record.setdefault("label_tokens", []).append(int((target != -100).sum()))
     return losses, model
+
+
+def _topk_step(model, rows, params, topk: dict, errors: dict):
+    """Sets each parameter's .grad as topk compression with error feedback over topk["world"] ranks would; returns
+    (the mean of the ranks' losses, all shifted labels, the real input tokens)."""
+    world, micro = topk["world"], topk["micro"]
+    per_rank = []
+    losses = []
+    for r in range(world):
+        share = [i for i in range(rows[0].shape[0]) if (i // micro) % world == r]
+        model.zero_grad()
+        loss, _, _ = _lm_loss(model, *(t[share] if t is not None else None for t in rows))
+        loss.backward()
+        per_rank.append([p.grad.clone() for p in params])
+        losses.append(loss)
+    for i, p in enumerate(params):
+        if p.ndim < 2 or tuple(p.shape) in topk["exempt"]:
+            p.grad = sum(g[i] for g in per_rank) / world
+            continue
+        total = torch.zeros(p.numel())
+        for r in range(world):
+            corrected = per_rank[r][i].reshape(-1) + errors.get((r, i), 0.0)
+            keep = corrected.abs().topk(math.ceil(topk["fraction"] * p.numel())).indices
+            total.index_add_(0, keep, corrected[keep])
+            corrected[keep] = 0.0
+            errors[(r, i)] = corrected
+        p.grad = (total / world).view_as(p)
+    input_ids, labels, mask, _ = rows
+    return sum(losses) / world, labels[:, 1:], int(mask.sum()) if mask is not None else input_ids.numel()
 
 
 def _lm_loss(model, input_ids, labels, mask, positions):

@@ -25,7 +25,7 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 
 
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=(), rtol=RTOL, nproc=2,
-                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None):
+                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None, topk=None):
     """`resume_on`: stop after half the steps and finish on that many ranks (written for `nproc`)."""
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
@@ -40,7 +40,7 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=
     got, _ = metrics(run_dir)
     ref = {}
     want, ref_model = reference_losses(model_dir, run_dir, STEPS, lr, WARMUP, MIN_LR, weight_decay=0.1, record=ref,
-                                       lora=lora)
+                                       lora=lora, topk=topk)
     gaps = [abs(g - w) / w for g, w in zip(got, want)]
     rows = _step_rows(run_dir)
     norms = [r["grad_norm"] for r in rows]
