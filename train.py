@@ -157,7 +157,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     checkpoint.write_run_files(run_dir, recipe, ds_cfg, model.config, tokenizer, ctx, {
         "parameters": params_total, "parameters_on_rank0_at_build": params_local,
         "trainable_parameters": trained or params_total,
-        "activation_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "activation_checkpointing": bool(getattr(model, "is_activation_checkpointing" if hasattr(  # transformers 5
+            type(model), "is_activation_checkpointing") else "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []), "data": prepared.summary,
         "chat_template": chat_template,

@@ -3,7 +3,7 @@
 
 Part 1 trains a ~3M-parameter Llama on the shipped corpus (data/tiny) with 2 CPU ranks (gloo) under the
 `deepspeed` launcher, ZeRO-0, four ways: fp32 all-reduce, bf16 all-reduce (communication_data_type),
-PowerSGD rank 4 and signs (both with error feedback). train.py's --log.comm_bytes counts, at the
+PowerSGD rank 4, signs and TopK at 1% and 0.1% (all with error feedback). train.py's --log.comm_bytes counts, at the
 torch.distributed collective calls, the bytes each rank sends per step (ring algorithms). Reported: the
 median over the compressed steps, its ratio to fp32, the eval loss after the same number of steps and a
 loss-curve PNG (docs/compression_loss.png).
@@ -16,7 +16,7 @@ The namespaces are created and deleted here.
 Part 1 with --seeds 42,1,2 repeats the runs with other data orders (train.seed; 42 is the recipe default and
 the one the main table and the PNG show): the eval loss of one run at one step moves by a few percent with the
 order alone, so the per-seed table says whether a method's gap is more than that. Runs add to the saved
-results (--methods picks some: fp32,bf16,powersgd,sign).
+results (--methods picks some: fp32,bf16,powersgd,sign,topk1,topk01).
 
     python bench/compression.py [--steps 300] [--seeds 42] [--methods ...] [--slow-link] [--rate 100mbit]
                                 [--delay 1ms] [--write]
@@ -41,12 +41,15 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = ROOT / "docs" / "compression_bench.json"  # every figure of the section; each part updates its own
 DEFAULT_SEED = 42  # the recipes' train.seed
-SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "PowerSGD rank 4", "sign": "sign + EF"}
+SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "PowerSGD rank 4", "sign": "sign + EF",
+         "topk1": "TopK 1% + EF", "topk01": "TopK 0.1% + EF"}
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
     "PowerSGD rank 4": ["--compression.method=powersgd", "--compression.rank=4"],
     "sign + EF": ["--compression.method=sign"],
+    "TopK 1% + EF": ["--compression.method=topk", "--compression.topk_fraction=0.01"],
+    "TopK 0.1% + EF": ["--compression.method=topk", "--compression.topk_fraction=0.001"],
 }
 
 

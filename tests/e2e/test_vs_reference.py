@@ -100,6 +100,10 @@ def test_zero_stage_matches_reference(tmp_path, tmp_path_factory, cache, tiny_ll
         run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config, extra=extra)
     else:
         run_dir, ref_model = shared_run(tmp_path_factory, cache, tiny_llama, ds_config)
+    if ds_config == "zero3.json":  # DeepSpeed's calls of torch's deprecated collectives printed 134 of these under
+        # torchrun in a 2-step run, and transformers 5's for a renamed property 2 (issue 29: what a person reads)
+        said = (run_dir / "launch_stderr.txt").read_text()
+        assert "FutureWarning" not in said, said[-3000:]
     if "nvme" in ds_config:  # DeepSpeed deletes its swap files at exit but leaves the per-rank folders
         swap = tmp_path / "nvme" / "zero_stage_3"
         for kind in ("float32params", "optimizer"):
