@@ -84,7 +84,9 @@ def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = 
                 "--checkpoint.every=0", "--checkpoint.export_hf=false", "--checkpoint.keep_last=1",
                 "--eval.every=0", "--eval.max_batches=1", "--log.progress_bar=false", "--log.wandb=false",
                 "--log.plot=false"]
-        env = dict(os.environ, MASTER_PORT=str(port))
+        # under torchrun the ranks' store is the agent's (TORCHELASTIC_USE_AGENT_STORE=True): no child would host one
+        # on the new port, and every trial hung at its rendezvous; the children's rank 0 hosts it, as elsewhere
+        env = dict(os.environ, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="False")
         log(f"plan: trial {i}/{len(chosen)}: {pred.candidate.name} micro {pred.candidate.micro} x "
             f"{pred.candidate.accum}{' AC' if pred.candidate.checkpointing else ''}, {steps} steps")
         with open(folder / f"rank{ctx.rank}.log", "w") as stream:

@@ -38,7 +38,7 @@ def test_plan_measures_links_and_compute(planned):
             assert sizes == [1 << 20, 4 << 20], ops[op]  # 1 MB and 4 MB (--plan_max_mb 4), each timed
     compute = meas["compute"]
     assert all(t > 0 for t in compute["layer"].values()) and compute["adam_elements_per_s"] > 0
-    assert set(compute["compression"]) == {"powersgd", "sign", "sign_per_rank"}
+    assert set(compute["compression"]) == {"powersgd", "sign", "topk", "sign_per_rank"}
     assert set(compute["engine_overhead"]) == {"1", "2", "3"}  # per ZeRO stage the candidates use
     assert "collectives (nccl-tests convention" in said and "plan: best" in said
 
