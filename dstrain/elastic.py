@@ -95,10 +95,10 @@ def apply(found: Fit, run_dir: Path) -> bool:
         return False
     node_first = rank - local_rank  # torchrun numbers each node's ranks consecutively
     here = min(env.ranks_per_node(), found.used - node_first)
-    os.environ["WORLD_SIZE"] = str(found.used)
+    env.export("WORLD_SIZE", str(found.used))
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         if name in os.environ:
-            os.environ[name] = str(here)
+            env.export(name, str(here))
     return True
 
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 
 def main() -> None:
-    import os
-
     from torch.distributed.run import main as torchrun
 
     from dstrain import ds_internals, env
 
     ds_internals.elastic_agent_exit_barrier(env.exit_barrier_timeout())
-    os.environ["DSTRAIN_ELASTIC"] = "1"  # the ranks inherit it
+    env.export("DSTRAIN_ELASTIC", "1")  # the ranks inherit it
     torchrun()
 
 

@@ -116,6 +116,12 @@ def compiler() -> str:
     return _get("CXX", "c++")
 
 
+def export(name: str, value: str) -> None:
+    """os.environ[name] = value, for this process and the ones it starts."""
+    assert name in DOCUMENTED, f"{name} is set but not documented in dstrain/env.py"
+    os.environ[name] = value
+
+
 @contextmanager
 def overridden(name: str, value: str) -> Iterator[None]:
     """os.environ[name] = value inside the block, restored (or removed) after it."""
