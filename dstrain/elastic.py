@@ -61,9 +61,11 @@ def fit(formed: int, raw_ds: dict, recipe: Recipe, accepted_world: int | None, r
             return str(error)
         return None
 
-    reason = problem(formed) or ""
-    for world in range(formed, 0, -1):
-        if world == formed and not reason or world < formed and problem(world) is None:
+    reason = problem(formed)
+    if reason is None:
+        return Fit(formed, formed, "")
+    for world in range(formed - 1, 0, -1):
+        if problem(world) is None:
             return Fit(formed, world, reason)
     # none fits: wait for more nodes if a larger world would train; otherwise no world can (bad input): say it
     bound = 4 * max(formed, parallel_sizes(raw_ds).model, (start.manifest.get("world_size") or 0) if start else 0)
