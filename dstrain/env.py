@@ -20,7 +20,11 @@ DOCUMENTED = {
     "LOCAL_SIZE": "ranks on this node (the deepspeed launcher)",
     "MASTER_ADDR": "address of the rendezvous store (rank 0's host)",
     "MASTER_PORT": "port of the rendezvous store",
-    "TORCHELASTIC_RESTART_COUNT": "torchrun's restart counter: keeps the watchdog's keys apart across restarts",
+    "TORCHELASTIC_RESTART_COUNT": "torchrun's restart counter: keeps the watchdog's keys apart across restarts when "
+                                  "the ranks' store is the agent's (which outlives restarts)",
+    "TORCHELASTIC_USE_AGENT_STORE": "set by torchrun: True when the ranks' store is the agent's (it outlives "
+                                    "restarts); False under launch/elastic.sh, where each rendezvous round starts a "
+                                    "new store",
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": "the DeepSpeed JSON under `accelerate launch` (when --ds_config is absent)",
     "DSTRAIN_CACHE": "where tokenized datasets are cached (default ~/.cache/dstrain)",
     "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/faults.py); unset in real runs",
@@ -90,6 +94,15 @@ def master() -> tuple[str, str]:
 
 def restart_count() -> str:
     return _get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def store_generation() -> str:
+    """What keeps one attempt's store keys apart from an earlier attempt's in the same store: torchrun's restart
+    count where the store is its agent's (it outlives restarts, and every agent of a static job restarts
+    together). Not otherwise: each agent counts its own restarts, so in an elastic round an agent that joined
+    late (count 0) and one that has restarted twice disagree, and the ranks' watchdogs never saw each other's
+    keys (each waited fault.peer_timeout at the end); there each round has a new store anyway."""
+    return restart_count() if _get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "0"
 
 
 def accelerate_ds_config() -> str | None:

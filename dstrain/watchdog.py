@@ -58,7 +58,7 @@ class Watchdog:
         self.cfg, self.ctx = cfg, ctx
         self.stacks_dir = run_dir / "stacks"
         self.host = socket.gethostname()
-        self.prefix = f"dstrain/{env.restart_count()}"  # torchrun's store outlives restarts
+        self.prefix = f"dstrain/{env.store_generation()}"
         self.store = None
         self._stop = threading.Event()
         self._exiting = threading.Lock()

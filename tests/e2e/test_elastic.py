@@ -96,6 +96,12 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
     assert starts[1]["steps_recomputed"] <= 4 and starts[2]["steps_recomputed"] == 0, starts  # every=4; SIGTERM
     assert starts[1]["step"] < starts[2]["step"] < 70, starts  # each world trained some of the steps
 
+    # the ranks of the last world (one on an agent that restarted twice, one on a new agent) leave together: their
+    # watchdogs share keys (they did not, and each waited fault.peer_timeout, 60 s, for the other's exit)
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line][-1]
+    ended = (run / "summary.json").stat().st_mtime - last["time"]
+    assert ended < 20, f"{ended:.0f} s from the last step to the summary"
+
     launch(args + ["--output_dir", str(whole)], cache)  # the uninterrupted run: 2 ranks throughout
     got, want = metrics(run)[0], metrics(whole)[0]
     assert len(got) == 70 and got == pytest.approx(want, rel=1e-5, abs=0)
