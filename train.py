@@ -94,6 +94,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         schedule,
     )
     from dstrain import model as models
+    from dstrain.components.diloco import replicas_for
     from dstrain.layout import Layout, recipe_accumulation
     from dstrain.metrics import Metrics
     from dstrain.paths import weights_fingerprint
@@ -103,7 +104,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     # ---- every input resolved and checked; nothing is built, converted or written before this block ends
     faults.point("validate", ctx.rank, 0)
-    layout = Layout.from_ds_config(raw_ds, ctx.world_size, ctx.rank)
+    layout = Layout.from_ds_config(raw_ds, ctx.world_size, ctx.rank,
+                                   replicas_for(recipe, ctx.world_size, env.ranks_per_node()))
     accum, note = recipe_accumulation(layout, raw_ds, recipe.train.micro_batch_size, recipe.train.grad_accum_steps,
                                       recipe.world_size, args.world_size)  # the global batch is a hyper-parameter
     if note:
@@ -123,7 +125,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     if init_from:
         resume.check_init_from(init_from, model_config)
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
-                               models.hidden_size(model_config), env.ranks_per_node())
+                               models.hidden_size(model_config), env.ranks_per_node(), layout.replicas)
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
                              init_from or started_from)
     features = components.build(recipe, raw_ds)
@@ -150,7 +152,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     model_source = recipe.model if not base else replace(  # the other run's weights, as transformers loads
         recipe.model, name_or_path=str(base), from_scratch="false")
     model, _hf_ds_config = models.build(model_source, train, ds_cfg, tokenizer,
-                                        components.load_kwargs(features, setup))
+                                        components.load_kwargs(features, setup), layout.replicas == 1)
     params_total, params_local = models.parameter_counts(model)  # before the engine: what construction held
     trained = components.trained_parameters(features)  # None: every parameter trains
     flops_per_token = flops.flops_per_token(model_config, params_total, train.seq_len, trained)
@@ -207,7 +209,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
         return {"global_batch": stream.global_batch, "samples": step * stream.global_batch + stream.offset,
-                "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel, "run": identity}
+                "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel,
+                "replicas": layout.replicas, "run": identity}
 
     # ---- the loop
     if start == 0 and val:

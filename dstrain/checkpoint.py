@@ -103,6 +103,11 @@ def _set_rng_state(state: dict) -> None:
 CONSOLIDATED = "consolidated_model.pt"
 
 
+def replica_tag(replica: int) -> str:
+    """A DiLoCo replica's DeepSpeed state inside a checkpoint: step_N/replica_K/ (components/diloco.py)."""
+    return f"replica_{replica}"
+
+
 def has_frozen(engine) -> bool:
     """A model with frozen parameters (a LoRA base): checkpoints hold only what trains; the base is re-read from
     where it was loaded on resume, so loading the module's state is not strict."""
@@ -130,6 +135,8 @@ class Checkpointer:
         # DeepSpeed's offline consolidation (zero_to_fp32) cannot merge tensor-parallel shards, so TP runs
         # also store the gathered weights; every rank takes part in the gather.
         self.consolidate = layout is not None and layout.tensor_parallel > 1
+        # DiLoCo: each replica's engine saves its own state (its inner optimizer's) under step_N/replica_K/
+        self.replica = replica_tag(layout.replica) if layout is not None and layout.replicas > 1 else None
         self.writer = None
         if background:  # dstrain/background_save.py: the step waits for a host copy, a thread writes the files
             from .background_save import Writer, engine_for
@@ -225,7 +232,8 @@ class Checkpointer:
     def _write(self, engine, step: int, tmp: Path, client_state: dict, save: Callable) -> None:
         """Every file of this rank's share of the checkpoint, through save(obj, path)."""
         state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
-        engine.save_checkpoint(str(self.root), tag=tmp.name, client_state=state, save_latest=False,
+        where, tag = (tmp, self.replica) if self.replica else (self.root, tmp.name)
+        engine.save_checkpoint(str(where), tag=tag, client_state=state, save_latest=False,
                                exclude_frozen_parameters=has_frozen(engine))
         save(_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
         for name, extra in self.extras.items():
@@ -336,6 +344,7 @@ class Checkpointer:
     def load(self, engine, resume: Resume) -> dict:
         """Restore engine (weights, optimizer, LR schedule), the extras and this rank's RNG; returns the manifest."""
         load_dir, tag = (resume.universal_dir.parent, resume.universal_dir.name) if resume.universal \
+            else (resume.path, self.replica) if self.replica \
             else (resume.path.parent, resume.path.name)
         with ds_internals.universal_load_repairs(engine, resume.universal):
             load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,

@@ -325,6 +325,36 @@ class CompressionSection:
 
 
 @dataclass
+class DilocoSection:
+    """Low-communication data parallelism (DiLoCo, Douillard et al. 2023; dstrain/components/diloco.py): the ranks
+    form replicas; inside one the DeepSpeed config trains as usual, and every `every` steps the replicas average the
+    change of their weights since the last sync (the pseudo-gradient) and an outer SGD with Nesterov momentum moves
+    the shared weights. A step still consumes one global batch, split over every rank of every replica."""
+    every: int = 0  # H: inner optimizer steps between syncs; 0: off (every step's gradients all-reduced as usual)
+    replicas: int = 0  # how many replicas (each world size / replicas ranks); 0: one per node
+    outer_lr: float = 0.7  # the outer SGD's learning rate (the paper's 0.7)
+    outer_momentum: float = 0.9  # the outer SGD's Nesterov momentum (the paper's 0.9); 0: plain SGD
+    # the pseudo-gradients' type on the wire: `fp32`, or `bf16` (half the bytes; the rounding is carried to the
+    # next sync, error feedback)
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _one_of("diloco.dtype", self.dtype, ("fp32", "bf16"))
+        for key in ("every", "replicas"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UserError(f"diloco.{key}={value!r} must be a non-negative integer (diloco.every=0: off)")
+        if not (isinstance(self.outer_lr, (int, float)) and self.outer_lr > 0):
+            raise UserError(f"diloco.outer_lr={self.outer_lr!r} must be a positive number, e.g. 0.7")
+        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
+            raise UserError(f"diloco.outer_momentum={self.outer_momentum!r} must be in [0, 1), e.g. 0.9")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+@dataclass
 class PreferenceSection:
     """Preference training on chosen/rejected pairs (`data.format: preference`, dstrain/objectives/preference.py).
     The names and their meaning are TRL's (`DPOConfig`, `CPOConfig`, `ORPOConfig`), so a TRL recipe moves over."""
@@ -366,6 +396,7 @@ class Recipe:
     log: LogConfig = field(default_factory=LogConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
+    diloco: DilocoSection = field(default_factory=DilocoSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
     # the world size a real recipe was written for. Its global batch (micro x accumulation x data-parallel size at
     # that world) is a hyper-parameter: on another world `train.py` re-derives `grad_accum_steps` to keep it and

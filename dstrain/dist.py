@@ -187,10 +187,10 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+def all_reduce_sum(values: list[float], device: torch.device, group=None) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(tensor)
+        torch.distributed.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 

@@ -288,28 +288,30 @@ def check_sequence_parallel(cfg: dict) -> None:
 
 
 def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden_size: int | None = None,
-            ranks_per_node: int | None = None) -> dict:
+            ranks_per_node: int | None = None, replicas: int = 1) -> dict:
     """A complete DeepSpeed config with no "auto" left, consistent with the recipe and the world size;
-    hidden_size fills the model-scaled ZeRO-3 sizes, ranks_per_node ZeRO++'s hpZ partition."""
+    hidden_size fills the model-scaled ZeRO-3 sizes, ranks_per_node ZeRO++'s hpZ partition. Under DiLoCo
+    (`replicas` > 1) DeepSpeed's train_batch_size is one replica's share of the global batch: its engine is one
+    replica's."""
     cfg = copy.deepcopy(raw)
     validate_keys(cfg)
     train = recipe.train
     check_sequence_parallel(cfg)
-    layout = Layout.from_ds_config(cfg, world_size)
+    layout = Layout.from_ds_config(cfg, world_size, replicas=replicas)
     check_pipeline(cfg)
     check_zeropp(cfg, caps, ranks_per_node)
     _precision(cfg, recipe, caps)
 
     _fill(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size, "", "train.micro_batch_size")
     _fill(cfg, "gradient_accumulation_steps", train.grad_accum_steps, "", "train.grad_accum_steps")
-    global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)
+    global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps) // layout.replicas
     current = cfg.get("train_batch_size", "auto")
     if _is_auto(current):
         cfg["train_batch_size"] = global_batch
     elif current != global_batch:
         raise UserError(
             f"train_batch_size={current} but micro_batch_size {train.micro_batch_size} x grad_accum_steps "
-            f"{train.grad_accum_steps} x data-parallel world {layout.data_parallel} = {global_batch}; set "
+            f"{train.grad_accum_steps} x data-parallel world {layout.replica_data_parallel} = {global_batch}; set "
             f"train_batch_size to \"auto\" or choose train.grad_accum_steps so the product is {current}")
 
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})

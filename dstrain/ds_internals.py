@@ -29,7 +29,10 @@ def consolidated_16bit_state_dict(engine) -> dict:
 def model_parallel_unit(layout):
     """What deepspeed.initialize takes as `mpu`: DeepSpeed's group registry for AutoTP runs, Ulysses' sequence-
     parallel state for sequence parallelism (its groups made by register_with_transformers, see
-    components/sequence_parallel.py), else None (the pipeline engine brings its own topology)."""
+    components/sequence_parallel.py), DiLoCo's replica groups, else None (the pipeline engine brings its own
+    topology)."""
+    if layout.replicas > 1:
+        return ReplicaUnit(layout)
     if layout.sequence_parallel > 1:
         return sequence_parallel_state()
     return init_tensor_parallel_groups(layout.tensor_parallel) if layout.tensor_parallel > 1 else None
@@ -48,6 +51,54 @@ def init_tensor_parallel_groups(tensor_parallel: int):
     from deepspeed.utils import groups
     groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel)
     return groups
+
+
+class ReplicaUnit:
+    """DiLoCo's `mpu`: DeepSpeed's data-parallel group is this rank's replica (world / replicas consecutive ranks),
+    so its gradient averaging, ZeRO partitions, clipping norm and checkpoint file names stay inside the replica;
+    no model parallelism (components/diloco.py refuses it). The methods are the ones DeepSpeed 0.19 calls on an
+    mpu (deepspeed/utils/groups.py, runtime/engine.py, runtime/utils.py). `across` is the group of the ranks that
+    hold the same position in every replica: where the outer step's pseudo-gradients are averaged."""
+
+    def __init__(self, layout):
+        dist = torch.distributed
+        size, self.layout = layout.replica_size, layout
+        self.replica_group = self.across = self.single = None
+        self.replica_ranks: list[int] = []
+        for k in range(layout.replicas):  # every rank creates every group, in the same order
+            ranks = list(range(k * size, (k + 1) * size))
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                self.replica_group, self.replica_ranks = group, ranks
+        for i in range(size):
+            group = dist.new_group(list(range(i, layout.world_size, size)))
+            if layout.rank % size == i:
+                self.across = group
+        for r in range(layout.world_size):
+            group = dist.new_group([r])
+            if r == layout.rank:
+                self.single = group
+
+    def get_data_parallel_group(self):
+        return self.replica_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.replica_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.replica_ranks.index(self.layout.rank)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.replica_ranks)
+
+    def get_model_parallel_group(self):
+        return self.single
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
 
 
 def data_parallel_rank(engine) -> int:
@@ -71,9 +122,9 @@ def bind_groups(engine, layout):
                                f"layout computed {ours} (size, rank, data-parallel rank) for {layout.describe()}")
         return replace(layout, gradient_divisor=sequence_parallel_gradient_divisor(engine, layout))
     theirs = data_parallel_rank(engine)
-    if theirs != layout.data_parallel_rank:
+    if theirs != layout.replica_data_parallel_rank:
         raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
-                           f"computed {layout.data_parallel_rank} for {layout.describe()}")
+                           f"computed {layout.replica_data_parallel_rank} for {layout.describe()}")
     return replace(layout, data_parallel_group=engine.data_parallel_group)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import COMPLETE, CONSOLIDATED, PIPELINE_NAMES, complete_checkpoints
+from .checkpoint import COMPLETE, CONSOLIDATED, PIPELINE_NAMES, complete_checkpoints, replica_tag
 from .components.lora import LORA_DIR
 from .errors import EXIT_USER_ERROR, UserError
 
@@ -51,6 +51,8 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 
     if (ckpt / CONSOLIDATED).exists():
         return torch.load(ckpt / CONSOLIDATED, map_location="cpu", weights_only=False)
+    if (ckpt / replica_tag(0)).is_dir():  # DiLoCo: every replica holds the shared weights at a finished run's end
+        ckpt = ckpt / replica_tag(0)
     names_file = ckpt.parent.parent / "model_config" / PIPELINE_NAMES
     if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))

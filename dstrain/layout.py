@@ -53,6 +53,10 @@ class Layout:
     tensor_parallel: int = 1
     sequence_parallel: int = 1  # Ulysses: DeepSpeed's sequence_parallel_size
     rank: int = 0
+    # DiLoCo replicas (components/diloco.py): groups of world / replicas consecutive ranks. Every rank still reads
+    # its own share of the global batch (data_parallel counts all of them); the engine's data-parallel group, over
+    # which DeepSpeed averages gradients and partitions ZeRO states, is the replica's
+    replicas: int = 1
     # DeepSpeed's data-parallel process group, bound once the engine exists (ds_internals.bind_groups)
     data_parallel_group: Any = field(default=None, compare=False, repr=False)
     # how many ranks DeepSpeed divides the summed gradients by, when not data_parallel (ds_internals.bind_groups)
@@ -66,11 +70,14 @@ class Layout:
             raise UserError(f"world size {self.world_size} is not divisible by pipeline stages ({self.pipeline_stages})"
                             f" x tensor-parallel size ({self.tensor_parallel}) x sequence-parallel size "
                             f"({self.sequence_parallel}); launch a multiple of {self.model_parallel} ranks")
+        if self.replicas < 1 or self.data_parallel % self.replicas:
+            raise UserError(f"diloco.replicas={self.replicas} does not divide the {self.data_parallel} data-parallel "
+                            f"ranks of world size {self.world_size}; choose a divisor of {self.data_parallel}")
 
     @classmethod
-    def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0) -> Layout:
+    def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0, replicas: int = 1) -> Layout:
         sizes = parallel_sizes(cfg)
-        return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank)
+        return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank, replicas)
 
     def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
         """Samples per optimizer step: micro batch x accumulation x data-parallel size (the one place it is
@@ -105,8 +112,8 @@ class Layout:
     @property
     def zero_shards(self) -> int:
         """Ranks over which ZeRO partitions states and averages gradients (DeepSpeed's sequence-data-parallel
-        group under Ulysses: dp x sp)."""
-        return self.data_parallel * self.sequence_parallel
+        group under Ulysses: dp x sp; a DiLoCo replica's ranks only)."""
+        return self.replica_data_parallel * self.sequence_parallel
 
     @property
     def sequence_parallel_rank(self) -> int:
@@ -115,7 +122,27 @@ class Layout:
     @property
     def gradients_averaged_over(self) -> int:
         """DeepSpeed sums each gradient over the ranks and divides by this: the loss scale makes up for it."""
-        return self.gradient_divisor or self.data_parallel
+        return self.gradient_divisor or self.replica_data_parallel
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks in one DiLoCo replica (the world when there is one)."""
+        return self.world_size // self.replicas
+
+    @property
+    def replica(self) -> int:
+        """This rank's DiLoCo replica."""
+        return self.rank // self.replica_size
+
+    @property
+    def replica_data_parallel(self) -> int:
+        """The engine's data-parallel size: the ranks of one replica that read different samples."""
+        return self.data_parallel // self.replicas
+
+    @property
+    def replica_data_parallel_rank(self) -> int:
+        """This rank's index in the engine's data-parallel group (its replica's)."""
+        return self.data_parallel_rank % self.replica_data_parallel
 
     @property
     def is_pipeline(self) -> bool:
@@ -143,6 +170,8 @@ class Layout:
     def describe(self) -> str:
         text = (f"world {self.world_size} = data-parallel {self.data_parallel} x pipeline {self.pipeline_stages} x "
                 f"tensor-parallel {self.tensor_parallel}")
+        if self.replicas > 1:
+            text += f" (DiLoCo: {self.replicas} replicas of {self.replica_size} ranks)"
         return text + (f" x sequence-parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else "")
 
 

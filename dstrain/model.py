@@ -98,15 +98,17 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kwargs: dict | None = None
-          ) -> tuple[torch.nn.Module, Any]:
+def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kwargs: dict | None = None,
+          partition_at_build: bool = True) -> tuple[torch.nn.Module, Any]:
     """The model, and the HfDeepSpeedConfig that must stay referenced while a ZeRO-3 model lives.
-    `load_kwargs` (from components, e.g. QLoRA's quantization_config and dtype) go to from_pretrained."""
+    `load_kwargs` (from components, e.g. QLoRA's quantization_config and dtype) go to from_pretrained.
+    partition_at_build=False builds a ZeRO-3 model whole and lets deepspeed.initialize partition it: transformers'
+    zero.Init partitions over the whole world, and DiLoCo's ZeRO-3 partitions within a replica."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     location, config = load_config(cfg, train.seq_len)
-    zero3 = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
+    zero3 = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3 and partition_at_build
     hf_ds_config = HfDeepSpeedConfig(ds_cfg) if zero3 else None  # transformers now builds under zero.Init
     kwargs = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:

@@ -209,6 +209,11 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     if saved_sp != layout.sequence_parallel:
         raise UserError(f"checkpoint {resume.path} was trained with sequence_parallel_size={saved_sp} and this run has "
                         f"{layout.sequence_parallel}; resume with the same sequence_parallel_size")
+    saved_replicas = manifest.get("replicas", 1)
+    if saved_replicas != layout.replicas or (layout.replicas > 1 and saved_dp != data_parallel):
+        raise UserError(f"checkpoint {resume.path} was trained on {manifest.get('world_size')} ranks in "
+                        f"{saved_replicas} DiLoCo replica(s) and this run has {layout.world_size} in "
+                        f"{layout.replicas}; a DiLoCo checkpoint resumes on the same world and diloco.replicas")
     if saved_dp == data_parallel:
         if global_batch != ours:
             raise UserError(f"checkpoint {resume.path} was trained with a global batch of {global_batch} samples, "

@@ -41,12 +41,14 @@ def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, t
     return float(loss), int(global_tokens), int(real / layout.token_replicas)
 
 
-def _totals(objective, batches: list[dict[str, torch.Tensor]], layout: Layout, device) -> tuple[dict, int]:
-    """The objective's counts and the real tokens, summed over the global batch (host counts: no device wait)."""
+def _totals(objective, batches: list[dict[str, torch.Tensor]], layout: Layout, device, group=None
+            ) -> tuple[dict, int]:
+    """The objective's counts and the real tokens, summed over the global batch (host counts: no device wait), or
+    over one DiLoCo replica's share of it (group: the replica's ranks)."""
     counts = [objective.counts(b) for b in batches]
     keys = list(counts[0]) if counts else [objective.primary]
     local = [sum(c[k] for c in counts) for k in keys] if counts else [0.0]
-    *summed, real = all_reduce_sum(local + [sum(objective.real_tokens(b) for b in batches)], device)
+    *summed, real = all_reduce_sum(local + [sum(objective.real_tokens(b) for b in batches)], device, group)
     replicas = layout.token_replicas  # tensor-parallel peers see the same samples; count them once
     totals = {k: v / replicas for k, v in zip(keys, summed)}
     totals[objective.primary] = max(totals[objective.primary], 1.0)
@@ -69,11 +71,14 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Lay
         loss, label_tokens, real = _pipe_step(engine, micro_batches, layout, train=True)
         return loss, {"label_tokens": label_tokens}, real, {}
     totals, real = _totals(objective, micro_batches, layout, engine.device)
-    scale = len(micro_batches) * layout.gradients_averaged_over / totals[objective.primary]
+    # a DiLoCo replica's gradient is its own share's mean: normalised by the replica's counts, averaged over its ranks
+    own = _totals(objective, micro_batches, layout, engine.device, layout.data_parallel_group)[0] \
+        if layout.replicas > 1 else totals
+    scale = len(micro_batches) * layout.gradients_averaged_over / own[objective.primary]
     acc = None  # summed on the device: no sync per micro-batch
     for batch in micro_batches:
         batch = to_device(engine, batch, objective)  # pinned on GPUs (TrainStream)
-        summed, stats = objective.loss_sum(engine, batch, totals)
+        summed, stats = objective.loss_sum(engine, batch, own)
         engine.backward(summed * scale)
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
         acc = _add(acc, summed, stats)

@@ -362,3 +362,83 @@ def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config:
     want, _ = metrics(tmp_path / "whole")
     got, _ = metrics(tmp_path / "split")
     assert len(got) == 10 and got == pytest.approx(want, rel=1e-6, abs=0)
+
+
+def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
+                            weight_decay: float, world: int, replicas: int, micro: int, every: int, outer_lr: float,
+                            outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
+                            max_grad_norm=1.0, seed=42) -> list[float]:
+    """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
+    model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
+    stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
+    world / replicas consecutive ranks. Each copy takes the gradient of its replica's mean loss, clipped by its own
+    norm. After every `every` steps and after the last, the outer step: the pseudo-gradients (shared weights minus
+    each copy's) averaged, set as the gradient of the shared weights and applied by torch.optim.SGD (Nesterov when
+    outer_momentum > 0); each copy then loads the shared weights and keeps its AdamW state. dtype bf16: each copy's
+    pseudo-gradient plus its carried rounding error is rounded to bf16 and the error carried to the next sync.
+    Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
+    import copy
+
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    info = json.loads((run_dir / "run_info.json").read_text())
+    train = datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
+    n = len(train["input_ids"])
+    size = world // replicas
+    global_batch = json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * replicas
+
+    def rows_of(step: int, replica: int):
+        idx = [int(np.random.default_rng([seed, k // n]).permutation(n)[k % n])
+               for k in range(step * global_batch, (step + 1) * global_batch)]
+        mine = [j for i, j in enumerate(idx) if ((i // micro) % world) // size == replica]
+        rows = train[mine]
+        labels = rows["labels"] if "labels" in rows else rows["input_ids"]
+        return rows["input_ids"].long(), labels.long(), rows.get("attention_mask"), rows.get("position_ids")
+
+    shared = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    copies = [copy.deepcopy(shared).train() for _ in range(replicas)]
+    opts = [torch.optim.AdamW([{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
+                               {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                              lr=lr, betas=betas, eps=eps) for m in copies]
+    outer = torch.optim.SGD(shared.parameters(), lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
+    carry = [[torch.zeros_like(p) for p in shared.parameters()] for _ in range(replicas)]
+
+    def factor(s):
+        if s <= warmup:
+            return s / warmup
+        p = (s - warmup) / (steps - warmup)
+        return min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * p)) / 2
+
+    losses = []
+    for step in range(steps):
+        total, count = 0.0, 0
+        for model, opt, k in zip(copies, opts, range(replicas)):
+            for group in opt.param_groups:
+                group["lr"] = lr * factor(step + 1)
+            loss, target, _ = _lm_loss(model, *rows_of(step, k))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            tokens = int((target != -100).sum())
+            total, count = total + loss.item() * tokens, count + tokens
+        losses.append(total / count)
+        if (step + 1) % every == 0 or step + 1 == steps:
+            with torch.no_grad():
+                for i, p in enumerate(shared.parameters()):
+                    deltas = []
+                    for k, model in enumerate(copies):
+                        delta = p - list(model.parameters())[i]
+                        if dtype == "bf16":
+                            delta = delta + carry[k][i]
+                            sent = delta.to(torch.bfloat16).float()
+                            carry[k][i] = delta - sent
+                            delta = sent
+                        deltas.append(delta)
+                    p.grad = sum(deltas) / replicas
+            outer.step()
+            for model in copies:
+                model.load_state_dict(shared.state_dict())
+    return losses

@@ -84,6 +84,7 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
         chunked_loss,
         compile,
         compression,
+        diloco,
         flops_profile,
         lora,
         pipeline,
@@ -96,7 +97,7 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
     found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
              tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(recipe),
-             flops_profile.make(recipe), compile.make(recipe)]
+             diloco.make(recipe), flops_profile.make(recipe), compile.make(recipe)]
     return [c for c in found if c is not None]
 
 

@@ -1,0 +1,198 @@
+"""DiLoCo: data parallelism that talks every H steps, not every step (Douillard et al. 2023, "DiLoCo: Distributed
+Low-Communication Training of Language Models"; INTELLECT-1 trained a 10B model across continents this way).
+
+The ranks form `diloco.replicas` replicas of world / replicas consecutive ranks (by default one per node, so the
+slow link is the one between replicas). Inside a replica the DeepSpeed config trains as it always does: DeepSpeed's
+data-parallel group is the replica (ds_internals.ReplicaUnit), so its gradient averaging, ZeRO partitions and
+gradient clipping stay inside it, and every replica keeps its own inner optimizer state (AdamW's moments). Every
+`diloco.every` (H) optimizer steps, and at the run's last step, each replica's pseudo-gradient (the shared weights
+of the last sync minus its own weights now) is averaged over the replicas, and an outer SGD with Nesterov momentum
+moves the shared weights by it; every replica continues from them. Bytes across replicas: one model's worth per
+H steps instead of one per step.
+
+What a step means: a step still consumes one global batch (micro x accumulation x every data-parallel rank of
+every replica), read in the same order as without DiLoCo, each replica its ranks' shares; each replica's gradient
+is the mean over its own share (normalised by its own token count). The logged loss is the global batch's mean;
+evaluations and checkpoints happen at syncs (eval.every and checkpoint.every are multiples of H), where every
+replica holds the shared weights. A checkpoint holds each replica's DeepSpeed state (checkpoints/step_N/replica_K/)
+and each rank's outer state (the shared weights, the momentum, the bf16 rounding carried over); it resumes exactly
+on the same world and replicas.
+
+Written here because no library does it for DeepSpeed: torchtitan's DiLoCo lives in torchft (FSDP, its own
+process groups and quorum), and DeepSpeed has no local-SGD mode. The inner steps are DeepSpeed's own; the outer step
+reads and writes the fp32 master weights through deepspeed.utils' safe_get/set_full_fp32_param (every ZeRO stage)
+and the module's working weights (which DeepSpeed refreshes from the masters only at its next step).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as tdist
+
+from ..config import DilocoSection, Recipe
+from ..errors import UserError
+from ..layout import parallel_sizes
+from . import Component, Setup
+
+
+def replicas_for(recipe: Recipe, world_size: int, ranks_per_node: int) -> int:
+    """How many replicas the ranks form: 1 without DiLoCo; diloco.replicas, or one per node when it is 0."""
+    cfg = recipe.diloco
+    if not cfg.enabled:
+        return 1
+    return cfg.replicas or max(1, world_size // max(1, ranks_per_node))
+
+
+class Diloco(Component):
+    name = "diloco"
+    stateful = True
+
+    def __init__(self, cfg: DilocoSection):
+        self.cfg = cfg
+        self.engine = None
+        self.params: list[torch.nn.Parameter] = []
+        self.anchor: list[torch.Tensor] = []  # the shared weights of the last sync (fp32)
+        self.momentum: list[torch.Tensor] | None = None  # the outer SGD's buffer
+        self.carry: list[torch.Tensor] | None = None  # bf16: what rounding the pseudo-gradient dropped
+        self.syncs = 0
+        self.max_steps = self.replicas = 0
+
+    def validate(self, setup: Setup) -> None:
+        cfg, recipe, layout = self.cfg, setup.recipe, setup.layout
+        train, self.replicas = recipe.train, layout.replicas
+        if layout.replicas < 2:
+            raise UserError(f"diloco.every={cfg.every} needs at least 2 replicas, but the {layout.world_size} ranks "
+                            f"form {layout.replicas} (diloco.replicas=0 makes one per node); set diloco.replicas=N "
+                            f"with N dividing the world size, or diloco.every=0")
+        if cfg.every > train.max_steps:
+            raise UserError(f"diloco.every={cfg.every} is more than train.max_steps={train.max_steps}: the replicas "
+                            f"would never sync; choose diloco.every <= {train.max_steps}")
+        if parallel_sizes(setup.ds_cfg).model > 1:
+            raise UserError("diloco runs data-parallel replicas; pipeline stages, tensor or sequence parallelism "
+                            "inside a replica are not supported yet: remove the pipeline / tensor_parallel / "
+                            "sequence_parallel_size key, or set diloco.every=0")
+        if recipe.compression.enabled:
+            raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
+                            f"all-reduce, which under DiLoCo stays inside a replica; set compression.method=none "
+                            f"(diloco.dtype=bf16 halves the bytes DiLoCo sends)")
+        zero = setup.ds_cfg.get("zero_optimization") or {}
+        if any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")):
+            raise UserError("diloco with ZeRO offload is not supported yet; remove the offload section, or set "
+                            "diloco.every=0")
+        if recipe.lora.r:
+            raise UserError("diloco with LoRA is not supported yet; set lora.r=0 or diloco.every=0")
+        for key, value in (("eval.every", recipe.eval.every), ("checkpoint.every", recipe.checkpoint.every)):
+            if value == "auto" or (isinstance(value, int) and value % cfg.every):
+                raise UserError(f"{key}={value} must be a multiple of diloco.every={cfg.every} (evaluations and "
+                                f"checkpoints happen where the replicas hold the shared weights); e.g. {key}="
+                                f"{cfg.every * max(1, (value if isinstance(value, int) else 0) // cfg.every)}")
+
+    def configure(self, ds_cfg: dict, setup: Setup) -> None:
+        # each replica's engine saves under its own tag (replica_K, checkpoint.py): DeepSpeed's check that every
+        # rank passes the same tag would warn on every save
+        ds_cfg.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
+
+    def attach(self, engine, setup: Setup) -> None:
+        from .. import ds_internals
+
+        self.engine, self.max_steps, self.unit = engine, setup.recipe.train.max_steps, engine.mpu
+        if not isinstance(self.unit, ds_internals.ReplicaUnit):
+            raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
+        self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.anchor = self._read()  # a resumed run's comes with the checkpoint (load_state_dict, after this)
+
+    # ---------------------------------------------------------------- the outer step
+    def after_step(self, step: int, say: Callable[[str], None]) -> None:
+        if step % self.cfg.every == 0 or step == self.max_steps:
+            self.sync()
+
+    def sync(self) -> None:
+        cfg, replicas = self.cfg, self.unit.layout.replicas
+        local = self._read()
+        sizes = [w.numel() for w in local]
+        pseudo = torch.cat([(a - w).reshape(-1) for a, w in zip(self.anchor, local)])
+        if cfg.dtype == "bf16":
+            if self.carry is not None:
+                pseudo += self.carry
+            sent = pseudo.to(torch.bfloat16)
+            self.carry = pseudo - sent.float()
+            gathered = [torch.empty_like(sent) for _ in range(replicas)]
+            tdist.all_gather(gathered, sent, group=self.unit.across)  # summed in fp32, not in bf16 on the wire
+            pseudo = torch.stack([g.float() for g in gathered]).sum(0)
+        else:
+            tdist.all_reduce(pseudo, group=self.unit.across)
+        pseudo /= replicas
+        grads = list(torch.split(pseudo, sizes))
+        mu = cfg.outer_momentum
+        if mu > 0:
+            if self.momentum is None:
+                self.momentum = [g.clone().view_as(a) for g, a in zip(grads, self.anchor)]
+            else:
+                for m, g in zip(self.momentum, grads):
+                    m.mul_(mu).add_(g.view_as(m))
+            steps = [g.view_as(m) + mu * m for g, m in zip(grads, self.momentum)]  # Nesterov (torch.optim.SGD's)
+        else:
+            steps = [g.view_as(a) for g, a in zip(grads, self.anchor)]
+        for a, d in zip(self.anchor, steps):
+            a.sub_(cfg.outer_lr * d)
+        self._write(self.anchor)
+        self.syncs += 1
+
+    # ---------------------------------------------------------------- DeepSpeed's weights
+    def _read(self) -> list[torch.Tensor]:
+        """Every trained parameter's full fp32 master weight (DeepSpeed's optimizer holds it under ZeRO-1/2/3 and
+        bf16; under ZeRO-0 in fp32 the parameter is the master)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = []
+        for p in self.params:
+            full = safe_get_full_fp32_param(p) if _has_master(p) else None
+            shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3's p is its partition
+            out.append((full if full is not None else p.detach()).float().clone().reshape(shape))
+        return out
+
+    def _write(self, weights: list[torch.Tensor]) -> None:
+        """The masters and the module's working copy (DeepSpeed copies masters to it only after its next step)."""
+        from deepspeed import zero
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for p, w in zip(self.params, weights):
+            if _has_master(p):
+                safe_set_full_fp32_param(p, w.to(p.device))
+        partitioned = [p for p in self.params if hasattr(p, "ds_id")]
+        if partitioned:  # ZeRO-3: gathered, written by the replica's first rank (its rank in the parameters'
+            # group, the replica's), partitioned again on exit
+            with zero.GatheredParameters(partitioned, modifier_rank=0):
+                if self.unit.get_data_parallel_rank() == 0:
+                    for p, w in zip(self.params, weights):
+                        if hasattr(p, "ds_id"):
+                            p.data.copy_(w.to(p.dtype))
+        with torch.no_grad():
+            for p, w in zip(self.params, weights):
+                if not hasattr(p, "ds_id"):
+                    p.data.copy_(w.to(p.dtype))
+
+    # ---------------------------------------------------------------- record
+    def describe(self) -> dict:
+        return {"every": self.cfg.every, "replicas": self.replicas,
+                "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum, "dtype": self.cfg.dtype}
+
+    def state_dict(self) -> dict:
+        return {"anchor": self.anchor, "momentum": self.momentum, "carry": self.carry, "syncs": self.syncs}
+
+    def load_state_dict(self, state: dict, same_world: bool) -> None:
+        if not same_world:  # resume.adapt_to_world refuses this before anything is built
+            raise RuntimeError("diloco state resumes on the same world only")
+        self.anchor, self.momentum = state["anchor"], state["momentum"]
+        self.carry, self.syncs = state["carry"], state["syncs"]
+
+
+def _has_master(p) -> bool:
+    """Whether DeepSpeed's optimizer keeps a separate fp32 master of p (ZeRO-1/2/3, bf16), public attributes of
+    deepspeed.utils.tensor_fragment's accessors."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def make(recipe: Recipe) -> Diloco | None:
+    return Diloco(recipe.diloco) if recipe.diloco.enabled else None

@@ -1,0 +1,66 @@
+"""DiLoCo's settings and layout: every bad input is one line before anything is built; the replica arithmetic."""
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from dstrain import components
+from dstrain.components.diloco import replicas_for
+from dstrain.config import load_recipe, parse_overrides
+from dstrain.dist import DistContext
+from dstrain.ds_config import DeviceCaps, load, resolve
+from dstrain.errors import UserError
+from dstrain.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def validate(overrides: list[str], ds: str = "zero2.json", world: int = 4, ranks_per_node: int = 2):
+    recipe = load_recipe("tiny/pretrain", parse_overrides(overrides))
+    raw = load(ds)
+    layout = Layout.from_ds_config(raw, world, replicas=replicas_for(recipe, world, ranks_per_node))
+    setup = components.Setup(recipe, layout, raw, "fp32", AutoConfig.from_pretrained(ROOT / "recipes/tiny/model"),
+                             Path("/nonexistent"), DistContext(0, 0, world), print)
+    components.validate_all(components.build(recipe, raw), setup)
+    return layout
+
+
+@pytest.mark.parametrize("overrides,ds,world,message", [
+    (["--diloco.every=500"], "zero2.json", 4, "diloco.every=500 is more than train.max_steps=150"),
+    (["--diloco.every=5", "--diloco.replicas=3"], "zero2.json", 4, "diloco.replicas=3 does not divide the 4"),
+    (["--diloco.every=5"], "zero2.json", 2, "needs at least 2 replicas, but the 2 ranks form 1"),
+    (["--diloco.every=5", "--compression.method=powersgd"], "zero1.json", 4,
+     "compression.method=powersgd compresses the every-step gradient all-reduce"),
+    (["--diloco.every=5"], "tp2_zero1.json", 4, "pipeline stages, tensor or sequence parallelism"),
+    (["--diloco.every=5"], "zero3_offload.json", 4, "diloco with ZeRO offload is not supported yet"),
+    (["--diloco.every=20"], "zero2.json", 4, r"eval.every=50 must be a multiple of diloco.every=20 .*eval.every=40"),
+    (["--diloco.every=10", "--checkpoint.every=auto"], "zero2.json", 4, "checkpoint.every=auto must be a multiple"),
+])
+def test_bad_settings_are_one_line_before_anything_is_built(overrides, ds, world, message):
+    with pytest.raises(UserError, match=message) as error:
+        validate(overrides, ds, world)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("key,value", [("dtype", "int3"), ("every", "-1"), ("outer_lr", "0"),
+                                       ("outer_momentum", "1")])
+def test_bad_values_are_refused_when_the_recipe_loads(key, value):
+    with pytest.raises(UserError, match=f"diloco.{key}"):
+        load_recipe("tiny/pretrain", parse_overrides([f"--diloco.{key}={value}"]))
+
+
+def test_one_replica_per_node_by_default_and_the_replica_arithmetic():
+    layout = validate(["--diloco.every=10"], world=4, ranks_per_node=2)
+    assert layout.replicas == 2 and layout.replica_size == 2
+    assert layout.data_parallel == 4 and layout.replica_data_parallel == 2 == layout.gradients_averaged_over
+    assert layout.zero_shards == 2  # ZeRO partitions within a replica
+    ranks = [Layout(4, rank=r, replicas=2) for r in range(4)]
+    assert [(x.replica, x.replica_data_parallel_rank, x.data_parallel_rank) for x in ranks] == \
+        [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    assert replicas_for(load_recipe("tiny/pretrain", {}), 4, 2) == 1  # off: one replica, the world
+
+
+def test_deepspeed_sees_one_replicas_share_of_the_global_batch():
+    recipe = load_recipe("tiny/pretrain", parse_overrides(["--diloco.every=10", "--diloco.replicas=2"]))
+    cfg = resolve(load("zero2.json"), recipe, 4, DeviceCaps("cpu", bf16=True, fp16=False), replicas=2)
+    assert cfg["train_batch_size"] == 8 * 1 * 2  # micro 8 x accumulation 1 x the replica's 2 ranks
