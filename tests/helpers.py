@@ -375,7 +375,9 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     norm. After every `every` steps and after the last, the outer step: the pseudo-gradients (shared weights minus
     each copy's) averaged, set as the gradient of the shared weights and applied by torch.optim.SGD (Nesterov when
     outer_momentum > 0); each copy then loads the shared weights and keeps its AdamW state. dtype bf16: each copy's
-    pseudo-gradient plus its carried rounding error is rounded to bf16 and the error carried to the next sync.
+    pseudo-gradient plus its carried rounding error is rounded to bf16 and the error carried to the next sync; int8:
+    the same with int8 codes and a scale (the largest magnitude) per 128 consecutive elements of the parameters
+    laid end to end in model order.
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -403,7 +405,7 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                               lr=lr, betas=betas, eps=eps) for m in copies]
     outer = torch.optim.SGD(shared.parameters(), lr=outer_lr, momentum=outer_momentum,
                             nesterov=outer_momentum > 0)
-    carry = [[torch.zeros_like(p) for p in shared.parameters()] for _ in range(replicas)]
+    carry = [0.0] * replicas
 
     def factor(s):
         if s <= warmup:
@@ -427,18 +429,29 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
         losses.append(total / count)
         if (step + 1) % every == 0 or step + 1 == steps:
             with torch.no_grad():
-                for i, p in enumerate(shared.parameters()):
-                    deltas = []
-                    for k, model in enumerate(copies):
-                        delta = p - list(model.parameters())[i]
-                        if dtype == "bf16":
-                            delta = delta + carry[k][i]
-                            sent = delta.to(torch.bfloat16).float()
-                            carry[k][i] = delta - sent
-                            delta = sent
-                        deltas.append(delta)
-                    p.grad = sum(deltas) / replicas
+                params = list(shared.parameters())
+                deltas = []
+                for k, model in enumerate(copies):
+                    delta = torch.cat([(p - q).reshape(-1) for p, q in zip(params, model.parameters())])
+                    if dtype != "fp32":
+                        delta = delta + carry[k]
+                        sent = delta.to(torch.bfloat16).float() if dtype == "bf16" else _int8_round(delta)
+                        carry[k] = delta - sent
+                        delta = sent
+                    deltas.append(delta)
+                mean = sum(deltas) / replicas
+                for p, g in zip(params, torch.split(mean, [p.numel() for p in params])):
+                    p.grad = g.view_as(p).clone()
             outer.step()
             for model in copies:
                 model.load_state_dict(shared.state_dict())
     return losses
+
+
+def _int8_round(values: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """values as int8 codes with one scale per block of `block` elements bring them back: round(v / m x 127) x m /
+    127, m the block's largest magnitude."""
+    n = values.numel()
+    padded = torch.cat([values, values.new_zeros(-n % block)]).view(-1, block)
+    top = padded.abs().max(1, keepdim=True).values.clamp_min(1e-30)
+    return (torch.round(padded / top * 127) * (top / 127)).reshape(-1)[:n]

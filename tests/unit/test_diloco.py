@@ -64,3 +64,24 @@ def test_deepspeed_sees_one_replicas_share_of_the_global_batch():
     recipe = load_recipe("tiny/pretrain", parse_overrides(["--diloco.every=10", "--diloco.replicas=2"]))
     cfg = resolve(load("zero2.json"), recipe, 4, DeviceCaps("cpu", bf16=True, fp16=False), replicas=2)
     assert cfg["train_batch_size"] == 8 * 1 * 2  # micro 8 x accumulation 1 x the replica's 2 ranks
+
+
+@pytest.mark.parametrize("dtype,bound", [("bf16", 2 ** -8), ("int8", 1 / 127)])
+def test_what_is_sent_plus_what_is_carried_is_the_pseudo_gradient(dtype, bound):
+    """Error feedback: the decoded payload and the carry add up to what was to be sent, and the payload is
+    within the format's rounding of it (int8: half a step of the block's scale / 127)."""
+    import torch
+
+    from dstrain.components.diloco import INT8_BLOCK, decode, encode
+
+    values = torch.randn(1000) * torch.logspace(-6, 0, 1000)
+    payload = encode(values, dtype)
+    sent = decode(payload, dtype, values.numel())
+    carry = values - sent
+    assert torch.equal(sent + carry, values)
+    blocks = torch.nn.functional.pad(values.abs(), (0, -1000 % INT8_BLOCK)).view(-1, INT8_BLOCK).amax(1)
+    worst = (carry.abs() / blocks.repeat_interleave(INT8_BLOCK)[:1000]).max() if dtype == "int8" else \
+        (carry.abs() / values.abs()).max()
+    assert 0 < worst <= bound
+    sizes = sum(t.numel() * t.element_size() for t in payload)
+    assert sizes == (2000 if dtype == "bf16" else 1024 + 8 * 4)
