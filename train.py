@@ -222,11 +222,11 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         faults.point("step", ctx.rank, step)
         began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
         loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective)
+        for feature in features:  # a step's work (DiLoCo's outer step) counts in its time and bytes
+            feature.after_step(step, metrics.message)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, int(counts["label_tokens"]),
                      time.perf_counter() - began, counter.since(comm), extra)
         watchdog.progress()
-        for feature in features:
-            feature.after_step(step, metrics.message)
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             metrics.evaluation(step, *evaluate(engine, val, layout, objective))
             watchdog.progress()

@@ -21,6 +21,10 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
           "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=0", "--checkpoint.export_hf=false"]
 
 
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
 def reference(model_dir, run_dir, world, replicas, every, outer_lr, outer_momentum, dtype="fp32"):
     return diloco_reference_losses(model_dir, run_dir, STEPS, LR, WARMUP, MIN_LR, 0.1, world, replicas, MICRO, every,
                                    outer_lr, outer_momentum, dtype)
@@ -31,9 +35,14 @@ def test_h1_two_replicas_of_one_rank_zero2(tmp_path, cache, tiny_llama):
     that is not synchronous data parallelism: AdamW is not linear in the gradient; with plain SGD it would be)."""
     run = tmp_path / "run"
     launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", "--output_dir", str(run),
-                     "--diloco.every=1", "--diloco.replicas=2", "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
-           cache)
+                     "--diloco.every=1", "--diloco.replicas=2", "--diloco.outer_lr=1", "--diloco.outer_momentum=0",
+                     "--log.comm_bytes=true"], cache)
     got = metrics(run)[0]
+    # every step's outer all-reduce of the whole model (fp32, ring on 2 ranks: each sends the model once) is in
+    # that step's bytes (the sync once ran after the step was logged, and its bytes were counted nowhere)
+    sent = [r["comm_bytes"] for r in _rows(run)]
+    model_bytes = 4 * json.loads((run / "run_info.json").read_text())["parameters"]
+    assert min(sent) >= model_bytes, (min(sent), model_bytes)
     want = reference(tiny_llama, run, 2, 2, 1, 1.0, 0.0)
     assert len(got) == STEPS and got[-1] < got[0] - 0.3
     assert got == pytest.approx(want, rel=RTOL)
