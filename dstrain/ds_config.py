@@ -304,14 +304,14 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
 
     _fill(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size, "", "train.micro_batch_size")
     _fill(cfg, "gradient_accumulation_steps", train.grad_accum_steps, "", "train.grad_accum_steps")
-    global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps) // layout.replicas
+    engine_batch = layout.replica_batch(train.micro_batch_size, train.grad_accum_steps)
     current = cfg.get("train_batch_size", "auto")
     if _is_auto(current):
-        cfg["train_batch_size"] = global_batch
-    elif current != global_batch:
+        cfg["train_batch_size"] = engine_batch
+    elif current != engine_batch:
         raise UserError(
             f"train_batch_size={current} but micro_batch_size {train.micro_batch_size} x grad_accum_steps "
-            f"{train.grad_accum_steps} x data-parallel world {layout.replica_data_parallel} = {global_batch}; set "
+            f"{train.grad_accum_steps} x data-parallel world {layout.replica_data_parallel} = {engine_batch}; set "
             f"train_batch_size to \"auto\" or choose train.grad_accum_steps so the product is {current}")
 
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})

@@ -63,7 +63,7 @@ class ReplicaUnit:
     def __init__(self, layout):
         dist = torch.distributed
         size, self.layout = layout.replica_size, layout
-        self.replica_group = self.across = self.single = None
+        self.replica_group = self.across = None
         self.replica_ranks: list[int] = []
         for k in range(layout.replicas):  # every rank creates every group, in the same order
             ranks = list(range(k * size, (k + 1) * size))
@@ -74,10 +74,8 @@ class ReplicaUnit:
             group = dist.new_group(list(range(i, layout.world_size, size)))
             if layout.rank % size == i:
                 self.across = group
-        for r in range(layout.world_size):
-            group = dist.new_group([r])
-            if r == layout.rank:
-                self.single = group
+        # no model parallelism: a group of this rank alone, made by it alone (not world-size groups by every rank)
+        self.single = dist.new_group([layout.rank], use_local_synchronization=True)
 
     def get_data_parallel_group(self):
         return self.replica_group

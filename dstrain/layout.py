@@ -84,6 +84,11 @@ class Layout:
         computed; a sequence-parallel group reads one sample, so it counts once)."""
         return micro_batch_size * grad_accum_steps * self.data_parallel
 
+    def replica_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
+        """Samples per optimizer step of one DiLoCo replica: DeepSpeed's train_batch_size (its engine is the
+        replica's); the global batch when there is one replica."""
+        return self.global_batch(micro_batch_size, grad_accum_steps) // self.replicas
+
     def accumulation_for(self, global_batch: int, micro_batch_size: int) -> int | None:
         """grad_accum_steps that makes up global_batch with this micro batch on these ranks; None when none can."""
         per_step = micro_batch_size * self.data_parallel

@@ -15,7 +15,7 @@ every replica), read in the same order as without DiLoCo, each replica its ranks
 is the mean over its own share (normalised by its own token count). The logged loss is the global batch's mean;
 evaluations and checkpoints happen at syncs (eval.every and checkpoint.every are multiples of H), where every
 replica holds the shared weights. A checkpoint holds each replica's DeepSpeed state (checkpoints/step_N/replica_K/)
-and each rank's outer state (the shared weights, the momentum, the bf16 rounding carried over); it resumes exactly
+and each rank's outer state (the shared weights, the momentum, the rounding carried over); it resumes exactly
 on the same world and replicas.
 
 Written here because no library does it for DeepSpeed: torchtitan's DiLoCo lives in torchft (FSDP, its own
@@ -50,12 +50,11 @@ class Diloco(Component):
 
     def __init__(self, cfg: DilocoSection):
         self.cfg = cfg
-        self.engine = None
         self.params: list[torch.nn.Parameter] = []
-        self.anchor: list[torch.Tensor] = []  # the shared weights of the last sync (fp32)
-        self.momentum: list[torch.Tensor] | None = None  # the outer SGD's buffer
-        self.carry: list[torch.Tensor] | None = None  # bf16: what rounding the pseudo-gradient dropped
-        self.syncs = 0
+        # flat fp32 vectors over the trained parameters, in the module's order
+        self.anchor: torch.Tensor | None = None  # the shared weights of the last sync
+        self.momentum: torch.Tensor | None = None  # the outer SGD's buffer
+        self.carry: torch.Tensor | None = None  # bf16/int8: what rounding the pseudo-gradient dropped
         self.max_steps = self.replicas = 0
 
     def validate(self, setup: Setup) -> None:
@@ -96,7 +95,7 @@ class Diloco(Component):
     def attach(self, engine, setup: Setup) -> None:
         from .. import ds_internals
 
-        self.engine, self.max_steps, self.unit = engine, setup.recipe.train.max_steps, engine.mpu
+        self.max_steps, self.unit = setup.recipe.train.max_steps, engine.mpu
         if not isinstance(self.unit, ds_internals.ReplicaUnit):
             raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -109,9 +108,7 @@ class Diloco(Component):
 
     def sync(self) -> None:
         cfg, replicas = self.cfg, self.unit.layout.replicas
-        local = self._read()
-        sizes = [w.numel() for w in local]
-        pseudo = torch.cat([(a - w).reshape(-1) for a, w in zip(self.anchor, local)])
+        pseudo = self.anchor - self._read()
         if cfg.dtype != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
                 pseudo += self.carry
@@ -125,40 +122,29 @@ class Diloco(Component):
         else:
             tdist.all_reduce(pseudo, group=self.unit.across)
         pseudo /= replicas
-        grads = list(torch.split(pseudo, sizes))
         mu = cfg.outer_momentum
-        if mu > 0:
-            if self.momentum is None:
-                self.momentum = [g.clone().view_as(a) for g, a in zip(grads, self.anchor)]
-            else:
-                for m, g in zip(self.momentum, grads):
-                    m.mul_(mu).add_(g.view_as(m))
-            steps = [g.view_as(m) + mu * m for g, m in zip(grads, self.momentum)]  # Nesterov (torch.optim.SGD's)
-        else:
-            steps = [g.view_as(a) for g, a in zip(grads, self.anchor)]
-        for a, d in zip(self.anchor, steps):
-            a.sub_(cfg.outer_lr * d)
+        if mu > 0:  # torch.optim.SGD's Nesterov: buf = mu buf + g (g itself at first), step g + mu buf
+            self.momentum = pseudo.clone() if self.momentum is None else self.momentum.mul_(mu).add_(pseudo)
+            pseudo += mu * self.momentum
+        self.anchor -= cfg.outer_lr * pseudo
         self._write(self.anchor)
-        self.syncs += 1
 
     # ---------------------------------------------------------------- DeepSpeed's weights
-    def _read(self) -> list[torch.Tensor]:
-        """Every trained parameter's full fp32 master weight (DeepSpeed's optimizer holds it under ZeRO-1/2/3 and
-        bf16; under ZeRO-0 in fp32 the parameter is the master)."""
+    def _read(self) -> torch.Tensor:
+        """Every trained parameter's full fp32 master weight, laid end to end (DeepSpeed's optimizer holds it under
+        ZeRO-1/2/3 and bf16; under ZeRO-0 in fp32 the parameter is the master)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        out = []
-        for p in self.params:
-            full = safe_get_full_fp32_param(p) if _has_master(p) else None
-            shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3's p is its partition
-            out.append((full if full is not None else p.detach()).float().clone().reshape(shape))
-        return out
+        return torch.cat([(safe_get_full_fp32_param(p) if _has_master(p) else p.detach()).float().reshape(-1)
+                          for p in self.params])
 
-    def _write(self, weights: list[torch.Tensor]) -> None:
+    def _write(self, flat: torch.Tensor) -> None:
         """The masters and the module's working copy (DeepSpeed copies masters to it only after its next step)."""
         from deepspeed import zero
         from deepspeed.utils import safe_set_full_fp32_param
 
+        shapes = [p.ds_shape if hasattr(p, "ds_shape") else p.shape for p in self.params]  # ZeRO-3's p: a partition
+        weights = [w.view(s) for w, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
         for p, w in zip(self.params, weights):
             if _has_master(p):
                 safe_set_full_fp32_param(p, w.to(p.device))
@@ -181,13 +167,12 @@ class Diloco(Component):
                 "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum, "dtype": self.cfg.dtype}
 
     def state_dict(self) -> dict:
-        return {"anchor": self.anchor, "momentum": self.momentum, "carry": self.carry, "syncs": self.syncs}
+        return {"anchor": self.anchor, "momentum": self.momentum, "carry": self.carry}
 
     def load_state_dict(self, state: dict, same_world: bool) -> None:
         if not same_world:  # resume.adapt_to_world refuses this before anything is built
             raise RuntimeError("diloco state resumes on the same world only")
-        self.anchor, self.momentum = state["anchor"], state["momentum"]
-        self.carry, self.syncs = state["carry"], state["syncs"]
+        self.anchor, self.momentum, self.carry = state["anchor"], state["momentum"], state["carry"]
 
 
 INT8_BLOCK = 128  # int8: elements sharing one fp32 scale (1 + 4/128 bytes per element: 3.9x fewer than fp32)
