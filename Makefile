@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps prebuild-ops train test test-fast bench bench-checkpoints bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-checkpoints bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -58,7 +58,6 @@ train: setup
 
 # DeepSpeed's JIT-built ops (CPU shared-memory collectives, CPU Adam for offload, async I/O for NVMe): built
 # once by `make setup`, so no first run sits silent for minutes of gcc (a run that does build one says so).
-# `make test` builds them while apt installs the cluster packages.
 PREBUILD_OPS ?= ShareMemCommBuilder CPUAdamBuilder AsyncIOBuilder
 $(VENV)/.ops-built: $(VENV)/.installed scripts/prebuild_ops.py
 	@echo "building DeepSpeed's ops ($(PREBUILD_OPS)) once: a few minutes on a fresh machine"
@@ -67,9 +66,15 @@ $(VENV)/.ops-built: $(VENV)/.installed scripts/prebuild_ops.py
 	@touch $@
 prebuild-ops: system-deps $(VENV)/.ops-built
 
+# every Debian package in one apt call (one dpkg lock), beside pip's install; the ops are built after both (the
+# AsyncIO op needs libaio) with the machine to themselves
+packages:
+	$(call apt_install,$(SYSTEM_PACKAGES) $(TEST_PACKAGES))
+
 # lint first: a style slip fails in seconds, not after the suite (pyproject.toml prints the 20 slowest tests)
-test: system-deps $(VENV)/.installed
-	@$(MAKE) --no-print-directory -j2 test-deps prebuild-ops
+test:
+	@$(MAKE) --no-print-directory -j2 packages $(VENV)/.installed
+	@$(MAKE) --no-print-directory prebuild-ops
 	@$(MAKE) --no-print-directory lint docs
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails

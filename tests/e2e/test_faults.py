@@ -1,5 +1,6 @@
-"""Nothing lost when things fail: every test breaks a real run and compares the outcome with an
-uninterrupted run of the same recipe (losses per step, final weights)."""
+"""Nothing lost when things fail: every test breaks a real run and compares the outcome with what an
+uninterrupted run computes: the plain single-process PyTorch loop (tests/helpers.py: reference_losses, losses per
+step and final weights), an independent reference that costs no launch."""
 from __future__ import annotations
 
 import json
@@ -38,12 +39,19 @@ def weights(run: Path) -> dict:
     return load_file(run / "hf" / "model.safetensors")
 
 
-def assert_same_weights(a: Path, b: Path) -> None:
+def reference(run: Path, tiny_llama: Path, steps: int = 12, warmup: int = 3):
+    """(losses, model) of the plain loop on ARGS' schedule (the recipe's min_lr_ratio and weight decay, 0.1)."""
+    return reference_losses(tiny_llama, run, steps, 3e-3, warmup, 0.1, weight_decay=0.1)
+
+
+def assert_weights_are(run: Path, model, atol: float) -> None:
+    """The exported weights are the reference model's (the bound allows for another reduction order)."""
     import torch
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-7, msg=key)
+    ours, want = weights(run), model.state_dict()
+    assert ours.keys() <= want.keys() and "model.embed_tokens.weight" in ours
+    for key in ours:
+        torch.testing.assert_close(ours[key], want[key], rtol=0, atol=atol,
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 def rank_process(launcher_pid: int, local_rank: int) -> psutil.Process:
@@ -66,18 +74,10 @@ def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 3
 CHAOS = ["--train.max_steps=60", "--checkpoint.every=10", "--train.warmup_steps=5"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache, tiny_llama) -> Path:
-    run = tmp_path_factory.mktemp("faults") / "whole"
-    launch(ARGS + CHAOS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run)], cache)
-    return run
-
-
 @pytest.mark.parametrize("seed", [1, 2])
-def test_kill9_of_a_rank_is_retried_by_launch_script_and_matches_uninterrupted(tmp_path, cache, tiny_llama,
-                                                                               uninterrupted, seed):
+def test_kill9_of_a_rank_is_retried_by_launch_script_and_matches_uninterrupted(tmp_path, cache, tiny_llama, seed):
     """kill -9 one rank at a random step; launch/single_node.sh restarts, resumes from the newest complete
-    checkpoint and the whole run's per-step losses and final weights equal an uninterrupted run's."""
+    checkpoint and the whole run's per-step losses and final weights are the plain loop's."""
     rng = random.Random(seed)
     victim, at_step = rng.randrange(2), rng.randrange(12, 45)  # after the first checkpoint (step 10)
     run = tmp_path / "run"
@@ -98,9 +98,12 @@ def test_kill9_of_a_rank_is_retried_by_launch_script_and_matches_uninterrupted(t
     assert "died" in err, err[-5000:]  # the surviving rank named the dead one before it left
     resumed = [line for line in err.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "step_000000" in resumed[0]
-    got, want = losses(run), losses(uninterrupted)
-    assert len(got) == 60 and got == pytest.approx(want, rel=1e-6, abs=0)
-    assert_same_weights(run, uninterrupted)
+    want, model = reference(run, tiny_llama, steps=60, warmup=5)
+    got = losses(run)
+    # measured against the plain loop after 60 steps: losses within 5.1e-6, weights within 6.7e-6 (another
+    # reduction order); with a 1% larger lr in the loop, 7.0e-2 and 3.4e-2
+    assert len(got) == 60 and got == pytest.approx(want, rel=5e-5, abs=0)
+    assert_weights_are(run, model, atol=5e-5)
 
 
 # ----------------------------------------------------------------------------- a rank dies, nobody waits
@@ -167,18 +170,9 @@ def test_stalled_rank_is_ended_by_the_watchdog_with_every_rank_stack(tmp_path, c
 
 # ----------------------------------------------------------------------------- torn and corrupt checkpoints
 
-@pytest.fixture(scope="module")
-def whole_one_rank(tmp_path_factory, cache, tiny_llama) -> Path:
-    run = tmp_path_factory.mktemp("faults") / "whole1"
-    launch(ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--checkpoint.every=0"], cache,
-           launcher="python")
-    return run
-
-
 @pytest.mark.parametrize("point,resumes_at", [("save:shards", 4), ("save:manifest", 4), ("save:publish", 8),
                                               ("save:prune", 8)])
-def test_kill_during_save_resumes_from_last_complete_checkpoint(tmp_path, cache, tiny_llama, whole_one_rank,
-                                                                point, resumes_at):
+def test_kill_during_save_resumes_from_last_complete_checkpoint(tmp_path, cache, tiny_llama, point, resumes_at):
     run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--checkpoint.every=4",
                    "--checkpoint.keep_last=1"]
@@ -187,13 +181,13 @@ def test_kill_during_save_resumes_from_last_complete_checkpoint(tmp_path, cache,
     resumed = launch(args, cache, launcher="python")
     assert f"resumed from {run / 'checkpoints' / f'step_{resumes_at:08d}'} at step {resumes_at}" in resumed.stderr
     got = losses(run)
-    assert len(got) == 12 and got == pytest.approx(losses(whole_one_rank), rel=1e-6, abs=0)
+    assert len(got) == 12 and got == pytest.approx(reference(run, tiny_llama)[0], rel=1e-5, abs=0)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(("step_", ".tmp"))) == \
         ["step_00000012"]
 
 
-def test_corrupt_file_in_newest_checkpoint_is_skipped_and_named(tmp_path, cache, tiny_llama, whole_by_stage):
-    run, whole = tmp_path / "run", whole_by_stage(1)  # ARGS' zero1.json, uninterrupted
+def test_corrupt_file_in_newest_checkpoint_is_skipped_and_named(tmp_path, cache, tiny_llama):
+    run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--checkpoint.every=4"]
     launch(args + ["--output_dir", str(run), "--train.exit_at_step=8"], cache)
     newest = run / "checkpoints" / "step_00000008"
@@ -206,7 +200,7 @@ def test_corrupt_file_in_newest_checkpoint_is_skipped_and_named(tmp_path, cache,
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in proc.stderr
     assert (run / "checkpoints" / "step_00000008.corrupt" / victim.name).exists()
     got = losses(run)
-    assert len(got) == 12 and got == pytest.approx(losses(whole), rel=1e-6, abs=0)
+    assert len(got) == 12 and got == pytest.approx(reference(run, tiny_llama)[0], rel=1e-5, abs=0)
 
 
 # ----------------------------------------------------------------------------- a full disk
@@ -251,19 +245,6 @@ def test_full_disk_stops_with_clear_error_and_earlier_checkpoint_intact(tmp_path
 
 # ----------------------------------------------------------------------------- another world size
 
-@pytest.fixture(scope="module")
-def whole_by_stage(tmp_path_factory, cache, tiny_llama):
-    runs = {}
-
-    def get(stage: int) -> Path:
-        if stage not in runs:
-            runs[stage] = tmp_path_factory.mktemp("faults") / f"whole-zero{stage}"
-            launch(ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(runs[stage]),
-                           "--checkpoint.every=0", "--ds_config", f"zero{stage}.json"], cache)
-        return runs[stage]
-    return get
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_on_another_world_size(tmp_path, cache, tiny_llama, stage):
     """Global batch 16 on 2 ranks x accum 2 or 1 rank x accum 4: 2 ranks to step 5, resumed on 1 rank to step 9,
@@ -286,7 +267,7 @@ def test_resume_on_another_world_size(tmp_path, cache, tiny_llama, stage):
         done = json.loads((run / "checkpoints" / f"step_{stop:08d}" / "complete.json").read_text())
         assert done["samples"] == stop * 16 and done["world_size"] == after
     got = losses(run)
-    want, _ = reference_losses(tiny_llama, run, 12, 3e-3, 3, 0.1, weight_decay=0.1)
+    want, _ = reference(run, tiny_llama)
     # the bound allows for another reduction order on another world size (against an uninterrupted 2-rank run the
     # chains were identical to the last digit for ZeRO-1/2/3 in both directions)
     assert len(got) == 12 and got == pytest.approx(want, rel=1e-5, abs=0)
