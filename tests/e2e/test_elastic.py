@@ -125,7 +125,7 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
 def test_a_world_the_checkpoint_cannot_use_trains_on_its_largest_usable_part(tmp_path, cache, tiny_llama):
     """The checkpoint's global batch of 8 (micro-batches of 4) cannot be split over 3 data-parallel ranks. Under
     the elastic launcher 3 ranks form (as they would when a third node joins): 2 of them resume and train to the
-    end, the third stands by and leaves when the run is done, and the agent ends by itself. The losses are an
+    end, the third stands by and leaves when the run is done, and the agent ends by itself. The losses are the
     plain single-process loop's. (Outside elastic launches the same world is bad input: test_faults.)"""
     run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--train.max_steps=12"]
