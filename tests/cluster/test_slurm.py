@@ -1,6 +1,7 @@
-"""launch/slurm.sbatch on a real two-node SLURM cluster (see conftest.py): it trains and exports like the
-single-node run, and a job signalled mid-run (as SLURM does before a time limit) checkpoints, requeues
-itself, resumes, and ends with the per-step losses of an uninterrupted run."""
+"""launch/slurm.sbatch on a real two-node SLURM cluster (see conftest.py): it trains and exports what a
+single-node run computes, and a job signalled mid-run (as SLURM does before a time limit) checkpoints, requeues
+itself, resumes, and ends with the per-step losses of an uninterrupted run. What a run computes is the plain
+single-process loop's (tests/helpers.py: reference_losses): an independent reference that costs no launch."""
 from __future__ import annotations
 
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, env, launch, metrics
+from tests.helpers import ROOT, env, metrics, reference_losses
 
 ARGS = ["--train.warmup_steps=2", "--train.micro_batch_size=4", "--train.grad_accum_steps=2",
         "--train.seq_len=64", "--eval.max_batches=2", "--eval.every=0", "--log.wandb=false",
@@ -43,10 +44,10 @@ def job_log(tmp_path: Path, job_id: str) -> str:
     return path.read_text() if path.exists() else "(no job output)"
 
 
-def reference(cache: Path, model: Path, run_dir: Path, steps: int) -> list[float]:
-    launch(ARGS + [f"--train.max_steps={steps}", f"--model.name_or_path={model}", "--output_dir", str(run_dir)],
-           cache)
-    return metrics(run_dir)[0]
+def reference(model: Path, run_dir: Path, steps: int):
+    """(losses, model) of the plain loop: the default recipe's lr 3e-3 and min_lr_ratio 0.1, weight decay 0.1 (the
+    default), ARGS' warmup; CPU ranks train in fp32 (precision auto)."""
+    return reference_losses(model, run_dir, steps, 3e-3, 2, 0.1, weight_decay=0.1)
 
 
 def test_sbatch_trains_on_two_nodes_and_exports(tmp_path, cache, tiny_llama, slurm):
@@ -58,15 +59,15 @@ def test_sbatch_trains_on_two_nodes_and_exports(tmp_path, cache, tiny_llama, slu
     assert job["JobState"] == "COMPLETED", f"{job}\n{log}\n{slurm.logs()}"
     assert "2 nodes x 1 ranks" in log and "cluster check: world 2" in log, log
     assert job["NodeList"] in ("n[1-2]", "n1,n2"), job  # the launcher ran on both nodes
-    want = reference(cache, tiny_llama, tmp_path / "single", 8)
+    want, model = reference(tiny_llama, run_dir, 8)
     got, _ = metrics(run_dir)
-    assert got == pytest.approx(want, rel=1e-6, abs=0)
+    assert len(got) == 8 and got == pytest.approx(want, rel=1e-5, abs=0)
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict()
-    single = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "hf").state_dict()
+    single = model.state_dict()
     assert exported.keys() == single.keys()
     for name, tensor in single.items():
-        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, cache, tiny_llama, slurm):
@@ -90,8 +91,11 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, cache,
     assert stopped and int(stopped.group(1)) < steps, log
     assert "requeueing to resume" in log and f"resumed from {run_dir / 'checkpoints' / stopped.group(2)}" in log, log
     assert "restart 1:" in log
-    want = reference(cache, tiny_llama, tmp_path / "uninterrupted", steps)
+    want, _ = reference(tiny_llama, run_dir, steps)
     got, _ = metrics(run_dir)
-    assert len(got) == steps and got == pytest.approx(want, rel=1e-6, abs=0)
+    gap = max(abs(g - w) / w for g, w in zip(got, want))
+    print(f"requeued SLURM job vs the plain loop over {steps} steps: max relative gap {gap:.1e}")
+    # measured: 1.3e-4 (at step 17, a spike of the loss); the loop with a 0.1% smaller lr departs by 3.4e-2
+    assert len(got) == steps and got == pytest.approx(want, rel=1e-3, abs=0)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
     assert (run_dir / "hf" / "config.json").exists()
