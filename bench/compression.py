@@ -43,7 +43,11 @@ RESULTS = ROOT / "docs" / "compression_bench.json"  # every figure of the sectio
 DEFAULT_SEED = 42  # the recipes' train.seed
 SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "PowerSGD rank 4", "sign": "sign + EF",
          "topk1": "TopK 1% + EF", "topk01": "TopK 0.1% + EF", "diloco10": "DiLoCo H=10", "diloco50": "DiLoCo H=50",
-         "diloco50bf16": "DiLoCo H=50 bf16"}
+         "diloco50bf16": "DiLoCo H=50 bf16", "diloco50int8": "DiLoCo H=50 int8",
+         "diloco50avg": "DiLoCo H=50 bf16, outer lr 1, no momentum",
+         "diloco50m5": "DiLoCo H=50 bf16, outer lr 1, momentum 0.5",
+         "diloco50m7": "DiLoCo H=50 bf16, outer lr 0.7, momentum 0.5",
+         "diloco25int8avg": "DiLoCo H=25 int8, outer lr 1, no momentum"}
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
@@ -55,6 +59,17 @@ METHODS = {  # name: train.py arguments on top of zero0.json
     "DiLoCo H=10": ["--diloco.every=10", "--diloco.replicas=2"],
     "DiLoCo H=50": ["--diloco.every=50", "--diloco.replicas=2"],
     "DiLoCo H=50 bf16": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=bf16"],
+    "DiLoCo H=50 int8": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=int8"],
+    # the outer step for short runs: the paper's lr 0.7 / momentum 0.9 was tuned for thousands of inner steps
+    "DiLoCo H=50 bf16, outer lr 1, no momentum": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=bf16",
+                                                  "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
+    "DiLoCo H=50 bf16, outer lr 1, momentum 0.5": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=bf16",
+                                                   "--diloco.outer_lr=1", "--diloco.outer_momentum=0.5"],
+    "DiLoCo H=50 bf16, outer lr 0.7, momentum 0.5": ["--diloco.every=50", "--diloco.replicas=2",
+                                                     "--diloco.dtype=bf16", "--diloco.outer_lr=0.7",
+                                                     "--diloco.outer_momentum=0.5"],
+    "DiLoCo H=25 int8, outer lr 1, no momentum": ["--diloco.every=25", "--diloco.replicas=2", "--diloco.dtype=int8",
+                                                  "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
 }
 
 

@@ -137,6 +137,7 @@ class Checkpointer:
         self.consolidate = layout is not None and layout.tensor_parallel > 1
         # DiLoCo: each replica's engine saves its own state (its inner optimizer's) under step_N/replica_K/
         self.replica = replica_tag(layout.replica) if layout is not None and layout.replicas > 1 else None
+        self.replica_index = layout.replica if layout is not None else 0
         self.writer = None
         if background:  # dstrain/background_save.py: the step waits for a host copy, a thread writes the files
             from .background_save import Writer, engine_for
@@ -344,8 +345,8 @@ class Checkpointer:
     def load(self, engine, resume: Resume) -> dict:
         """Restore engine (weights, optimizer, LR schedule), the extras and this rank's RNG; returns the manifest."""
         load_dir, tag = (resume.universal_dir.parent, resume.universal_dir.name) if resume.universal \
-            else (resume.path, self.replica) if self.replica \
-            else (resume.path.parent, resume.path.name)
+            else (resume.path, replica_tag(self.replica_index % resume.manifest.get("replicas", 1))) if self.replica \
+            else (resume.path.parent, resume.path.name)  # DiLoCo: a replica that joined takes replica k mod saved
         with ds_internals.universal_load_repairs(engine, resume.universal):
             load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True,

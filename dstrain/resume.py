@@ -204,21 +204,15 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     global_batch = manifest.get("global_batch")
     saved_dp = manifest.get("data_parallel", manifest.get("world_size"))
     data_parallel = layout.data_parallel
-    ours = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)
     saved_sp = manifest.get("sequence_parallel", 1)
     if saved_sp != layout.sequence_parallel:
         raise UserError(f"checkpoint {resume.path} was trained with sequence_parallel_size={saved_sp} and this run has "
                         f"{layout.sequence_parallel}; resume with the same sequence_parallel_size")
     saved_replicas = manifest.get("replicas", 1)
-    if saved_replicas != layout.replicas or (layout.replicas > 1 and saved_dp != data_parallel):
-        raise UserError(f"checkpoint {resume.path} was trained on {manifest.get('world_size')} ranks in "
-                        f"{saved_replicas} DiLoCo replica(s) and this run has {layout.world_size} in "
-                        f"{layout.replicas}; a DiLoCo checkpoint resumes on the same world and diloco.replicas")
+    if saved_replicas > 1 or layout.replicas > 1:
+        return _adapt_replicas(resume, train, layout, saved_replicas, log)
     if saved_dp == data_parallel:
-        if global_batch != ours:
-            raise UserError(f"checkpoint {resume.path} was trained with a global batch of {global_batch} samples, "
-                            f"this run has {ours}; keep micro_batch_size x grad_accum_steps x data-parallel size "
-                            f"unchanged to resume exactly, or start a new --output_dir")
+        _same_global_batch(resume, train, layout)
         return train, resume
     if layout.splits_model:
         raise UserError(f"checkpoint {resume.path} was saved with {saved_dp} data-parallel replicas and this run "
@@ -230,16 +224,67 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
         raise UserError(f"checkpoint {resume.path} (ZeRO-0/1/2 with sequence_parallel_size={saved_sp}) resumes only on "
                         f"the same world size: launch {manifest.get('world_size')} ranks, or train with a ZeRO-3 "
                         f"config (sp2_zero3.json), whose checkpoints resume on any multiple of the sp size")
-    accum = layout.accumulation_for(global_batch, train.micro_batch_size)
-    if accum is None:
-        raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
-                        f"{data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
-                        f"{batch_hint(global_batch, data_parallel)}")
+    accum = _accumulation(resume, train, layout)
     log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: " + (
         f"grad_accum_steps {train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}"
         if accum != train.grad_accum_steps else f"the global batch stays {global_batch}"))
     universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
     return replace(train, grad_accum_steps=accum), replace(resume, universal=universal)
+
+
+def _same_global_batch(resume: Resume, train: TrainConfig, layout: Layout) -> None:
+    """On the checkpoint's data-parallel size the recipe must make up its global batch as it is."""
+    global_batch, ours = resume.manifest.get("global_batch"), layout.global_batch(train.micro_batch_size,
+                                                                                    train.grad_accum_steps)
+    if global_batch != ours:
+        raise UserError(f"checkpoint {resume.path} was trained with a global batch of {global_batch} samples, this "
+                        f"run has {ours}; keep micro_batch_size x grad_accum_steps x data-parallel size unchanged "
+                        f"to resume exactly, or start a new --output_dir")
+
+
+def _accumulation(resume: Resume, train: TrainConfig, layout: Layout) -> int:
+    """grad_accum_steps that keeps the checkpoint's global batch on this layout, or one line saying why none can."""
+    global_batch = resume.manifest.get("global_batch")
+    accum = layout.accumulation_for(global_batch, train.micro_batch_size)
+    if accum is None:
+        raise UserError(f"checkpoint {resume.path} has a global batch of {global_batch} samples, which "
+                        f"{layout.data_parallel} ranks x micro_batch_size {train.micro_batch_size} cannot make up; "
+                        f"{batch_hint(global_batch, layout.data_parallel)}")
+    return accum
+
+
+def _adapt_replicas(resume: Resume, train: TrainConfig, layout: Layout, saved_replicas: int,
+                    log=print) -> tuple[TrainConfig, Resume]:
+    """A DiLoCo checkpoint (components/diloco.py) on more or fewer replicas of the same size: whole replicas join or
+    leave, as nodes do. Each replica's engine state is DeepSpeed's own checkpoint of a replica of that size, so
+    replica k loads replica k mod (saved replicas): a new replica starts from replica 0's inner state (AdamW's
+    moments, its weights), a removed one's is dropped. The shared weights and the outer momentum are the same on
+    every rank and are kept; the rounding carried over (bf16/int8) starts again from zero. The global batch is
+    kept, so each replica's share, and its grad_accum_steps, change."""
+    manifest = resume.manifest
+    world, global_batch = manifest.get("world_size"), manifest.get("global_batch")
+    if (saved_replicas > 1) != (layout.replicas > 1):
+        raise UserError(f"checkpoint {resume.path} was trained " + (
+            f"with DiLoCo ({saved_replicas} replicas); resume it with the diloco section it was trained with"
+            if saved_replicas > 1 else "without DiLoCo; resume it with diloco.every=0") +
+            f", or start a new --output_dir with --init_from {resume.path}")
+    saved_size = world // saved_replicas
+    if saved_size != layout.replica_size:
+        raise UserError(f"checkpoint {resume.path} holds DiLoCo replicas of {saved_size} rank(s) and this run makes "
+                        f"replicas of {layout.replica_size}; add or remove whole replicas (world size a multiple of "
+                        f"{saved_size}, diloco.replicas = world / {saved_size})")
+    accum = _accumulation(resume, train, layout)
+    if saved_replicas == layout.replicas:
+        _same_global_batch(resume, train, layout)
+        return train, resume
+    joined = ", ".join(f"{k} (a copy of replica {k % saved_replicas})"
+                       for k in range(saved_replicas, layout.replicas))
+    left = ", ".join(str(k) for k in range(layout.replicas, saved_replicas))
+    log(f"DiLoCo replicas changed from {saved_replicas} to {layout.replicas}: " + (
+        f"replica {joined} joined" if joined else f"replica {left} left, its inner state dropped") +
+        f"; shared weights and outer momentum kept, the carried rounding reset; grad_accum_steps "
+        f"{train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}")
+    return replace(train, grad_accum_steps=accum), resume
 
 
 def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:

@@ -367,7 +367,7 @@ def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config:
 def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                             weight_decay: float, world: int, replicas: int, micro: int, every: int, outer_lr: float,
                             outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
-                            max_grad_norm=1.0, seed=42) -> list[float]:
+                            max_grad_norm=1.0, seed=42, regroups: tuple = ()) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -377,7 +377,9 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     outer_momentum > 0); each copy then loads the shared weights and keeps its AdamW state. dtype bf16: each copy's
     pseudo-gradient plus its carried rounding error is rounded to bf16 and the error carried to the next sync; int8:
     the same with int8 codes and a scale (the largest magnitude) per 128 consecutive elements of the parameters
-    laid end to end in model order.
+    laid end to end in model order. `regroups`, (after_step, world, replicas) each: after that many steps (a sync)
+    the ranks form that many replicas of the same size; copy k goes on as copy k mod (replicas before) left it
+    (its weights and AdamW state; a copy past the new count is dropped), the carried rounding starts from zero.
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -388,7 +390,9 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     train = datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
     n = len(train["input_ids"])
     size = world // replicas
-    global_batch = json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * replicas
+    last_replicas = regroups[-1][2] if regroups else replicas  # the run's ds_config.json is its last launch's
+    global_batch = json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] * last_replicas
+    regroup_at = {after: (w, r) for after, w, r in regroups}
 
     def rows_of(step: int, replica: int):
         idx = [int(np.random.default_rng([seed, k // n]).permutation(n)[k % n])
@@ -399,10 +403,14 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
         return rows["input_ids"].long(), labels.long(), rows.get("attention_mask"), rows.get("position_ids")
 
     shared = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def adamw(m):
+        return torch.optim.AdamW([{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
+                                  {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                                 lr=lr, betas=betas, eps=eps)
+
     copies = [copy.deepcopy(shared).train() for _ in range(replicas)]
-    opts = [torch.optim.AdamW([{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
-                               {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-                              lr=lr, betas=betas, eps=eps) for m in copies]
+    opts = [adamw(m) for m in copies]
     outer = torch.optim.SGD(shared.parameters(), lr=outer_lr, momentum=outer_momentum,
                             nesterov=outer_momentum > 0)
     carry = [0.0] * replicas
@@ -445,6 +453,15 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
             outer.step()
             for model in copies:
                 model.load_state_dict(shared.state_dict())
+        if step + 1 in regroup_at:
+            world, new = regroup_at[step + 1]
+            size = world // new
+            for k in range(replicas, new):
+                src = k % replicas
+                copies.append(copy.deepcopy(copies[src]))
+                opts.append(adamw(copies[-1]))
+                opts[-1].load_state_dict(copy.deepcopy(opts[src].state_dict()))
+            copies, opts, replicas, carry = copies[:new], opts[:new], new, [0.0] * new
     return losses
 
 

@@ -16,7 +16,8 @@ is the mean over its own share (normalised by its own token count). The logged l
 evaluations and checkpoints happen at syncs (eval.every and checkpoint.every are multiples of H), where every
 replica holds the shared weights. A checkpoint holds each replica's DeepSpeed state (checkpoints/step_N/replica_K/)
 and each rank's outer state (the shared weights, the momentum, the rounding carried over); it resumes exactly
-on the same world and replicas.
+on the same world and replicas, and on more or fewer replicas of the same size (resume.adapt_to_world says what
+is kept and what starts afresh).
 
 Written here because no library does it for DeepSpeed: torchtitan's DiLoCo lives in torchft (FSDP, its own
 process groups and quorum), and DeepSpeed has no local-SGD mode. The inner steps are DeepSpeed's own; the outer step
@@ -107,8 +108,15 @@ class Diloco(Component):
             self.sync()
 
     def sync(self) -> None:
-        cfg, replicas = self.cfg, self.unit.layout.replicas
-        pseudo = self.anchor - self._read()
+        """Each rank of a replica sends one slice of the pseudo-gradient across the replicas (slice i of S,
+        INT8_BLOCK-aligned so that int8's blocks are the whole vector's), and the replica's ranks then share the
+        averaged slices over their own link: one model's worth crosses the slow link per replica and sync, not one
+        per rank."""
+        cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
+        full = self.anchor - self._read()
+        size, index, n = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank(), full.numel()
+        chunk = -(-n // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else n
+        pseudo = full[min(n, index * chunk):min(n, (index + 1) * chunk)].clone()
         if cfg.dtype != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
                 pseudo += self.carry
@@ -116,12 +124,17 @@ class Diloco(Component):
             self.carry = pseudo - decode(payload, cfg.dtype, pseudo.numel())
             gathered = [[torch.empty_like(t) for _ in range(replicas)] for t in payload]
             for parts, t in zip(gathered, payload):
-                tdist.all_gather(parts, t, group=self.unit.across)  # summed in fp32 below, not on the wire
+                tdist.all_gather(parts, t, group=unit.across)  # summed in fp32 below, not on the wire
             pseudo = torch.stack([decode([parts[k] for parts in gathered], cfg.dtype, pseudo.numel())
                                   for k in range(replicas)]).sum(0)
         else:
-            tdist.all_reduce(pseudo, group=self.unit.across)
+            tdist.all_reduce(pseudo, group=unit.across)
         pseudo /= replicas
+        if size > 1:  # the averaged slices, put together on every rank of the replica
+            parts = [torch.empty(chunk) for _ in range(size)]
+            tdist.all_gather(parts, torch.nn.functional.pad(pseudo, (0, chunk - pseudo.numel())),
+                             group=unit.get_data_parallel_group())
+            pseudo = torch.cat(parts)[:n]
         mu = cfg.outer_momentum
         if mu > 0:  # torch.optim.SGD's Nesterov: buf = mu buf + g (g itself at first), step g + mu buf
             self.momentum = pseudo.clone() if self.momentum is None else self.momentum.mul_(mu).add_(pseudo)
@@ -170,9 +183,10 @@ class Diloco(Component):
         return {"anchor": self.anchor, "momentum": self.momentum, "carry": self.carry}
 
     def load_state_dict(self, state: dict, same_world: bool) -> None:
-        if not same_world:  # resume.adapt_to_world refuses this before anything is built
-            raise RuntimeError("diloco state resumes on the same world only")
-        self.anchor, self.momentum, self.carry = state["anchor"], state["momentum"], state["carry"]
+        """The shared weights and the outer momentum are every rank's; the carried rounding is its replica's and,
+        on another world (replicas joined or left: resume.adapt_to_world), starts again from zero."""
+        self.anchor, self.momentum = state["anchor"], state["momentum"]
+        self.carry = state["carry"] if same_world else None
 
 
 INT8_BLOCK = 128  # int8: elements sharing one fp32 scale (1 + 4/128 bytes per element: 3.9x fewer than fp32)

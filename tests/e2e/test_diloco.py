@@ -71,3 +71,28 @@ def test_h3_nesterov_int8_replicas_of_two_ranks_zero3_stopped_and_resumed(tmp_pa
     info = json.loads((run / "run_info.json").read_text())
     assert info["components"]["diloco"]["replicas"] == 2
     assert (run / "hf" / "model.safetensors").exists()
+
+
+def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
+    """Whole replicas (of one rank) join and leave between launches, as nodes do: 2 replicas to step 3, 3 to step 6,
+    2 to the end (H = 3, checkpoints at the syncs; the paper's Nesterov outer step; bf16 pseudo-gradients). The
+    joining replica starts from a copy of replica 0 (its weights and AdamW state), the shared weights and the
+    outer momentum carry on, the carried rounding starts again from zero, and grad_accum_steps keeps the global
+    batch of 24: the joined losses are the simulation's with the same regrouping (measured 6.2e-8). The simulation
+    with fresh AdamW moments for the joining replica is 7.0e-3 away, and without the regrouping 1.5e-3."""
+    run = tmp_path / "run"
+    args = COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", "--output_dir", str(run),
+                     "--train.max_steps=9", "--train.grad_accum_steps=3", "--checkpoint.every=3",
+                     "--diloco.every=3", "--diloco.dtype=bf16"]
+    launch(args + ["--diloco.replicas=2", "--train.exit_at_step=3"], cache, nproc=2)
+    grew = launch(args + ["--diloco.replicas=3", "--train.exit_at_step=6"], cache, nproc=3)
+    assert "DiLoCo replicas changed from 2 to 3: replica 2 (a copy of replica 0) joined; shared weights and outer " \
+           "momentum kept, the carried rounding reset; grad_accum_steps 3 -> 2 keeps the global batch at 24" \
+           in grew.stderr, grew.stderr[-3000:]
+    shrank = launch(args + ["--diloco.replicas=2"], cache, nproc=2)
+    assert "DiLoCo replicas changed from 3 to 2: replica 2 left, its inner state dropped" in shrank.stderr, \
+        shrank.stderr[-3000:]
+    got = metrics(run)[0]
+    want = diloco_reference_losses(tiny_llama, run, 9, LR, WARMUP, MIN_LR, 0.1, 2, 2, MICRO, 3, 0.7, 0.9, "bf16",
+                                   regroups=((3, 3, 3), (6, 2, 2)))
+    assert len(got) == 9 and got == pytest.approx(want, rel=RTOL)

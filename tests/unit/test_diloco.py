@@ -85,3 +85,42 @@ def test_what_is_sent_plus_what_is_carried_is_the_pseudo_gradient(dtype, bound):
     assert 0 < worst <= bound
     sizes = sum(t.numel() * t.element_size() for t in payload)
     assert sizes == (2000 if dtype == "bf16" else 1024 + 8 * 4)
+
+
+def _diloco_checkpoint(tmp_path, world=2, replicas=2, global_batch=24):
+    from dstrain.checkpoint import Resume
+    path = tmp_path / "step_00000003"
+    path.mkdir(exist_ok=True)
+    return Resume(path, {"global_batch": global_batch, "data_parallel": world, "world_size": world,
+                         "sequence_parallel": 1, "replicas": replicas})
+
+
+def test_whole_replicas_join_and_leave_on_resume_and_other_sizes_are_refused(tmp_path):
+    from dstrain.config import TrainConfig
+    from dstrain.errors import UserError
+    from dstrain.layout import Layout
+    from dstrain.resume import adapt_to_world
+
+    said = []
+    train = TrainConfig(micro_batch_size=4, grad_accum_steps=3)
+    ckpt = _diloco_checkpoint(tmp_path)
+    assert adapt_to_world(ckpt, train, Layout(2, replicas=2), said.append) == (train, ckpt)  # as saved
+    grown, resume = adapt_to_world(ckpt, train, Layout(3, replicas=3), said.append)
+    assert grown.grad_accum_steps == 2 and not resume.universal  # each replica's engine loads as saved
+    assert said == ["DiLoCo replicas changed from 2 to 3: replica 2 (a copy of replica 0) joined; shared weights "
+                    "and outer momentum kept, the carried rounding reset; grad_accum_steps 3 -> 2 keeps the global "
+                    "batch at 24"]
+    shrunk, _ = adapt_to_world(_diloco_checkpoint(tmp_path, world=4, replicas=4), train, Layout(2, replicas=2),
+                               said.append)
+    assert shrunk.grad_accum_steps == 3 and "replica 2, 3 left, its inner state dropped" in said[-1]
+    with pytest.raises(UserError, match=r"holds DiLoCo replicas of 1 rank\(s\) and this run makes replicas of 2; "
+                                        r"add or remove whole replicas"):
+        adapt_to_world(ckpt, train, Layout(4, replicas=2))
+    with pytest.raises(UserError, match="was trained with DiLoCo \\(2 replicas\\); resume it with the diloco section"):
+        adapt_to_world(ckpt, train, Layout(2))
+    with pytest.raises(UserError, match="was trained without DiLoCo; resume it with diloco.every=0"):
+        adapt_to_world(_diloco_checkpoint(tmp_path, replicas=1), train, Layout(2, replicas=2))
+    with pytest.raises(UserError, match="cannot make up"):  # 24 samples over 5 replicas of micro-batches of 4
+        adapt_to_world(ckpt, train, Layout(5, replicas=5))
+    with pytest.raises(UserError, match="was trained with a global batch of 24 samples, this run has 16"):
+        adapt_to_world(ckpt, TrainConfig(micro_batch_size=4, grad_accum_steps=2), Layout(2, replicas=2))
