@@ -133,7 +133,9 @@ def slurm():
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd-%n.pid",
         f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+        # the main scheduling pass every 2 s instead of 60: a requeued job is otherwise started by the next one
         "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/builtin",
+        "SchedulerParameters=sched_interval=2",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2", "MpiDefault=none",
         "JobRequeue=1", "MinJobAge=600", "KillWait=30", "SlurmdTimeout=60", "SlurmctldTimeout=60",
         *(f"NodeName=n{i} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=1 State=UNKNOWN"

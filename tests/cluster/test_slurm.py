@@ -71,7 +71,7 @@ def test_sbatch_trains_on_two_nodes_and_exports(tmp_path, cache, tiny_llama, slu
 
 
 def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, cache, tiny_llama, slurm):
-    steps = 100  # the stop lands a step or two after the test's signal (measured: asked at step 2, stopped at 3)
+    steps = 40  # the stop lands a step or two after the test's signal (measured: asked at step 2, stopped at 3)
     run_dir = tmp_path / "run"
     job_id = submit(slurm, cache, tmp_path, run_dir, ARGS + [f"--train.max_steps={steps}", "--checkpoint.every=0",
                                                              f"--model.name_or_path={tiny_llama}"])
@@ -95,7 +95,7 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, cache,
     got, _ = metrics(run_dir)
     gap = max(abs(g - w) / w for g, w in zip(got, want))
     print(f"requeued SLURM job vs the plain loop over {steps} steps: max relative gap {gap:.1e}")
-    # measured: 1.3e-4 (at step 17, a spike of the loss); the loop with a 0.1% smaller lr departs by 3.4e-2
-    assert len(got) == steps and got == pytest.approx(want, rel=1e-3, abs=0)
+    # measured: 7.9e-6 (100 steps: 1.3e-4); the loop with a 0.1% larger lr departs by 3.9e-3, 1% by 3.2e-2
+    assert len(got) == steps and got == pytest.approx(want, rel=1e-4, abs=0)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
     assert (run_dir / "hf" / "config.json").exists()
