@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-checkpoints bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -96,6 +96,11 @@ docs-serve: docs
 BENCH_ARGS ?=
 bench: setup
 	$(PY) bench/speed.py --write $(BENCH_ARGS)
+
+# on a CUDA machine: tests/gpu (QLoRA; bf16 and fp16 against the fp32 loop), the gpu-1b speed bench against the
+# Trainer and ZeRO++ (scripts/gpu_checks.sh; logs in /tmp/dstrain-gpu-checks)
+bench-gpu: setup test-deps
+	PY=$(PY) bash scripts/gpu_checks.sh
 
 bench-memory: setup
 	$(PY) bench/memory.py --write $(BENCH_ARGS)

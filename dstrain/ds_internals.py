@@ -229,15 +229,28 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     said = [say]
 
     def jit_load(self, verbose=True):
-        root = jit_build_dir_root(self)
-        with env.overridden("TORCH_EXTENSIONS_DIR", str(root)):  # torch builds in <root>/<op name>
-            if jit_build_needed(self):
-                said[0](f"building DeepSpeed's {self.name} op with the compiler into {root}: once per machine and "
-                        f"build setting, 1-3 minutes (`make setup` builds them ahead)")
-            return original(self, verbose)
+        with cuda_arch_list_deepspeed_parses():
+            root = jit_build_dir_root(self)
+            with env.overridden("TORCH_EXTENSIONS_DIR", str(root)):  # torch builds in <root>/<op name>
+                if jit_build_needed(self):
+                    said[0](f"building DeepSpeed's {self.name} op with the compiler into {root}: once per machine "
+                            f"and build setting, 1-3 minutes (`make setup` builds them ahead)")
+                return original(self, verbose)
     jit_load.dstrain_announces = True
     jit_load.dstrain_say = said
     OpBuilder.jit_load = jit_load
+
+
+@contextmanager
+def cuda_arch_list_deepspeed_parses() -> Iterator[None]:
+    """TORCH_CUDA_ARCH_LIST without the 9.0a-style suffixes CUDAOpBuilder.compute_capability_args cannot parse
+    (env.deepspeed_cuda_arch_list), for one JIT build."""
+    arch = env.deepspeed_cuda_arch_list()
+    if arch is None:
+        yield
+        return
+    with env.overridden("TORCH_CUDA_ARCH_LIST", arch):
+        yield
 
 
 def replace_zero0_allreduce(engine, average_: Callable[[list[torch.Tensor]], None]) -> None:

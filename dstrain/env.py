@@ -34,6 +34,9 @@ DOCUMENTED = {
                             "are cleared at start",
     "OMP_NUM_THREADS": "threads per CPU rank; when unset, ranks sharing a node split its cores (DeepSpeed's launcher "
                        "leaves it unset, and 2 ranks x all cores each ran matmuls 5-10x slower)",
+    "TORCH_CUDA_ARCH_LIST": "the GPU architectures DeepSpeed's JIT-built CUDA ops are compiled for (default: the "
+                            "visible GPUs'); a Hopper/Blackwell suffix (9.0a, 10.0f) is dropped for those builds, "
+                            "which DeepSpeed 0.19 cannot parse",
     "CXX": "the C++ compiler DeepSpeed's JIT-built ops are compiled with (part of their build directory's key)",
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
@@ -148,6 +151,19 @@ def overridden(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+def deepspeed_cuda_arch_list() -> str | None:
+    """TORCH_CUDA_ARCH_LIST without architecture-specific suffixes ("9.0a;10.0f+PTX" -> "9.0;10.0+PTX"), or None
+    when it has none. DeepSpeed 0.19's CUDA op builders parse each entry as digits and raised ValueError on "9.0a",
+    the value CUDA images for Hopper set (seen on an H200 image): every run with a fused op failed at start."""
+    import re
+
+    value = _get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return None
+    stripped = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
+    return stripped if stripped != value else None
 
 
 def torch_extensions_dir() -> Path:

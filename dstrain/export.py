@@ -78,6 +78,10 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         raise UserError(f"{model_files} is missing; export needs the run directory written by train.py")
     config = AutoConfig.from_pretrained(model_files)
     config.use_cache = True  # run directories written before this was fixed recorded the training setting (off)
+    if getattr(config, "quantization_config", None) is not None:
+        # a QLoRA run's config records its 4-bit base: the export is the full-precision base with the adapters
+        # merged (a 4-bit load here put bitsandbytes layers with plain weights under peft: seen on an H200)
+        del config.quantization_config
     state = consolidated_state_dict(ckpt)
     if (model_files / LORA_DIR / "adapter_config.json").exists():
         model = _lora_model(model_files, config, state, ckpt)

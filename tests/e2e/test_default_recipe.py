@@ -104,6 +104,23 @@ def test_tiny_lora_recipe_on_the_default_runs_export(tmp_path, cache, default_ru
     assert evals[-1]["eval_loss"] < 0.8 * evals[0]["eval_loss"]
     assert "lora: r=16 on all-linear" in proc.stderr and (run / "adapter" / "adapter_config.json").exists()
 
+    # A QLoRA run's model_config/config.json records the 4-bit base (transformers writes quantization_config):
+    # its export loaded the base 4-bit and peft failed on it (seen on an H200). Exported again with that record,
+    # the merged model is the same full-precision one and says nothing of 4 bits.
+    import torch
+    from safetensors.torch import load_file
+
+    from dstrain.export import export_dtype, export_hf
+    config = run / "model_config" / "config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), quantization_config={
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"})))
+    again = export_hf(sorted((run / "checkpoints").glob("step_*"))[-1], tmp_path / "hf",
+                      export_dtype(json.loads((run / "ds_config.json").read_text())))
+    assert "quantization_config" not in json.loads((again / "config.json").read_text())
+    want, got = load_file(run / "hf" / "model.safetensors"), load_file(again / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
 
 def test_tiny_dpo_recipe_on_the_default_runs_export(tmp_path, cache, default_run):
     """The README's DPO command on the default run's hf/ (the recipe names runs/tiny-pretrain/hf): the reference

@@ -1,7 +1,7 @@
 """QLoRA (lora.quantize: 4bit) on a CUDA GPU with bitsandbytes: skipped cleanly anywhere else (CI has no GPU).
 
 A tiny Llama with saved weights, 4-bit NF4 base, bf16 adapters, one rank: it must learn, leave the base out of
-its checkpoint and export adapter/ + a merged hf/ that loads. Run by `make bench-gpu`'s machines and by hand:
+its checkpoint and export adapter/ + a merged hf/ that loads. Run by `make bench-gpu` (scripts/gpu_checks.sh) and by hand:
     .venv/bin/python -m pytest tests/gpu -q
 """
 from __future__ import annotations

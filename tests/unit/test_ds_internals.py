@@ -250,6 +250,29 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
 
 
+def test_cuda_arch_suffixes_are_dropped_for_jit_builds(monkeypatch):
+    """The H200 image sets TORCH_CUDA_ARCH_LIST=9.0a: DeepSpeed's CUDA op builders parse entries as digits, and
+    every run with FusedAdam (any GPU run with a shipped config) or ZeRO++'s quantizer failed at start with
+    "invalid literal for int() with base 10: '0a'". dstrain's jit_load drops the suffix for the build."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0f+PTX")
+    with pytest.raises(ValueError, match="0a"):  # passes once DeepSpeed parses suffixes: then drop the workaround
+        FusedAdamBuilder().compute_capability_args()
+    with ds_internals.cuda_arch_list_deepspeed_parses():
+        args = FusedAdamBuilder().compute_capability_args()
+    assert "-gencode=arch=compute_90,code=sm_90" in args and os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0a 10.0f+PTX"
+    seen = []
+    monkeypatch.setattr(OpBuilder, "jit_load",
+                        lambda self, verbose=True: seen.append(os.environ["TORCH_CUDA_ARCH_LIST"]) or "loaded")
+    ds_internals.announce_jit_builds(lambda line: None)
+    assert FusedAdamBuilder().jit_load() == "loaded" and seen == ["8.0;9.0 10.0+PTX"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    FusedAdamBuilder().jit_load()
+    assert seen[-1] == "8.0;9.0+PTX"
+
+
 def test_jit_builds_with_other_flags_go_to_their_own_directory(monkeypatch):
     """Issue 29 item 6: two environments sharing ~/.cache/torch_extensions rebuilt shm_comm back and forth,
     silently (torch keeps one directory per op name and rebuilds when the flags differ). Keyed by the build
