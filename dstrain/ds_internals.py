@@ -229,6 +229,7 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     said = [say]
 
     def jit_load(self, verbose=True):
+        without_debug_info(self)
         with cuda_arch_list_deepspeed_parses():
             root = jit_build_dir_root(self)
             with env.overridden("TORCH_EXTENSIONS_DIR", str(root)):  # torch builds in <root>/<op name>
@@ -239,6 +240,15 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     jit_load.dstrain_announces = True
     jit_load.dstrain_say = said
     OpBuilder.jit_load = jit_load
+
+
+def without_debug_info(builder) -> None:
+    """DeepSpeed's AsyncIO op (NVMe offload) compiles its 12 files with -g at -O0: 175 s of `make setup` on 2 cores,
+    119 s without -g (measured). Debug info changes no code; the flags are part of the build key
+    (jit_build_key), so the build directory is its own."""
+    if builder.name == "async_io" and "cxx_args" not in vars(builder):
+        flags = builder.cxx_args
+        builder.cxx_args = lambda: [flag for flag in flags() if flag != "-g"]
 
 
 @contextmanager
