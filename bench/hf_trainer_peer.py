@@ -31,6 +31,11 @@ def main() -> None:
     parser.add_argument("--torch_compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's
     args = parser.parse_args()
+    # DeepSpeed's JIT-built ops from the directories `make setup` built them into, as train.py finds them: neither
+    # side pays a compile inside the comparison (built into torch's default directory instead, the shared-memory op
+    # cost the peer ~30 s on a fresh machine)
+    from dstrain.ds_internals import announce_jit_builds
+    announce_jit_builds(lambda text: print(text, flush=True))
 
     import datasets
     from transformers import (

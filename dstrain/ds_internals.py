@@ -229,7 +229,7 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     said = [say]
 
     def jit_load(self, verbose=True):
-        without_debug_info(self)
+        settle_flags(self)
         with cuda_arch_list_deepspeed_parses():
             root = jit_build_dir_root(self)
             with env.overridden("TORCH_EXTENSIONS_DIR", str(root)):  # torch builds in <root>/<op name>
@@ -242,13 +242,18 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     OpBuilder.jit_load = jit_load
 
 
-def without_debug_info(builder) -> None:
-    """DeepSpeed's AsyncIO op (NVMe offload) compiles its 12 files with -g at -O0: 175 s of `make setup` on 2 cores,
-    119 s without -g (measured). Debug info changes no code; the flags are part of the build key
-    (jit_build_key), so the build directory is its own."""
-    if builder.name == "async_io" and "cxx_args" not in vars(builder):
-        flags = builder.cxx_args
-        builder.cxx_args = lambda: [flag for flag in flags() if flag != "-g"]
+def settle_flags(builder) -> None:
+    """The op's compiler flags, computed once for this builder. DeepSpeed's CPU builders probe the CPU (py-cpuinfo)
+    in every cxx_args() call, 2.3 s each here (CPUAdam, AsyncIO), and a JIT load asked twice: the build key, then
+    DeepSpeed's own build; every rank of an offload run paid it. The AsyncIO op (NVMe offload) compiles its 12
+    files with -g at -O0: 175 s of `make setup` on 2 cores, 119 s without -g (measured); debug info changes no code,
+    and the flags are part of the build key (jit_build_key), so that build has its own directory."""
+    if "cxx_args" in vars(builder):
+        return
+    flags = builder.cxx_args()
+    if builder.name == "async_io":
+        flags = [flag for flag in flags if flag != "-g"]
+    builder.cxx_args = lambda: list(flags)
 
 
 @contextmanager

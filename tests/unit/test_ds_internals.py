@@ -31,6 +31,9 @@ import deepspeed
 from dstrain import ds_internals
 from dstrain.layout import Layout
 
+# the prebuilt ops' directories, as train.py's dist.init: without it DeepSpeed built its shared-memory op into
+# torch's default directory (~45 s of the suite on a fresh machine, and again whenever another venv had built it)
+ds_internals.announce_jit_builds(lambda line: None)
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 out = {}
 def engine(stage):
@@ -273,21 +276,27 @@ def test_cuda_arch_suffixes_are_dropped_for_jit_builds(monkeypatch):
     assert seen[-1] == "8.0;9.0+PTX"
 
 
-def test_async_io_builds_without_debug_info(monkeypatch):
-    """Issue 30: the AsyncIO op's 12 files at -O0 -g were 175 s of `make setup` on 2 cores; 119 s without -g."""
+def test_jit_loads_probe_the_flags_once_and_async_io_builds_without_debug_info(monkeypatch):
+    """Issue 30: the AsyncIO op's 12 files at -O0 -g were 175 s of `make setup` on 2 cores; 119 s without -g. And
+    each cxx_args() of the CPU builders probes the CPU (2.3 s): a JIT load asked twice, on every offload rank."""
+    import cpuinfo
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    assert "-g" in builder.cxx_args(), moved("AsyncIOBuilder.cxx_args (no -g any more: drop without_debug_info)")
+    plain_flags = builder.cxx_args()
+    assert "-g" in plain_flags, moved("AsyncIOBuilder.cxx_args (no -g any more: drop that part of settle_flags)")
     plain_key = ds_internals.jit_build_key(builder)
-    seen = []
+    seen, probes = [], []
     monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True:
                         seen.append((self.cxx_args(), ds_internals.jit_build_key(self))) or "loaded")
     ds_internals.announce_jit_builds(lambda line: None)
+    probe = cpuinfo.get_cpu_info
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: probes.append(1) or probe())
     assert builder.jit_load() == "loaded"
     flags, key = seen[0]
-    assert "-g" not in flags and "-O0" in flags and key != plain_key
+    assert flags == [flag for flag in plain_flags if flag != "-g"] and "-O0" in flags and key != plain_key
+    assert 0 < len(probes) <= 2, moved("the CPU builders' cxx_args") + f": {len(probes)} CPU probes for one load"
     other = get_accelerator().create_op_builder("CPUAdamBuilder")
     other.jit_load()
     assert "-g" in seen[1][0]  # the other ops keep DeepSpeed's flags
