@@ -11,6 +11,8 @@ Transient, in two phases that do not overlap (the peak is the persistent part pl
   backward    activations, the gradient reduce bucket, ZeRO-3's gathered live parameters and prefetch
   step        the fp32 partition's gradient 4*psi/N, torch AdamW's foreach temporary (one fp32 element
               per updated element), ZeRO-1/2's all-gather bucket
+  DiLoCo sync (after the step) one fp32 vector of the whole model and a few slices (_diloco); its persistent
+              state, the shared weights and the outer momentum, is 8*psi on every rank
 Buckets count at most psi elements: on CPU only written pages are resident.
 Offloaded parameters / optimizer states move from the device to host memory.
 LoRA (psi_a adapter parameters on a frozen base of psi): parameters are w*(psi + psi_a) (ZeRO-3: /N), while
@@ -43,6 +45,7 @@ from .layout import Layout
 GiB = 1024 ** 3
 BACKWARD = ("activations", "buffers")        # alive during forward/backward only
 STEP = ("optimizer_step",)                   # alive during the optimizer step only
+OUTER = ("diloco_sync",)                     # alive during DiLoCo's outer step only (after the optimizer step)
 # Configs tried, most memory-hungry first, when a recipe does not fit.
 LADDER = ["zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json", "zero3_nvme.json"]
 
@@ -59,10 +62,11 @@ class Estimate:
     @property
     def device_total(self) -> int:
         """The peak: persistent states plus the larger of the backward phase and the optimizer-step phase."""
-        persistent = sum(v for k, v in self.device.items() if k not in BACKWARD + STEP)
+        persistent = sum(v for k, v in self.device.items() if k not in BACKWARD + STEP + OUTER)
         backward = sum(self.device.get(k, 0) for k in BACKWARD)
         step = sum(self.device.get(k, 0) for k in STEP)
-        return persistent + max(backward, step)
+        outer = sum(self.device.get(k, 0) for k in OUTER)
+        return persistent + max(backward, step, outer)
 
 
 def _dims(config) -> tuple[int, int, int, int]:
@@ -121,6 +125,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
                            + int(zero.get("stage3_prefetch_bucket_size", 5e7)))
     device = {"parameters": params, "gradients": grads, "optimizer_states": moments + master,
               "optimizer_step": step, "buffers": buffers}
+    if recipe.diloco.enabled:
+        device.update(_diloco(recipe.diloco, psi_t, layout, w if stage == 3 else 0))
     host: dict = {}
     if offload_opt:  # DeepSpeedCPUAdam: states, master, its gradient and the step live in host memory
         host["optimizer_states"] = device.pop("optimizer_states") + device.pop("optimizer_step")
@@ -142,6 +148,25 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     est = Estimate(parameters, psi, device, host, checkpointed, full)
     est.device["activations"] = checkpointed if train.activation_checkpointing else full
     return est
+
+
+def _diloco(cfg, psi_t: int, layout, gathered_w: int) -> dict:
+    """DiLoCo's outer state on every rank (components/diloco.py): the shared weights of the last sync (fp32, the
+    whole model), the outer momentum (fp32, when outer_momentum > 0) and the rounding carried over (fp32, this
+    rank's slice of the model, when the pseudo-gradient is sent in bf16/int8). At a sync, after the optimizer
+    step: the weights read into one full fp32 vector (padded to the replica's S slices), a copy of this rank's
+    slice, what goes on the wire from each replica and two decoded slices; under ZeRO-3 writing the new weights
+    back gathers the whole model (w bytes each) once that vector is gone."""
+    from .components.diloco import INT8_BLOCK
+
+    size = layout.replica_data_parallel
+    chunk = -(-psi_t // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else psi_t
+    compressed = cfg.dtype != "fp32"
+    persistent = 4 * psi_t * (2 if cfg.outer_momentum > 0 else 1) + (4 * chunk if compressed else 0)
+    wire = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK}[cfg.dtype] * chunk
+    sync = 4 * size * chunk + (4 * chunk if size > 1 else 0) + \
+        (int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0)
+    return {"diloco_state": persistent, "diloco_sync": max(sync, gathered_w * psi_t)}
 
 
 # Memory of common accelerators, for planning a run from a machine without them (`--preflight --device NAME`):
@@ -202,7 +227,8 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
     for kind, value in est.device.items():
         lines.append(f"  {kind:<18}{_fmt(value)}")
     lines.append(f"  {'peak':<18}{_fmt(est.device_total)}   of {_fmt(capacity).strip()} ({capacity_name}); "
-                 f"buffers+activations (backward) and optimizer_step do not coexist")
+                 f"buffers+activations (backward), optimizer_step"
+                 f"{' and diloco_sync' if 'diloco_sync' in est.device else ''} do not coexist")
     for kind, value in est.host.items():
         lines.append(f"  offloaded to host: {kind:<18}{_fmt(value)}")
     t = recipe.train
@@ -225,8 +251,10 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     _, config = load_config(recipe.model, recipe.train.seq_len)
     parameters = count_parameters(config)
     h = hidden_size(config)
-    resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h)
-    layout = Layout.from_ds_config(resolved, world_size)
+    from .components.diloco import replicas_for
+    replicas = replicas_for(recipe, world_size, ranks_per_node)  # DiLoCo: ZeRO partitions within a replica
+    resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h, replicas=replicas)
+    layout = Layout.from_ds_config(resolved, world_size, replicas=replicas)
     capacity, capacity_name = target or device_memory(caps.name, ranks_per_node)
     trained = quantized = None
     if recipe.lora.enabled:  # a frozen base (4-bit with lora.quantize) and adapters with full training states
@@ -258,8 +286,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     for candidate in LADDER:
         for checkpointing in (recipe.train.activation_checkpointing, True):
             trial = _with(recipe, checkpointing)
-            cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps, h)
-            trial_layout = Layout.from_ds_config(cfg, world_size)
+            cfg = ds_config.resolve(ds_config.load(candidate), trial, world_size, caps, h, replicas=replicas)
+            trial_layout = Layout.from_ds_config(cfg, world_size, replicas=replicas)
             if estimate(config, parameters, trial, cfg, trial_layout, trained,
                         quantized or 0).device_total <= capacity:
                 fix = candidate + (" with --train.activation_checkpointing=true" if checkpointing and

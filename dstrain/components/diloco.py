@@ -111,12 +111,15 @@ class Diloco(Component):
         """Each rank of a replica sends one slice of the pseudo-gradient across the replicas (slice i of S,
         INT8_BLOCK-aligned so that int8's blocks are the whole vector's), and the replica's ranks then share the
         averaged slices over their own link: one model's worth crosses the slow link per replica and sync, not one
-        per rank."""
+        per rank. Memory beside the anchor and momentum (memory.py counts it): one full fp32 vector, reused from the
+        read of the weights to the gathered average, and a few slices."""
         cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
-        full = self.anchor - self._read()
-        size, index, n = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank(), full.numel()
+        size, index, n = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank(), self.anchor.numel()
         chunk = -(-n // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else n
-        pseudo = full[min(n, index * chunk):min(n, (index + 1) * chunk)].clone()
+        full = self._read(size * chunk)  # padded to S slices
+        torch.sub(self.anchor, full[:n], out=full[:n])  # the pseudo-gradient, in place
+        pseudo = full[min(n, index * chunk):min(n, (index + 1) * chunk)]
+        pseudo = pseudo.clone() if size > 1 else pseudo  # `full` takes the gathered average below
         if cfg.dtype != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
                 pseudo += self.carry
@@ -125,31 +128,43 @@ class Diloco(Component):
             gathered = [[torch.empty_like(t) for _ in range(replicas)] for t in payload]
             for parts, t in zip(gathered, payload):
                 tdist.all_gather(parts, t, group=unit.across)  # summed in fp32 below, not on the wire
-            pseudo = torch.stack([decode([parts[k] for parts in gathered], cfg.dtype, pseudo.numel())
-                                  for k in range(replicas)]).sum(0)
+            pseudo = decode([parts[0] for parts in gathered], cfg.dtype, pseudo.numel())
+            for k in range(1, replicas):  # one replica's at a time, in replica order
+                pseudo += decode([parts[k] for parts in gathered], cfg.dtype, pseudo.numel())
+            del gathered
         else:
             tdist.all_reduce(pseudo, group=unit.across)
         pseudo /= replicas
-        if size > 1:  # the averaged slices, put together on every rank of the replica
-            parts = [torch.empty(chunk) for _ in range(size)]
-            tdist.all_gather(parts, torch.nn.functional.pad(pseudo, (0, chunk - pseudo.numel())),
+        if size > 1:  # the averaged slices, put together on every rank of the replica, into the full vector
+            full.zero_()
+            tdist.all_gather(list(full.split(chunk)),
+                             torch.nn.functional.pad(pseudo, (0, chunk - pseudo.numel())),
                              group=unit.get_data_parallel_group())
-            pseudo = torch.cat(parts)[:n]
+            pseudo = full[:n]
         mu = cfg.outer_momentum
         if mu > 0:  # torch.optim.SGD's Nesterov: buf = mu buf + g (g itself at first), step g + mu buf
             self.momentum = pseudo.clone() if self.momentum is None else self.momentum.mul_(mu).add_(pseudo)
-            pseudo += mu * self.momentum
-        self.anchor -= cfg.outer_lr * pseudo
+            pseudo.add_(self.momentum, alpha=mu)
+        self.anchor.add_(pseudo, alpha=-cfg.outer_lr)
+        del full, pseudo
         self._write(self.anchor)
 
     # ---------------------------------------------------------------- DeepSpeed's weights
-    def _read(self) -> torch.Tensor:
+    def _read(self, length: int | None = None) -> torch.Tensor:
         """Every trained parameter's full fp32 master weight, laid end to end (DeepSpeed's optimizer holds it under
-        ZeRO-1/2/3 and bf16; under ZeRO-0 in fp32 the parameter is the master)."""
+        ZeRO-1/2/3 and bf16; under ZeRO-0 in fp32 the parameter is the master), zero-padded to `length`. Copied
+        one parameter at a time into one vector: no second full copy exists."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        return torch.cat([(safe_get_full_fp32_param(p) if _has_master(p) else p.detach()).float().reshape(-1)
-                          for p in self.params])
+        n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.params)
+        flat, offset = None, 0
+        for p in self.params:
+            value = (safe_get_full_fp32_param(p) if _has_master(p) else p.detach()).reshape(-1)
+            if flat is None:  # on the weights' device (the collectives' backend needs it there)
+                flat = torch.zeros(max(n, length or 0), device=value.device)
+            flat[offset:offset + value.numel()].copy_(value)
+            offset += value.numel()
+        return flat
 
     def _write(self, flat: torch.Tensor) -> None:
         """The masters and the module's working copy (DeepSpeed copies masters to it only after its next step)."""

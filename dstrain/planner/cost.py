@@ -15,6 +15,9 @@ step = compute + exposed communication + optimizer (+ offload transfers), per op
       compression  (ZeRO-0/1) powersgd: all-reduce of P and Q (rank r) per matrix + the uncompressed vectors and
                embedding; sign: all-gather of 1 bit + 1/32 scale byte per element (after warm-up); topk: all-gather
                of an int32 index and an fp32 value per kept entry (topk_fraction of each matrix)
+      DiLoCo   (one replica per node) the config's traffic inside the replica, on the node's link; every H steps
+               each rank's slice of the pseudo-gradient all-gathered across the replicas (int8/bf16/fp32) and the
+               averaged slices all-gathered inside the replica, 1/H of it per step
       tensor parallel  all-reduces of a micro-batch's activations per layer: 2 forward, 2 backward (Megatron)
                or one per column-parallel linear (AutoTP: 5 in a Llama layer); the forward's again when recomputed
       pipeline  each stage boundary passes a micro-batch's activations forward and their gradient back, over
@@ -31,8 +34,10 @@ Memory: dstrain/memory.py's estimate (the preflight), against the device's memor
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ..errors import UserError
 from ..layout import Layout, parallel_sizes
@@ -41,7 +46,12 @@ from .probe import Measurements
 ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json",
                 "tp2_zero1.json", "pipe2_zero1.json")
 # the repository's gradient compression (a recipe section) on the configs it works with
-COMPRESSED = (("zero0.json", "powersgd"), ("zero1.json", "powersgd"), ("zero1.json", "sign"))
+COMPRESSED = (("zero0.json", "powersgd"), ("zero1.json", "powersgd"), ("zero1.json", "sign"), ("zero0.json", "topk"),
+              ("zero1.json", "topk"))
+# DiLoCo (H, pseudo-gradient dtype, outer (lr, momentum) or None for the recipe's) on these configs, one replica per
+# node: the settings bench/compression.py measured (the last: plain averaging, measured best for short runs)
+DILOCO = ((10, "fp32", None), (50, "fp32", None), (50, "bf16", None), (50, "int8", (1.0, 0.0)))
+DILOCO_CONFIGS = ("zero1.json", "zero2.json")
 
 
 @dataclass
@@ -54,6 +64,11 @@ class Candidate:
     tensor_style: str = "autotp"  # how tensor parallelism splits a layer: DeepSpeed's AutoTP or Megatron's
     compression: str = "none"  # compression.method
     recipe_compression: str = "none"  # the recipe's own compression.method (overrides() says when it changes)
+    diloco_every: int = 0  # DiLoCo's H (0: off), one replica per node
+    diloco_dtype: str = "fp32"
+    diloco_outer: tuple | None = None  # (outer_lr, outer_momentum), or None: the recipe's
+    recipe_diloco: int = 0  # the recipe's own diloco.every
+    extra: tuple = ()  # more overrides the candidate needs (eval/checkpoint intervals that are multiples of H)
 
     @property
     def name(self) -> str:
@@ -64,13 +79,24 @@ class Candidate:
             base = f"tp{tp}_" + base.split("_", 1)[-1]
         if pp > 1 and not base.startswith(f"pipe{pp}"):
             base = f"pipe{pp}_" + base.split("_", 1)[-1]
+        if self.diloco_every:
+            dtype = "" if self.diloco_dtype == "fp32" else f"_{self.diloco_dtype}"
+            return f"{base}_diloco{self.diloco_every}{dtype}{'_avg' if self.diloco_outer else ''}"
         return base if self.compression == "none" else f"{base}_{self.compression}"
 
     def overrides(self) -> list[str]:
         out = [f"--train.micro_batch_size={self.micro}", f"--train.grad_accum_steps={self.accum}",
                f"--train.activation_checkpointing={str(self.checkpointing).lower()}"]
         changed = self.compression != self.recipe_compression
-        return out + ([f"--compression.method={self.compression}"] if changed else [])
+        out += [f"--compression.method={self.compression}"] if changed else []
+        if self.diloco_every:
+            out += [f"--diloco.every={self.diloco_every}", f"--diloco.dtype={self.diloco_dtype}", *self.extra]
+            if self.diloco_outer:
+                out += [f"--diloco.outer_lr={self.diloco_outer[0]:g}",
+                        f"--diloco.outer_momentum={self.diloco_outer[1]:g}"]
+        elif self.recipe_diloco:
+            out.append("--diloco.every=0")
+        return out
 
 
 @dataclass
@@ -87,6 +113,7 @@ class Prediction:
     tokens: int = 0  # per step, all ranks
     reason: str = ""  # why it does not fit or cannot run
     detail: dict = field(default_factory=dict)
+    price: float | None = 0.0  # eval loss relative to exact training, measured (convergence_price)
 
     @property
     def step_s(self) -> float:
@@ -103,12 +130,14 @@ class Prediction:
     def to_dict(self) -> dict:
         return {"name": self.candidate.name, "config": self.candidate.config, "micro_batch_size": self.candidate.micro,
                 "grad_accum_steps": self.candidate.accum, "activation_checkpointing": self.candidate.checkpointing,
-                "compression": self.candidate.compression,
+                "compression": self.candidate.compression, "diloco_every": self.candidate.diloco_every,
+                "diloco_dtype": self.candidate.diloco_dtype,
                 "fits": self.fits, "reason": self.reason, "memory_bytes": self.memory_bytes,
                 "host_bytes": self.host_bytes, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "optimizer_s": self.optimizer_s, "step_s": self.step_s,
                 "tokens_per_s": self.tokens_per_s, "comm_fraction": self.comm_fraction,
-                "comm_bytes": self.comm_bytes, "ds": self.candidate.ds, "overrides": self.candidate.overrides()}
+                "comm_bytes": self.comm_bytes, "convergence_price": self.price, "ds": self.candidate.ds,
+                "overrides": self.candidate.overrides()}
 
 
 @dataclass
@@ -134,9 +163,11 @@ def global_batch_of(recipe, raw_ds: dict, world: int) -> int:
     return written.global_batch(recipe.train.micro_batch_size, recipe.train.grad_accum_steps)
 
 
-def candidates(recipe, raw_ds: dict, world: int, model_config, load=None) -> list[Candidate]:
+def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
+               ranks_per_node: int | None = None) -> list[Candidate]:
     """Every shipped strategy (and tensor/pipeline sizes that divide the world), each with every micro batch x
-    accumulation that keeps the recipe's global batch; the recipe's precision and optimizer stay as written."""
+    accumulation that keeps the recipe's global batch; the recipe's precision and optimizer stay as written.
+    On more than one node (ranks_per_node given), DiLoCo with one replica per node too."""
     from .. import ds_config
 
     load = load or ds_config.load
@@ -159,17 +190,32 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None) -> lis
                 bases.append((name, sized, "none"))
         else:
             bases.append((name, raw, "none"))
+    diloco = [(name, _keep_recipe_choices(load(name), raw_ds), "none", *setting) for name in DILOCO_CONFIGS
+              for setting in DILOCO if setting[0] <= recipe.train.max_steps] \
+        if ranks_per_node and world // ranks_per_node >= 2 and not recipe.lora.enabled else []
     out = []
-    for name, raw, method in bases:
+    for name, raw, method, every, dtype, outer in [(n, r, m, 0, "fp32", None) for n, r, m in bases] + diloco:
         layout = Layout.from_ds_config(raw, world)
         if global_batch % layout.data_parallel:
             continue
         per_rank = global_batch // layout.data_parallel
+        extra = _diloco_intervals(recipe, every) if every else ()
         for micro in [m for m in range(1, min(per_rank, 64) + 1) if per_rank % m == 0]:
             for checkpointing in sorted({recipe.train.activation_checkpointing, True}):
                 out.append(Candidate(name, raw, micro, per_rank // micro, checkpointing, compression=method,
-                                     recipe_compression=recipe.compression.method))
+                                     recipe_compression=recipe.compression.method, diloco_every=every,
+                                     diloco_dtype=dtype, diloco_outer=outer, recipe_diloco=recipe.diloco.every,
+                                     extra=extra))
     return out
+
+
+def _diloco_intervals(recipe, every: int) -> tuple:
+    """eval.every and checkpoint.every as multiples of H (DiLoCo evaluates and saves at syncs), near the recipe's."""
+    out = []
+    for key, value in (("eval.every", recipe.eval.every), ("checkpoint.every", recipe.checkpoint.every)):
+        if value == "auto" or (isinstance(value, int) and value % every):
+            out.append(f"--{key}={every * max(1, round(value / every)) if isinstance(value, int) else every}")
+    return tuple(out)
 
 
 def _keep_recipe_choices(candidate: dict, raw_ds: dict) -> dict:
@@ -313,17 +359,19 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
 
     trial = _recipe_for(recipe, candidate)
     tokens = work.global_batch * work.seq_len * work.sequences_per_sample
+    replicas = meas.nodes if candidate.diloco_every else 1  # one replica per node
     try:
-        resolved = ds_config.resolve(candidate.ds, trial, meas.world_size, caps, hidden, meas.ranks_per_node) \
-            if checked else candidate.ds
+        resolved = ds_config.resolve(candidate.ds, trial, meas.world_size, caps, hidden, meas.ranks_per_node,
+                                     replicas=replicas) if checked else candidate.ds
         if checked:
             check_combination(resolved, trial.compression)
     except UserError as error:
         return Prediction(candidate, False, tokens=tokens, reason=str(error))
-    layout = Layout.from_ds_config(resolved, meas.world_size)
+    layout = Layout.from_ds_config(resolved, meas.world_size, replicas=replicas)
     est = memory.estimate(work.model_config, work.parameters, trial, resolved, layout, work.trained, work.quantized)
     host = sum(est.host.values()) * meas.ranks_per_node
-    pred = Prediction(candidate, True, est.device_total, host, tokens=tokens)
+    pred = Prediction(candidate, True, est.device_total, host, tokens=tokens,
+                      price=convergence_price(candidate, recipe))
     if est.device_total > meas.device_memory:
         pred.fits, pred.reason = False, f"needs {est.device_total / 2**30:.2f} GiB per rank"
     elif host > 0.8 * meas.host_memory:
@@ -333,7 +381,7 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     stage = int(zero.get("stage", 0))
     precision = ds_config.precision(resolved)
     w = 4 if precision == "fp32" else 2
-    tp, pp, dp = layout.tensor_parallel, layout.pipeline_stages, layout.data_parallel
+    tp, pp, dp = layout.tensor_parallel, layout.pipeline_stages, layout.replica_data_parallel
     psi = work.parameters // (tp * pp)
     psi_t = psi if work.trained is None else work.trained // (tp * pp)
     overlap = meas.device.startswith("cpu") is False if overlap is None else overlap
@@ -364,12 +412,14 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
         if getattr(work.model_config, "tie_word_embeddings", False):  # first and last stage sum the tied gradient
             vocab_h = work.model_config.vocab_size * (hidden or 0) * w
             calls.append(("all_reduce", "pp", vocab_h, 1, "boundary"))
+    if candidate.diloco_every:
+        calls += _diloco_calls(psi_t, dp, replicas, candidate.diloco_every, candidate.diloco_dtype)
     total = exposed = 0.0
     hidden_behind = {"backward": backward_s if overlap else 0.0, "gather": pred.compute_s / 3 if overlap else 0.0}
     by_phase: dict = {}
     for op, level, nbytes, count, phase in calls:
-        ranks = {"dp": dp, "tp": tp, "pp": 2, "world": meas.world_size}[level]
-        curve = _curve(meas, op, ranks, level, layout)
+        ranks = {"dp": dp, "tp": tp, "pp": 2, "world": meas.world_size, "across": replicas}[level]
+        curve = _curve(meas, op, ranks, "replica" if level == "dp" and replicas > 1 else level, layout)
         seconds = count * curve.seconds(op, nbytes) * _rank_scale(curve, ranks, op)
         total += seconds
         by_phase[phase] = by_phase.get(phase, 0.0) + seconds
@@ -404,16 +454,37 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
         pred.optimizer_s += elements * (4 + w) / copy_rate
     if copy_rate and offload_param:  # each micro-batch fetches the partition for forward and backward
         pred.optimizer_s += 2 * candidate.accum * psi // dp * w / copy_rate
+    if candidate.diloco_every and meas.compute.copy_bytes_per_s:  # the outer step: read, subtract, update, write
+        # back the full fp32 weights (about 6 passes over them), once per H steps
+        pred.optimizer_s += 6 * 4 * psi_t / meas.compute.copy_bytes_per_s / candidate.diloco_every
     pred.detail = {"micro_s": micro_s, "calls": [list(c) for c in calls], "stage": stage, "dp": dp, "tp": tp, "pp": pp}
     return pred
 
 
+def _diloco_calls(psi_t: int, size: int, replicas: int, every: int, dtype: str) -> list:
+    """A sync's traffic (components/diloco.py), 1/H of it per step: each rank's INT8_BLOCK-aligned slice of the
+    pseudo-gradient all-gathered across the replicas, then the averaged fp32 slices all-gathered in the replica."""
+    from ..components.diloco import INT8_BLOCK
+    chunk = -(-psi_t // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else psi_t
+    per_element = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK}[dtype]
+    out = [("all_reduce" if dtype == "fp32" else "all_gather", "across",
+            chunk * per_element * (1 if dtype == "fp32" else replicas), 1 / every, "boundary")]
+    if size > 1:
+        out.append(("all_gather", "dp", 4.0 * chunk * size, 1 / every, "boundary"))
+    return out
+
+
 def _curve(meas: Measurements, op: str, ranks: int, level: str, layout: Layout):
     """The measured link level a group of `ranks` uses: within a node when it fits in one (tensor parallel
-    groups are consecutive ranks), else the world's (a data-parallel group spans the nodes)."""
+    groups are consecutive ranks; a DiLoCo replica is a node), else the world's (a data-parallel group spans the
+    nodes); DiLoCo's replicas talk across nodes, one rank per node."""
     from .probe import LinkCurve
     node = meas.links.get("node", {}).get(op)
     world = meas.links.get("world", {}).get(op)
+    if level == "across":
+        return meas.links.get("across nodes", {}).get(op) or world or LinkCurve(1)
+    if level == "replica":
+        return node or world or LinkCurve(1)
     if level == "pp":  # point to point between neighbouring stages: across nodes once a replica spans nodes
         spans = layout.model_parallel > meas.ranks_per_node and meas.nodes > 1
         across = meas.links.get("across nodes", {}).get(op)
@@ -435,7 +506,11 @@ def _rank_scale(curve, ranks: int, op: str) -> float:
 def _recipe_for(recipe, candidate: Candidate):
     train = replace(recipe.train, micro_batch_size=candidate.micro, grad_accum_steps=candidate.accum,
                     activation_checkpointing=candidate.checkpointing)
-    return replace(recipe, train=train, compression=replace(recipe.compression, method=candidate.compression))
+    diloco = replace(recipe.diloco, every=candidate.diloco_every, dtype=candidate.diloco_dtype, replicas=0)
+    if candidate.diloco_outer:
+        diloco = replace(diloco, outer_lr=candidate.diloco_outer[0], outer_momentum=candidate.diloco_outer[1])
+    return replace(recipe, train=train, compression=replace(recipe.compression, method=candidate.compression),
+                   diloco=diloco)
 
 
 def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Workload:
@@ -470,6 +545,39 @@ def compression_sample(work: Workload, limit: int = 32 * 2**20) -> tuple[list, i
     if sum(math.prod(s) for s in work.matrices) <= limit:
         return work.matrices, 1
     return work.layer_shapes, _layers(work.model_config)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "compression_bench.json"
+
+
+def convergence_price(candidate: Candidate, recipe) -> float | None:
+    """What the candidate costs in eval loss, measured (bench/compression.py: the tiny recipe, 300 steps, 2 ranks):
+    its mean eval loss over the measured data orders relative to the fp32 all-reduce's, minus 1. 0.0 for the
+    strategies that compute the same update (ZeRO, offload, tensor and pipeline parallelism); None where not
+    measured (another setting, or no docs/compression_bench.json beside the code)."""
+    if candidate.compression == "none" and not candidate.diloco_every:
+        return 0.0
+    method, fraction = candidate.compression, recipe.compression.topk_fraction
+    row = {"powersgd": "PowerSGD rank 4" if recipe.compression.rank == 4 else None, "sign": "sign + EF",
+           "topk": {0.01: "TopK 1% + EF", 0.001: "TopK 0.1% + EF"}.get(fraction)}.get(method)
+    if candidate.diloco_every:
+        outer = candidate.diloco_outer or (recipe.diloco.outer_lr, recipe.diloco.outer_momentum)
+        row = {(10, "fp32", (0.7, 0.9)): "DiLoCo H=10", (50, "fp32", (0.7, 0.9)): "DiLoCo H=50",
+               (50, "bf16", (0.7, 0.9)): "DiLoCo H=50 bf16",
+               (50, "int8", (1.0, 0.0)): "DiLoCo H=50 int8, outer lr 1, no momentum"}.get(
+            (candidate.diloco_every, candidate.diloco_dtype, tuple(float(x) for x in outer)))
+    by_seed = _bench_finals()
+    ratios = [finals[row] / finals["fp32 all-reduce"] for finals in by_seed.values()
+              if row in finals and "fp32 all-reduce" in finals]
+    return sum(ratios) / len(ratios) - 1 if ratios else None
+
+
+@functools.cache
+def _bench_finals() -> dict:
+    try:
+        return json.loads(BENCH.read_text())["by_seed"]
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def rank(preds: list[Prediction]) -> list[Prediction]:

@@ -35,7 +35,7 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
     ranks_per_node = env.ranks_per_node()
     hidden = hidden_size(model_config)
     work = cost.workload(recipe, raw_ds, ctx.world_size, model_config)
-    found = cost.candidates(recipe, raw_ds, ctx.world_size, model_config)
+    found = cost.candidates(recipe, raw_ds, ctx.world_size, model_config, ranks_per_node=ranks_per_node)
     if not found:
         raise UserError(f"no strategy keeps the recipe's global batch of {work.global_batch} on {ctx.world_size} "
                         f"ranks; change train.micro_batch_size x train.grad_accum_steps")
@@ -121,18 +121,24 @@ def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MB"
 
 
+def _price(price: float | None) -> str:
+    return "?" if price is None else "exact" if price == 0 else f"{price:+.1%}"
+
+
 def report_predictions(preds, meas, top: int = 15) -> str:
     fitting = [p for p in preds if p.fits]
     lines = [f"plan: {len(preds)} candidates, {len(fitting)} fit; best first (step = compute + exposed comm + "
              f"update: optimizer, offload copies, compression)",
-             f"  {'#':>3} {'strategy':<18}{'micro x acc':>12}{'AC':>4}{'memory':>10}{'compute':>10}{'comm':>10}"
-             f"{'update':>10}{'step':>10}{'tokens/s':>11}{'comm %':>8}{'MB sent':>9}"]
+             f"  {'#':>3} {'strategy':<26}{'micro x acc':>12}{'AC':>4}{'memory':>10}{'compute':>10}{'comm':>10}"
+             f"{'update':>10}{'step':>10}{'tokens/s':>11}{'comm %':>8}{'MB sent':>9}{'eval loss':>10}"]
     for i, p in enumerate(fitting[:top], 1):
         c = p.candidate
-        lines.append(f"  {i:>3} {c.name:<18}{f'{c.micro} x {c.accum}':>12}{'on' if c.checkpointing else '':>4}"
+        lines.append(f"  {i:>3} {c.name:<26}{f'{c.micro} x {c.accum}':>12}{'on' if c.checkpointing else '':>4}"
                      f"{p.memory_bytes / 2**30:>8.2f}Gi{p.compute_s:>9.3f}s{p.exposed_comm_s:>9.3f}s"
                      f"{p.optimizer_s:>9.3f}s{p.step_s:>9.3f}s{p.tokens_per_s:>11,.0f}{p.comm_fraction:>8.0%}"
-                     f"{p.comm_bytes / 1e6:>9.1f}")
+                     f"{p.comm_bytes / 1e6:>9.1f}{_price(p.price):>10}")
+    lines.append("  eval loss: against exact training, measured at 300 steps (bench/compression.py, the tiny recipe, "
+                 "mean over its data orders; ? not measured); DiLoCo: one replica per node")
     if len(fitting) > top:
         lines.append(f"  ... {len(fitting) - top} more fitting candidates in plan.json")
     refused = {}

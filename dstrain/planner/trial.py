@@ -59,10 +59,13 @@ def pick(preds: list, k: int) -> list:
     return chosen
 
 
-def trial_overrides(candidate) -> list[str]:
+def trial_overrides(candidate, steps: int = TRIAL_STEPS) -> list[str]:
     """The candidate's recipe overrides, with gradient compression's uncompressed warm-up cut to one step (a
-    trial of a few steps would otherwise time the plain all-reduce)."""
-    return candidate.overrides() + (["--compression.warmup_steps=1"] if candidate.compression != "none" else [])
+    trial of a few steps would otherwise time the plain all-reduce). DiLoCo syncs at the trial's last step only
+    (diloco.every may not exceed the run): the median step times the inner steps, and the prediction's 1/H share
+    of a sync is not measured."""
+    out = candidate.overrides() + (["--compression.warmup_steps=1"] if candidate.compression != "none" else [])
+    return out + ([f"--diloco.every={steps}"] if candidate.diloco_every > steps else [])
 
 
 def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = TRIAL_STEPS):
@@ -80,7 +83,7 @@ def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = 
         tdist.barrier()  # the folder exists before any child starts
         args = [sys.executable, str(Path(__file__).resolve().parents[2] / "train.py"), *base,
                 "--ds_config", str(folder / "ds.json"), "--output_dir", str(folder / "run"), "--resume", "never",
-                *trial_overrides(pred.candidate), f"--train.max_steps={steps}", "--train.exit_at_step=null",
+                *trial_overrides(pred.candidate, steps), f"--train.max_steps={steps}", "--train.exit_at_step=null",
                 "--checkpoint.every=0", "--checkpoint.export_hf=false", "--checkpoint.keep_last=1",
                 "--eval.every=0", "--eval.max_batches=1", "--log.progress_bar=false", "--log.wandb=false",
                 "--log.plot=false"]

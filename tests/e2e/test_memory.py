@@ -11,7 +11,16 @@ from tests.helpers import launch
 # LoRA (r=16, all-linear, micro 8 so that the run is more than ZeRO-3's unattributed ~90 MiB): a frozen fp32
 # base, adapters with full states.
 # Measured 1.23 under ZeRO-3 (1.12 under ZeRO-2, not kept in the suite: the same terms, less partitioned).
-BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35, "zero3.json+lora": 0.35}
+# DiLoCo (2 replicas of one rank, ZeRO-2): the outer state (shared weights + momentum, 8 bytes a parameter) and the
+# sync's full fp32 vector. Its end-of-run save is synchronous here: a background save's host copy of the whole
+# unpartitioned state (564 MiB with DiLoCo's, more than the training's transients) is no part of the estimate and
+# put the measured peak at 1.31x; with it synchronous, the DiLoCo terms are what is checked.
+BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35, "zero3.json+lora": 0.35,
+         "zero2.json+diloco": 0.25}
+EXTRA = {"lora": ["--lora.r=16", "--train.micro_batch_size=8"],
+         "diloco": ["--diloco.every=3", "--diloco.replicas=2", "--eval.every=3", "--checkpoint.every=3",
+                    "--checkpoint.background=false", "--train.micro_batch_size=4"],
+         "": ["--train.micro_batch_size=4"]}
 
 
 # freed tensors leave RSS at once (glibc otherwise keeps multi-MB blocks in its heap): peaks are live memory
@@ -21,14 +30,14 @@ MEASURED = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 @pytest.mark.parametrize("ds_config", list(BOUND))
 def test_estimate_matches_measured_peak(tmp_path, cache, medium_llama, ds_config):
     run = tmp_path / "run"
-    ds_config, _, lora = ds_config.partition("+")
+    ds_config, _, feature = ds_config.partition("+")
+    lora = feature == "lora"
     launch(["--ds_config", ds_config, "--output_dir", str(run), f"--model.name_or_path={medium_llama}",
             "--train.max_steps=3", "--log.wandb=false", "--log.progress_bar=false", "--eval.max_batches=1",
-            "--checkpoint.export_hf=false", *(["--lora.r=16", "--train.micro_batch_size=8"] if lora else
-                                              ["--train.micro_batch_size=4"])], cache, **MEASURED)
+            "--checkpoint.export_hf=false", *EXTRA[feature]], cache, **MEASURED)
     m = json.loads((run / "memory.json").read_text())
     ratio = m["peak_above_baseline_bytes"] / m["estimated_device_bytes"]
-    print(f"{ds_config}{' LoRA' if lora else ''}: measured {m['peak_above_baseline_bytes'] / 2**20:.0f} MiB, estimated "
+    print(f"{ds_config}{' ' + feature if feature else ''}: measured {m['peak_above_baseline_bytes'] / 2**20:.0f} MiB, estimated "
           f"{m['estimated_device_bytes'] / 2**20:.0f} MiB, ratio {ratio:.2f}")
     # model states dominate, not interpreter noise (LoRA: the frozen base's weights)
     assert m["estimated_device_bytes"] > (80 if lora else 300) * 2**20

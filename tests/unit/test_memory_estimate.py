@@ -130,3 +130,31 @@ def test_sequence_parallel_preflight_fits_128k_and_names_the_longest_length(tmp_
         longest[name] = int(line.split(": ")[1].split()[0].replace(",", ""))
     assert longest["sp8_zero3.json"] >= 131072
     assert longest["sp8_zero3.json"] == pytest.approx(8 * longest["zero3.json"], rel=0.02)
+
+
+def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, monkeypatch):
+    """Issue 33: the preflight partitioned ZeRO over the whole world and left out DiLoCo's outer state (the shared
+    weights and the momentum, fp32, the whole model on every rank: 64 GB for 8B) and its sync's full vector."""
+    from transformers import AutoConfig
+
+    from dstrain.components.diloco import replicas_for
+    monkeypatch.setattr(memory, "device_memory", lambda name, ranks: (80 * GiB, "H100 80GB"))
+    config = AutoConfig.from_pretrained(llama8b)
+    psi = memory.count_parameters(config)
+    plain = recipe(llama8b)
+    fits, text = memory.preflight(plain, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)
+    assert fits, text
+    r = recipe(llama8b, "--diloco.every=50", "--diloco.dtype=int8")
+    assert replicas_for(r, 32, 8) == 4  # one per node
+    cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096, replicas=4)
+    est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
+    assert est.device["optimizer_states"] == pytest.approx(12 * psi / 8, rel=1e-6)  # 8 ranks a replica, not 32
+    chunk = -(-psi // 8 // 128) * 128
+    assert est.device["diloco_state"] == 8 * psi + 4 * chunk  # shared weights + momentum + int8's carried rounding
+    assert 4 * psi < est.device["diloco_sync"] < 7 * psi  # the full fp32 vector and slices (8 ranks, 4 replicas)
+    assert est.device_total > 8 * psi + 4 * psi
+    fits, text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)
+    assert not fits and "diloco_state" in text and "diloco_sync do not coexist" in text, text
+    no_momentum = recipe(llama8b, "--diloco.every=50", "--diloco.outer_momentum=0")
+    est = memory.estimate(config, psi, no_momentum, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
+    assert est.device["diloco_state"] == 4 * psi

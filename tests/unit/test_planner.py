@@ -40,7 +40,7 @@ def measurements(busbw: float, world: int = 2, latency: float = 1e-4, per_micro:
     compute = Compute({str(m): per_micro * m / 4 for m in sizes}, {str(m): per_micro * m / 12 for m in sizes},
                       {str(m): per_micro * m / 4 for m in sizes}, adam_elements_per_s=1e8,
                       cpu_adam_elements_per_s=1e9, copy_bytes_per_s=5e9,
-                      compression={"powersgd": 0.002, "sign": 0.004})
+                      compression={"powersgd": 0.002, "sign": 0.004, "topk": 0.003})
     return Measurements("cpu", "fp32", world, 1, compute, {"world": {op: curve(op) for op in OPS}}, 8 << 30, 16 << 30)
 
 
@@ -53,7 +53,7 @@ def test_candidates_keep_the_global_batch_and_the_recipes_numerics(tiny):
     assert all(c.ds["gradient_clipping"] == 0.5 for c in found)
     names = {c.name for c in found}
     assert {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero1_powersgd", "tp2_zero1", "pipe2_zero1",
-            "pipe4_zero1"} <= names
+            "pipe4_zero1", "zero0_topk", "zero1_topk"} <= names
     kv_heads = config.num_key_value_heads  # 2: AutoTP cannot split them 4 ways
     assert kv_heads == 2 and "tp4_zero1" not in names
     lora = tiny_recipe("--lora.r=4")
@@ -87,6 +87,25 @@ def test_bytes_per_step_follow_deepspeed(tiny):
     assert preds[("zero2", 2)].comm_bytes == pytest.approx(4 * grads + 0.5 * grads + small)
     assert preds[("zero1", 2)].comm_bytes == preds[("zero1", 8)].comm_bytes
     assert preds[("zero0_powersgd", 8)].comm_bytes < grads / 4
+
+
+def test_topk_is_a_candidate_sized_by_its_fraction(tiny):
+    """Issue 33 item 3: TopK ranks beside the other strategies; its bytes are an int32 index and an fp32 value per
+    kept entry (1% of each matrix by default) plus the uncompressed vectors and embedding, once per step."""
+    import math
+
+    recipe, raw, config, work = tiny
+    preds = predictions(tiny, measurements(12.5e6), {"zero0", "zero0_topk", "zero1_topk"})
+    kept = sum(math.ceil(0.01 * math.prod(s)) for s in work.matrices
+               if len(s) >= 2 and tuple(s) not in work.embedding_shapes)
+    plain = sum(math.prod(s) for s in work.matrices if len(s) < 2 or tuple(s) in work.embedding_shapes)
+    topk = preds[("zero0_topk", 8)]
+    assert topk.comm_bytes == pytest.approx(8 * kept + 4 * plain + 24, rel=1e-6)  # 2 ranks: each sends its own
+    assert topk.comm_bytes < preds[("zero0", 8)].comm_bytes / 3
+    assert topk.candidate.overrides()[-1] == "--compression.method=topk"
+    assert topk.optimizer_s >= 0.003  # the compressor's measured arithmetic
+    slow = cost.rank(list(preds.values()))
+    assert "topk" in slow[0].candidate.name
 
 
 def test_the_fastest_strategy_depends_on_the_link(tiny):
@@ -241,3 +260,49 @@ def test_noisy_layer_timings_are_measured_again_then_estimated(monkeypatch):
     assert compute.notes and "estimated from its FLOPs" in compute.notes[0]
     layers = [compute.layer[str(m)] for m in (1, 2, 4)]
     assert layers[0] > 0 and layers[1] == pytest.approx(2 * layers[0]) and layers[2] == pytest.approx(4 * layers[0])
+
+
+def test_diloco_ranks_first_across_a_slow_link_and_shows_its_measured_price(tiny):
+    """Issue 33 item 3: on two nodes joined by a 100 Mbit/s link (fast inside each node), DiLoCo with one replica
+    per node sends 1/H of a model across per step and ranks first; every candidate carries the eval-loss price that
+    bench/compression.py measured for it (exact training: 0), and its overrides are a valid DiLoCo run's."""
+    import math
+    import statistics
+
+    from dstrain.components.diloco import INT8_BLOCK
+    recipe, raw, config, _ = tiny
+    work = cost.workload(recipe, raw, 4, config)
+    assert not [c for c in cost.candidates(recipe, raw, 4, config) if c.diloco_every]  # one node: no replicas
+    found = [c for c in cost.candidates(recipe, raw, 4, config, ranks_per_node=2) if not c.checkpointing]
+    assert {"zero1_diloco10", "zero2_diloco50", "zero1_diloco50_bf16", "zero2_diloco50_int8_avg"} <= \
+        {c.name for c in found}
+
+    def curve(op, ranks, busbw):
+        from dstrain.planner.probe import BUS_FACTOR
+        return LinkCurve(ranks, [[b, 1e-4 + b * BUS_FACTOR[op](ranks) / busbw] for b in (MB, 16 * MB, 256 * MB)])
+    links = {"node": {op: curve(op, 2, 50e9) for op in OPS}, "across nodes": {op: curve(op, 2, 12.5e6) for op in OPS},
+             "world": {op: curve(op, 4, 12.5e6) for op in OPS}}
+    base = measurements(12.5e6, world=4)
+    meas = Measurements("cpu", "fp32", 4, 2, base.compute, links, 8 << 30, 16 << 30)
+    preds = {(p.candidate.name, p.candidate.micro): p for p in
+             [cost.predict(c, work, meas, recipe, CPU, config.hidden_size) for c in found]}
+    ranked = cost.rank(list(preds.values()))
+    assert "diloco" in ranked[0].candidate.name, [p.candidate.name for p in ranked[:5]]
+
+    avg = preds[("zero2_diloco50_int8_avg", 4)]
+    chunk = -(-work.parameters // 2 // INT8_BLOCK) * INT8_BLOCK
+    across = [c for c in avg.detail["calls"] if c[1] == "across"]
+    assert across == [["all_gather", "across", pytest.approx(2 * chunk * (1 + 4 / INT8_BLOCK)), 1 / 50, "boundary"]]
+    synchronous = preds[("zero2", 4)]
+    assert synchronous.price == 0.0 and synchronous.step_s > 2 * avg.step_s
+    finals = json.loads(cost.BENCH.read_text())["by_seed"].values()
+    row = "DiLoCo H=50 int8, outer lr 1, no momentum"
+    assert avg.price == pytest.approx(statistics.mean(f[row] / f["fp32 all-reduce"] for f in finals) - 1)
+    assert preds[("zero1_diloco10", 4)].price is not None and preds[("zero0_powersgd", 4)].price is not None
+    assert math.isclose(avg.detail["dp"], 2)  # ZeRO inside the replica of one node's 2 ranks
+    flags = avg.candidate.overrides()
+    assert {"--diloco.every=50", "--diloco.dtype=int8", "--diloco.outer_lr=1", "--diloco.outer_momentum=0"} <= \
+        set(flags)
+    lined_up = tiny_recipe(*[f for f in flags if f.startswith(("--eval.every", "--checkpoint.every"))])
+    assert lined_up.eval.every % 50 == 0 and lined_up.checkpoint.every % 50 == 0
+    assert trial.trial_overrides(avg.candidate, 6)[-1] == "--diloco.every=6"
