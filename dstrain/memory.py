@@ -157,13 +157,13 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int) -> dict:
     step: the weights read into one full fp32 vector (padded to the replica's S slices), a copy of this rank's
     slice, what goes on the wire from each replica and two decoded slices; under ZeRO-3 writing the new weights
     back gathers the whole model (w bytes each) once that vector is gone."""
-    from .components.diloco import INT8_BLOCK
+    from .components.diloco import WIRE_BYTES, slice_length
 
     size = layout.replica_data_parallel
-    chunk = -(-psi_t // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else psi_t
+    chunk = slice_length(psi_t, size)
     compressed = cfg.dtype != "fp32"
     persistent = 4 * psi_t * (2 if cfg.outer_momentum > 0 else 1) + (4 * chunk if compressed else 0)
-    wire = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK}[cfg.dtype] * chunk
+    wire = WIRE_BYTES[cfg.dtype] * chunk
     sync = 4 * size * chunk + (4 * chunk if size > 1 else 0) + \
         (int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0)
     return {"diloco_state": persistent, "diloco_sync": max(sync, gathered_w * psi_t)}

@@ -115,7 +115,7 @@ class Diloco(Component):
         read of the weights to the gathered average, and a few slices."""
         cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
         size, index, n = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank(), self.anchor.numel()
-        chunk = -(-n // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else n
+        chunk = slice_length(n, size)
         full = self._read(size * chunk)  # padded to S slices
         torch.sub(self.anchor, full[:n], out=full[:n])  # the pseudo-gradient, in place
         pseudo = full[min(n, index * chunk):min(n, (index + 1) * chunk)]
@@ -205,6 +205,12 @@ class Diloco(Component):
 
 
 INT8_BLOCK = 128  # int8: elements sharing one fp32 scale (1 + 4/128 bytes per element: 3.9x fewer than fp32)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK}  # per pseudo-gradient element sent
+
+
+def slice_length(n: int, size: int) -> int:
+    """Elements of the pseudo-gradient each of a replica's `size` ranks sends across (INT8_BLOCK-aligned)."""
+    return -(-n // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else n
 
 
 def encode(values: torch.Tensor, dtype: str) -> list[torch.Tensor]:

@@ -464,11 +464,10 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
 def _diloco_calls(psi_t: int, size: int, replicas: int, every: int, dtype: str) -> list:
     """A sync's traffic (components/diloco.py), 1/H of it per step: each rank's INT8_BLOCK-aligned slice of the
     pseudo-gradient all-gathered across the replicas, then the averaged fp32 slices all-gathered in the replica."""
-    from ..components.diloco import INT8_BLOCK
-    chunk = -(-psi_t // size // INT8_BLOCK) * INT8_BLOCK if size > 1 else psi_t
-    per_element = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK}[dtype]
+    from ..components.diloco import WIRE_BYTES, slice_length
+    chunk = slice_length(psi_t, size)
     out = [("all_reduce" if dtype == "fp32" else "all_gather", "across",
-            chunk * per_element * (1 if dtype == "fp32" else replicas), 1 / every, "boundary")]
+            chunk * WIRE_BYTES[dtype] * (1 if dtype == "fp32" else replicas), 1 / every, "boundary")]
     if size > 1:
         out.append(("all_gather", "dp", 4.0 * chunk * size, 1 / every, "boundary"))
     return out
