@@ -169,6 +169,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for feature in features:
         model = feature.convert(model, setup)
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
+    ds_internals.defer_muon_compile()  # 1.7 s of a rank's start-up otherwise
     engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
                                       lr_scheduler=scheduler, config=ds_cfg,
                                       mpu=ds_internals.model_parallel_unit(layout))

@@ -400,3 +400,40 @@ def drop_frozen_aliases(engine) -> None:
         return state
 
     engine.module_state_dict = module_state_dict
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def defer_muon_compile() -> None:
+    """DeepSpeed's ZeRO optimizers (stage_1_and_2, stage3, bf16_optimizer) import its Muon module at construction,
+    only for an isinstance check, and that module decorates three functions with torch.compile at import
+    (`@deepspeed.runtime.compiler.compile()`), which imports TorchInductor's compiler: 1.7 s of CPU per rank here,
+    in every run, with Muon or not. Imported here first, with each decorator applied at the function's first call
+    instead (torch.compile compiles at the first call anyway), so the check costs nothing and a Muon run compiles
+    the same kernels when it first uses them."""
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    import functools
+
+    from deepspeed.runtime import compiler
+
+    def compile_at_first_call(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compiler.compile()(fn)
+            return compiled(*args, **kwargs)
+        return call
+
+    original = compiler.compile
+    compiler.compile = lambda: compile_at_first_call
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401 -- imports MUON_MODULE
+    finally:
+        compiler.compile = original

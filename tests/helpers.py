@@ -89,6 +89,21 @@ def tracebacks(err: str) -> list[str]:
     return blocks
 
 
+def processes_below(pid: int, *words: str) -> list:
+    """The live processes under `pid` whose command line holds every word. One that has just exited (a zombie
+    until its parent reaps it: a launcher's helper, a rank a test killed) is passed over, not an error."""
+    import psutil
+    found = []
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            line = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if all(word in line for word in words):
+            found.append(proc)
+    return found
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything below it (launch/ scripts start the launcher in its own session, so
     killing the script's process group would leave the ranks running)."""

@@ -311,6 +311,7 @@ def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_si
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    from .. import ds_internals
     from ..comm_counter import CommCounter
     from ..flops import DTYPES
 
@@ -332,6 +333,7 @@ def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_si
         ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1 << 20,
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 1 << 30}
+        ds_internals.defer_muon_compile()
         engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)[0]
         counter = CommCounter().start()
         step = partial(_engine_micro_batch, engine, batch)

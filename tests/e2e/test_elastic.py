@@ -11,10 +11,19 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics, reference_losses, tracebacks
+from tests.helpers import (
+    ROOT,
+    env,
+    free_port,
+    kill_tree,
+    launch,
+    metrics,
+    processes_below,
+    reference_losses,
+    tracebacks,
+)
 
 ARGS = ["--train.max_steps=70", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=1", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
@@ -84,8 +93,7 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
         wait_for(lambda: "world changed from 1 to 2" in logs["a"].read_text(), a, logs["a"])
         # b2's node freezes (its agent stopped, its rank goes on to the end): at the end a's agent waits for it
         # only DSTRAIN_EXIT_BARRIER_TIMEOUT seconds (torchrun's own barrier: 300 s), then exits
-        frozen = [p for p in psutil.Process(agents[2].pid).children(recursive=True)
-                  if "dstrain.elastic_run" in " ".join(p.cmdline())]
+        frozen = processes_below(agents[2].pid, "dstrain.elastic_run")
         assert len(frozen) == 1
         frozen[0].suspend()
         assert a.wait(timeout=600) == 0, logs["a"].read_text()[-6000:]

@@ -15,7 +15,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import ROOT, env, free_port, kill_tree, launch, metrics, reference_losses, tracebacks
+from tests.helpers import (
+    ROOT,
+    env,
+    free_port,
+    kill_tree,
+    launch,
+    metrics,
+    processes_below,
+    reference_losses,
+    tracebacks,
+)
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=0",
@@ -55,8 +65,7 @@ def assert_weights_are(run: Path, model, atol: float) -> None:
 
 
 def rank_process(launcher_pid: int, local_rank: int) -> psutil.Process:
-    found = [p for p in psutil.Process(launcher_pid).children(recursive=True)
-             if "train.py" in p.cmdline() and f"--local_rank={local_rank}" in p.cmdline()]
+    found = processes_below(launcher_pid, "train.py", f"--local_rank={local_rank}")
     assert len(found) == 1, found
     return found[0]
 

@@ -9,11 +9,21 @@ import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 import torch
 
-from tests.helpers import BIN, ROOT, env, free_port, kill_tree, launch, metrics, reference_losses, response_logps
+from tests.helpers import (
+    BIN,
+    ROOT,
+    env,
+    free_port,
+    kill_tree,
+    launch,
+    metrics,
+    processes_below,
+    reference_losses,
+    response_logps,
+)
 
 STEPS, LR, BETA = 6, 2e-3, 0.1
 COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", "--train.warmup_steps=2", "--train.min_lr_ratio=0.1",
@@ -139,14 +149,19 @@ def test_kill9_mid_run_then_resume_on_one_rank_matches_uninterrupted(tmp_path, c
     run_dir = tmp_path / "run"
     args = args_for(tiny_llama, "zero2.json", run_dir, ["--checkpoint.every=3", "--world_size=2"])
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache, DSTRAIN_FAULT="step:slow:step=5:seconds=60"),
+    # rank 0 holds still just after publishing checkpoint 3 (whenever a busy machine's background writer lets that
+    # happen), so the kill lands before the run ends; the runner ends rank 0 at once. Slowing a step instead held
+    # the publication too (it waits for every rank at a step boundary): 60 s lost in CI.
+    fault = "save:prune:slow:rank=0:step=3:seconds=60"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache, DSTRAIN_FAULT=fault),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 300
         while not (run_dir / "checkpoints" / "step_00000003" / "complete.json").exists():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()]
+        ranks = processes_below(proc.pid, "train.py", "--local_rank=1")
+        assert len(ranks) == 1, ranks
         ranks[0].send_signal(signal.SIGKILL)
         proc.communicate(timeout=120)
     finally:

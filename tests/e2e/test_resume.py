@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import launch, metrics, reference_losses
+from tests.helpers import launch, metrics, processes_below, reference_losses
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
         "--train.grad_accum_steps=2", "--train.seq_len=64", "--train.precision=fp32", "--eval.every=4",
@@ -75,8 +75,6 @@ def test_sigterm_to_one_rank_checkpoints_exits_75_and_resumes_exactly(tmp_path, 
     import subprocess
     import time
 
-    import psutil
-
     from tests.helpers import BIN, ROOT, env, free_port
 
     steps = 40  # long enough that the signal lands mid-run (a step takes tens of ms; the stop comes 1-2 steps later)
@@ -90,8 +88,7 @@ def test_sigterm_to_one_rank_checkpoints_exits_75_and_resumes_exactly(tmp_path, 
     while not (run / "metrics.jsonl").exists() or len(metrics(run)[0]) < 2:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.1)
-    rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if "train.py" in p.cmdline() and "--local_rank=1" in p.cmdline()]
+    rank1 = processes_below(proc.pid, "train.py", "--local_rank=1")
     assert len(rank1) == 1
     rank1[0].send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)

@@ -407,3 +407,38 @@ def test_elastic_agent_exit_barrier(monkeypatch):
     monkeypatch.setattr(api, "LocalElasticAgent", LocalElasticAgent)  # put back after the test
     ds_internals.elastic_agent_exit_barrier(12.0)
     assert issubclass(api.LocalElasticAgent, LocalElasticAgent) and api.LocalElasticAgent is not LocalElasticAgent
+
+
+MUON_CHECK = r"""
+import sys, torch
+import deepspeed
+from deepspeed.runtime import compiler
+from dstrain import ds_internals
+if sys.argv[1] == "as_is":
+    import deepspeed.runtime.zero.muon.muon_optimizer
+    print("torch._inductor.compile_fx" in sys.modules)
+    raise SystemExit
+ds_internals.defer_muon_compile()
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # what the ZeRO optimizers import
+inductor = "torch._inductor.compile_fx" in sys.modules
+muon = sys.modules[ds_internals.MUON_MODULE]
+compiled = []
+compiler.compile = lambda: (lambda fn: compiled.append(fn.__name__) or fn)  # eager stand-in for torch.compile
+g = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+same = torch.equal(muon.zeropower_via_newtonschulz5(g, 5), muon.zeropower_via_newtonschulz5.__wrapped__(g, 5))
+muon.zeropower_via_newtonschulz5(g, 5)
+print(inductor, compiled, same)
+"""
+
+
+def test_muon_compile_deferred_to_first_call(tmp_path):
+    """DeepSpeed's ZeRO optimizers import its Muon module for an isinstance check; its torch.compile decorators then
+    import TorchInductor (1.7 s a rank). Deferred, nothing of inductor is imported and the first call compiles, once."""
+    def check(how: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", MUON_CHECK, how], cwd=ROOT, capture_output=True, text=True,
+                              env=env(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.split("\n")[-2]
+    # still true of this DeepSpeed: when it stops importing inductor with Muon, defer_muon_compile can go
+    assert check("as_is") == "True"
+    assert check("deferred") == "False ['zeropower_via_newtonschulz5'] True"
