@@ -222,7 +222,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
         began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
-        loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective)
+        loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective,
+                                                 ckpt.before_update)
         for feature in features:  # a step's work (DiLoCo's outer step) counts in its time and bytes
             feature.after_step(step, metrics.message)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, int(counts["label_tokens"]),
@@ -234,9 +235,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
         if ckpt.due(step, last):
             ckpt.save(engine, step, saved(step), wait=False, say=metrics.message)
-            ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
-                                 metrics.message)
             watchdog.progress()
+        ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
+                             metrics.message)
         if stop.agreed(step, engine.device):
             last = step
             break

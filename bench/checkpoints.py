@@ -41,7 +41,7 @@ def run(work: Path, model: Path, stage: int, mode: str, args, ranks: int, index:
            *MODES[mode]]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(work / "cache"))
     if not gpu_count():
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // ranks)))
+        env.setdefault("OMP_NUM_THREADS", str(args.threads_per_rank or max(1, (os.cpu_count() or 2) // ranks)))
     with open(work / f"{out.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if code:
@@ -69,8 +69,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--results", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--ranks", type=int, default=None, help="default: the GPUs, or 2 CPU ranks")
+    parser.add_argument("--threads_per_rank", type=int, default=None,
+                        help="CPU ranks' OMP_NUM_THREADS (default: the cores shared out); fewer leaves cores to the "
+                             "checkpoint threads, as a GPU host's idle cores")
     args = parser.parse_args()
-    ranks = gpu_count() or 2
+    ranks = args.ranks or gpu_count() or 2
     work = Path(tempfile.mkdtemp(prefix="dstrain-ckpt-bench-"))
     params = make_llama(work / "model", **PRESETS["large"]["sizes"])
     print(f"{params / 1e6:.0f}M parameters, {ranks} ranks, seq {args.seq_len} x micro {args.micro_batch_size}, "

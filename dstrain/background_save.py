@@ -15,6 +15,12 @@ Why a writer of our own (issue 32 asked to prefer an existing engine):
 So the files stay DeepSpeed's, written through DeepSpeed's own seam for this, the checkpoint engine: while a save
 runs, engine.checkpoint_engine is a HostCopyEngine, whose save(state_dict, path) queues a host copy instead of
 calling torch.save (ds_internals.checkpoint_engine_base, ds_internals.using_checkpoint_engine).
+
+The engine's state in host memory (CPU ranks, an offloaded optimizer) is not even copied at the save: nothing but
+the optimizer step changes it, so a copy thread copies it while the next step's forward and backward run, and the
+step waits for that copy only before its optimizer update (Writer.wait_copied, from steps.train_step). Device
+tensors are copied at the save (one D2H copy, synchronised there), and so is everything else a rank saves (RNG
+states, the components' state, such as error-feedback buffers that the next backward changes).
 """
 from __future__ import annotations
 
@@ -37,11 +43,13 @@ def _new_storage(nbytes: int, pinned: bool):
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
 
 
-def host_copy(obj, memo: dict | None = None, alloc=_new_storage):
+def host_copy(obj, memo: dict | None = None, alloc=_new_storage, later: list | None = None):
     """A copy of obj whose tensors live in host memory and share nothing with the training state (which the next
     optimizer step changes in place). Views keep sharing: each storage is copied once and the views rebuilt on
     the copy, so torch.save writes the same bytes it would have written from the live state (ZeRO's module
-    weights, for one, are views of one flat buffer). alloc(nbytes, pinned) gives the host storages."""
+    weights, for one, are views of one flat buffer). alloc(nbytes, pinned) gives the host storages. With `later`
+    (a list), storages already in host memory are not copied yet: (host storage, live storage) pairs are appended
+    for a copy thread, and the copy's tensors hold their bytes once those copies are done."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
@@ -49,17 +57,21 @@ def host_copy(obj, memo: dict | None = None, alloc=_new_storage):
         key = (storage.device, storage.data_ptr(), storage.nbytes())
         if key not in memo:
             pinned = storage.device.type != "cpu" and torch.cuda.is_available()
-            memo[key] = alloc(storage.nbytes(), pinned).copy_(storage, non_blocking=pinned)  # synchronised at seal
+            memo[key] = alloc(storage.nbytes(), pinned)
+            if later is not None and storage.device.type == "cpu":
+                later.append((memo[key], storage))
+            else:
+                memo[key].copy_(storage, non_blocking=pinned)  # synchronised at seal
         return torch.empty(0, dtype=t.dtype).set_(memo[key], t.storage_offset(), t.size(), t.stride())
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for key, value in obj.items():
-            out[key] = host_copy(value, memo, alloc)
+            out[key] = host_copy(value, memo, alloc, later)
         return out
     if isinstance(obj, list):
-        return [host_copy(v, memo, alloc) for v in obj]
+        return [host_copy(v, memo, alloc, later) for v in obj]
     if isinstance(obj, tuple):
-        items = [host_copy(v, memo, alloc) for v in obj]  # torch.Size and named tuples keep their type
+        items = [host_copy(v, memo, alloc, later) for v in obj]  # torch.Size and named tuples keep their type
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return copy.deepcopy(obj)
 
@@ -75,6 +87,9 @@ class Job:
     copy_s: float = 0.0  # what the training step waited for: the copy off the device
     write_s: float = 0.0  # what the thread took: writing, fsync, hashing
     storages: list = field(default_factory=list)  # the host buffers of its copies (kept for the next save)
+    later: list = field(default_factory=list)  # (host storage, live host storage): copied by the copy thread
+    waiting: list = field(default_factory=list)  # (copy, path) to write once `later` is copied
+    copied: threading.Event = field(default_factory=threading.Event)  # every byte is in the host copy
 
 
 class Writer:
@@ -93,14 +108,25 @@ class Writer:
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="dstrain-checkpoint-writer", daemon=True)
         self.thread.start()
+        # the copy runs at the training's own priority (the writer's is lowered): the step may be waiting for it
+        self.copies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._copy, name="dstrain-checkpoint-copy", daemon=True).start()
 
     def begin(self, step: int, folder: Path) -> Job:
         self.job = Job(step, folder)
         return self.job
 
-    def put(self, obj, path: str | Path) -> None:
+    def put(self, obj, path: str | Path, until_update: bool = False) -> None:
+        """Queue obj to be written to path. until_update: obj is state that only the optimizer step changes (the
+        engine's), so its host-memory tensors are copied in the background, before the next update."""
         began = time.perf_counter()
-        self.items.put((self.job, host_copy(obj, alloc=self._alloc), Path(path)))
+        later = [] if until_update else None
+        copied = host_copy(obj, alloc=self._alloc, later=later)
+        if later:
+            self.job.later += later
+            self.job.waiting.append((copied, Path(path)))
+        else:
+            self.items.put((self.job, copied, Path(path)))
         self.job.copy_s += time.perf_counter() - began
 
     def _alloc(self, nbytes: int, pinned: bool):
@@ -112,13 +138,43 @@ class Writer:
         return storage
 
     def seal(self) -> Job:
-        """Every file of the job is queued: the device copies must have landed before the thread reads them."""
+        """Every file of the job is queued: the device copies must have landed before the thread reads them. The
+        copy thread takes the job's deferred copies, then hands its files to the writer."""
         began = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.job.copy_s += time.perf_counter() - began
-        self.items.put((self.job, _SEAL, None))
+        self.copies.put(self.job)
         return self.job
+
+    def wait_copied(self) -> float:
+        """Before an optimizer step: wait until the save in flight holds its own copy of the state; the seconds
+        waited."""
+        job = self.job
+        if job is None or job.copied.is_set():
+            return 0.0
+        began = time.perf_counter()
+        job.copied.wait()
+        waited = time.perf_counter() - began
+        job.copy_s += waited
+        return waited
+
+    def _copy(self) -> None:
+        while True:
+            job = self.copies.get()
+            try:
+                if job.later:
+                    faults.point("save:copy", self.rank, job.step)
+                for host, live in job.later:
+                    host.copy_(live)
+            except BaseException as error:  # noqa: BLE001 -- reported at the step boundary that publishes
+                job.error = error
+            job.later = []
+            job.copied.set()
+            for copied, path in job.waiting:
+                self.items.put((job, copied, path))
+            job.waiting = []
+            self.items.put((job, _SEAL, None))
 
     def _run(self) -> None:
         try:  # Linux schedules threads apart: where training keeps every core busy, the writer yields to it
@@ -161,7 +217,7 @@ def engine_for(writer: Writer):
 
     class HostCopyEngine(base):
         def save(self, state_dict, path: str) -> None:
-            writer.put(state_dict, path)
+            writer.put(state_dict, path, until_update=True)
 
         def preserves_storage_sharing(self) -> bool:
             return False  # host_copy already gives each tensor its own storage: DeepSpeed need not clone first

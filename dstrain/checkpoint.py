@@ -148,7 +148,10 @@ class Checkpointer:
         self.every: int | None = None  # checkpoint.every=auto: the interval, once the first save has measured the stall
         self.last_call: float | None = None
         self.step_times: list[float] = []
-        self.stalls: list[float] = []  # seconds the training loop spent in each save (the copy, or all of it)
+        # seconds the training loop spent in each save: all of a synchronous one; of a background one, the copy at
+        # the save and the wait for the rest of it before the next optimizer step (final once that step has run)
+        self.stalls: list[float] = []
+        self.stall_final = False
         self.writes: list[float] = []  # seconds each background write took (this rank)
 
     PROBE_STEP = 5  # checkpoint.every=auto: the first save, which measures the stall
@@ -167,10 +170,20 @@ class Checkpointer:
             return step >= self.PROBE_STEP and not self.stalls
         return step % self.every == 0
 
+    def before_update(self) -> None:
+        """Before an optimizer step (steps.train_step): a background save's deferred copy of the engine's state must
+        be done, since the update changes it in place; its wait counts in the save's stall."""
+        if self.in_flight is not None:
+            waited = self.writer.wait_copied()
+            if self.stalls:
+                self.stalls[-1] += waited
+        self.stall_final = bool(self.stalls)
+
     def choose_interval(self, nodes: int, mtbf_hours: float, device, say: Callable[[str], None]) -> None:
-        """checkpoint.every=auto, after the first save: Young/Daly's interval, sqrt(2 x stall x MTBF of the job),
-        in steps of the median step time; said with the work a failure is expected to cost."""
-        if self.cfg.every != "auto" or self.every is not None or not self.stalls or not self.step_times:
+        """checkpoint.every=auto, once the first save's stall is known (every rank calls this after every step):
+        Young/Daly's interval, sqrt(2 x stall x MTBF of the job), in steps of the median step time; said with the
+        work a failure is expected to cost."""
+        if self.cfg.every != "auto" or self.every is not None or not self.stall_final or not self.step_times:
             return
         import statistics
 
@@ -213,6 +226,7 @@ class Checkpointer:
                     self._write(engine, step, tmp, client_state, self.writer.put)
                 self.writer.seal()
                 self.stalls.append(time.perf_counter() - began)
+                self.stall_final = False
                 if wait:
                     self.finish(step, say, last=True)
                 return final
@@ -228,6 +242,7 @@ class Checkpointer:
             raise self._failed(step, tmp, error) from error
         barrier()
         self.stalls.append(time.perf_counter() - began)
+        self.stall_final = True
         return final
 
     def _write(self, engine, step: int, tmp: Path, client_state: dict, save: Callable) -> None:
@@ -379,33 +394,28 @@ def _duration(seconds: float) -> str:
 
 # ----------------------------------------------------------------------------- background or not
 
-def _uses_nvme(ds_cfg: dict) -> bool:
-    zero = ds_cfg.get("zero_optimization") or {}
-    return any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_optimizer", "offload_param"))
-
-
 def check_background(cfg: CheckpointConfig, ds_cfg: dict) -> None:
     """Part of the validation pass: a setting that cannot apply is said before anything is built."""
-    if cfg.background == "true" and _uses_nvme(ds_cfg):
+    from .memory import uses_nvme
+
+    if cfg.background == "true" and uses_nvme(ds_cfg):
         raise UserError("checkpoint.background=true cannot apply with NVMe offload (DeepSpeed copies its swap "
                         "files while it saves); use checkpoint.background=auto or false")
 
 
 def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, parameters: int,
                         trained: int | None, ranks_per_node: int) -> tuple[bool, str]:
-    """Whether saves run in the background, and the line that says so. The host copy per rank is about what
-    DeepSpeed writes: fp32 weights and two Adam moments of this rank's optimizer share, plus the module's
-    weights (rank 0 of ZeRO-0/1/2 writes them whole)."""
+    """Whether saves run in the background, and the line that says so (the host copy's size:
+    memory.checkpoint_copy_bytes)."""
+    from .memory import background_saves, checkpoint_copy_bytes
+
     if cfg.background == "false":
         return False, "checkpoints: written before the step goes on (checkpoint.background=false)"
-    if _uses_nvme(ds_cfg):
+    if not background_saves(cfg, ds_cfg):
         return False, "checkpoints: written before the step goes on (NVMe offload: DeepSpeed copies its swap files)"
     import psutil
 
-    stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
-    share = layout.zero_shards if stage >= 1 else 1
-    split = layout.pipeline_stages * layout.tensor_parallel
-    copy = 12 * (trained or parameters) // (split * share) + 4 * parameters // split
+    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained)
     free = psutil.virtual_memory().available // max(1, ranks_per_node)
     size = f"a {copy / 2**20:,.0f} MiB host copy per rank"
     if cfg.background == "auto" and copy > free // 2:

@@ -2,7 +2,8 @@
 
     DSTRAIN_FAULT="<point>:<action>[:rank=R][:step=S]"   several separated by ';'
 
-points   validate (before the validation pass, step 0), step (before a training step), save:shards (files
+points   validate (before the validation pass, step 0), step (before a training step), save:copy (a background
+         save's deferred copy of the engine's state), save:write (a background save's file), save:shards (files
          written, not yet listed), save:manifest
          (complete.json written, not yet published), save:publish (renamed, `latest` not yet written),
          save:prune (published, old checkpoints not yet pruned)

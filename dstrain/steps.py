@@ -8,6 +8,8 @@ by accum and averages over dp (Layout.gradients_averaged_over: dp x sp under ZeR
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .dist import all_reduce_sum
@@ -62,12 +64,14 @@ def _add(acc: torch.Tensor | None, summed: torch.Tensor, stats: torch.Tensor | N
     return row if acc is None else acc + row
 
 
-def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout, objective
-               ) -> tuple[float, dict, int, dict]:
+def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout, objective,
+               before_update: Callable[[], None] = lambda: None) -> tuple[float, dict, int, dict]:
     """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, the objective's counts
     over the global batch, its input tokens that are not padding, the objective's metrics): throughput and MFU
-    count work, not padding."""
+    count work, not padding. before_update() runs just before the optimizer changes the weights (a background
+    save's copy of them is finished there)."""
     if layout.is_pipeline:
+        before_update()  # the pipeline engine's train_batch runs the whole step
         loss, label_tokens, real = _pipe_step(engine, micro_batches, layout, train=True)
         return loss, {"label_tokens": label_tokens}, real, {}
     totals, real = _totals(objective, micro_batches, layout, engine.device)
@@ -76,10 +80,12 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Lay
         if layout.replicas > 1 else totals
     scale = len(micro_batches) * layout.gradients_averaged_over / own[objective.primary]
     acc = None  # summed on the device: no sync per micro-batch
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
         batch = to_device(engine, batch, objective)  # pinned on GPUs (TrainStream)
         summed, stats = objective.loss_sum(engine, batch, own)
         engine.backward(summed * scale)
+        if i == len(micro_batches) - 1:
+            before_update()
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
         acc = _add(acc, summed, stats)
     if torch.distributed.is_initialized():

@@ -25,18 +25,22 @@ def uninterrupted(run: Path, tiny_llama: Path) -> list[float]:
 def test_the_checkpoint_holds_its_step_and_a_kill_during_the_next_write_resumes_from_it(tmp_path, cache, tiny_llama):
     """Step 4's files are written slowly (1 s a file) while steps 5 and 6 run (step 6 slowed to 4 s, so the write
     ends during it): the optimizer changes the weights and moments in place meanwhile, so a checkpoint that did not
-    copy them at step 4 holds a later state and its resume departs from the uninterrupted losses. Step 8's write
-    is still going (30 s a file) when rank 1 is killed at step 10: step 8 is not complete, and resume takes 4."""
+    copy them at step 4 holds a later state and its resume departs from the uninterrupted losses. The copy of the
+    engine's state, deferred to the next step's forward and backward, is slowed too (2 s): step 5's update must
+    wait for it. Step 8's write is still going (30 s a file) when rank 1 is killed at step 10: step 8 is not
+    complete, and resume takes 4."""
     run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run)]
-    fault = ("save:write:slow:seconds=1:step=4;step:slow:seconds=4:step=6;save:write:slow:seconds=30:step=8;"
-             "step:kill:rank=1:step=10")
+    fault = ("save:copy:slow:seconds=2:step=4;save:write:slow:seconds=1:step=4;step:slow:seconds=4:step=6;"
+             "save:write:slow:seconds=30:step=8;step:kill:rank=1:step=10")
     first = launch(args, cache, check=False, DSTRAIN_FAULT=fault)
     assert first.returncode != 0, first.stderr[-3000:]
     assert "checkpoints: written in the background" in first.stderr, first.stderr[-3000:]
     overlap = re.search(r"checkpoint step_00000004 complete: written in the background in [\d.]+ s while steps "
                         r"5-(\d+) ran", first.stderr)
     assert overlap and int(overlap.group(1)) >= 6, first.stderr[-3000:]  # training went on during the write
+    waited = re.search(r"the step waited ([\d.]+) s for its copy", first.stderr[overlap.start():])
+    assert waited and float(waited.group(1)) >= 1.5, first.stderr[-3000:]  # step 5's update waited for the copy
     assert not (run / "checkpoints" / "step_00000008").exists()
     assert (run / "checkpoints" / ".tmp-step_00000008").is_dir()  # the write the kill interrupted
 

@@ -93,11 +93,37 @@ def test_every_auto_is_young_daly_from_the_measured_stall(monkeypatch):
     clock = iter(float(i) * 0.5 for i in range(100))  # steps of 0.5 s
     monkeypatch.setattr(checkpoint.time, "perf_counter", lambda: next(clock))
     assert [ckpt.due(s, 1000) for s in range(1, 6)] == [False] * 4 + [True]
-    ckpt.stalls.append(0.2)  # what save() records
+    ckpt.stalls.append(0.2)  # what a background save() records
     said = []
+    ckpt.choose_interval(4, 6000.0, torch.device("cpu"), said.append)
+    assert ckpt.every is None and not said  # its stall is not final before the next step's optimizer update
+    ckpt.before_update()
     ckpt.choose_interval(4, 6000.0, torch.device("cpu"), said.append)
     # sqrt(2 x 0.2 s x 6000 h x 3600 / 4 nodes) = 1,470 s = 2,939 steps of 0.5 s
     assert ckpt.every == 2939 and "every 2,939 steps" in said[0] and "fault.mtbf_hours=6000" in said[0]
     assert ckpt.due(2939 * 2, 10**6) and not ckpt.due(2939 * 2 + 1, 10**6) and ckpt.due(10**6, 10**6)
     with pytest.raises(UserError, match="checkpoint.every"):
         CheckpointConfig(every="sometimes")
+
+
+def test_engine_state_is_copied_before_the_next_update_and_the_rest_at_once(tmp_path, monkeypatch):
+    """The engine's host-memory state (until_update) is copied by the copy thread, which the next optimizer step
+    waits for; what else a rank saves is copied at the save (the next backward may change it)."""
+    from dstrain import faults
+
+    writer = Writer(0, checkpoint._file_record)
+    weights, residual = torch.zeros(1000), torch.zeros(10)
+    monkeypatch.setattr(faults, "_RULES", faults._parse("save:copy:slow:seconds=1:step=4"))
+    job = writer.begin(4, tmp_path)
+    writer.put({"w": weights, "v": weights[:3]}, tmp_path / "engine.pt", until_update=True)
+    writer.put({"r": residual}, tmp_path / "extra.pt")
+    assert len(job.later) == 1 and not job.copied.is_set()  # one storage, not copied yet
+    writer.seal()
+    residual.fill_(7.0)  # the next backward: the extra's copy was taken at the save
+    assert writer.wait_copied() > 0.5 and job.copied.is_set() and job.copy_s > 0.5
+    weights.fill_(5.0)  # the next optimizer update, after the wait
+    assert job.done.wait(30) and job.error is None
+    assert torch.load(tmp_path / "engine.pt")["w"].tolist() == [0.0] * 1000
+    assert torch.load(tmp_path / "engine.pt")["v"].tolist() == [0.0] * 3
+    assert torch.load(tmp_path / "extra.pt")["r"].tolist() == [0.0] * 10
+    assert writer.wait_copied() == 0.0  # nothing in flight to wait for

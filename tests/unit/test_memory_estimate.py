@@ -1,4 +1,6 @@
 """Preflight arithmetic on an 8B-shaped Llama (built on the meta device, nothing downloaded)."""
+import re
+
 import pytest
 
 from dstrain import ds_config as dsc
@@ -158,3 +160,23 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
     no_momentum = recipe(llama8b, "--diloco.every=50", "--diloco.outer_momentum=0")
     est = memory.estimate(config, psi, no_momentum, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
     assert est.device["diloco_state"] == 4 * psi
+
+
+def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
+    """The host copy a background save keeps per rank: 12 bytes a parameter of the optimizer share, plus the
+    16-bit weights whole on rank 0 under ZeRO-1/2 (14 bytes a parameter on one GPU: 17.3 GB measured for gpu-1b's
+    1.24B on an H200, docs/benchmarks.md); none of it with NVMe offload or checkpoint.background=false."""
+    monkeypatch.setattr(memory, "device_memory", lambda name, ranks: (80 * GiB, "H100 80GB"))
+    r = recipe(llama8b)
+    cfg = dsc.resolve(dsc.load("zero2.json"), r, 1, GPU, hidden_size=4096)
+    assert memory.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 1), 1_240_000_000) == 14 * 1_240_000_000
+    cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
+    assert memory.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 32), 32 * 10**9) == 12 * 10**9
+    text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)[1]
+    psi = float(re.search(r"preflight: ([\d,.]+)M parameters", text).group(1).replace(",", "")) * 1e6
+    line = next(line for line in text.splitlines() if "background checkpoints" in line)
+    assert f"up to {12 * psi / 32 / GiB:,.1f} GiB a rank, {8 * 12 * psi / 32 / GiB:,.1f} GiB per node, pinned" in line
+    off = recipe(llama8b, "--checkpoint.background=false")
+    assert "background checkpoints" not in memory.preflight(off, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)[1]
+    assert "background checkpoints" not in memory.preflight(r, dsc.load("zero3_nvme.json"), "zero3_nvme.json", 32,
+                                                            8, GPU)[1]
