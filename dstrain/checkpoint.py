@@ -394,10 +394,33 @@ def _duration(seconds: float) -> str:
 
 # ----------------------------------------------------------------------------- background or not
 
+def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None) -> int:
+    """Host memory a background checkpoint takes on the rank that writes the most (dstrain/background_save.py),
+    kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
+    Adam moments (12 bytes a trained parameter) and, on data-parallel rank 0 of ZeRO-0/1/2, the module's trained
+    weights whole (ZeRO-3 writes its weights inside the optimizer shares). Pinned memory on GPU hosts."""
+    zero = ds_cfg.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    sixteen_bit = bool((ds_cfg.get("bf16") or {}).get("enabled") or (ds_cfg.get("fp16") or {}).get("enabled"))
+    split = layout.pipeline_stages * layout.tensor_parallel
+    share = layout.zero_shards if stage >= 1 or sixteen_bit else 1
+    trained = trained or parameters
+    return 12 * trained // (split * share) + ((2 if sixteen_bit else 4) * trained // split if stage < 3 else 0)
+
+
+def uses_nvme(ds_cfg: dict) -> bool:
+    zero = ds_cfg.get("zero_optimization") or {}
+    return any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_optimizer", "offload_param"))
+
+
+def background_saves(cfg: CheckpointConfig, ds_cfg: dict) -> bool:
+    """Whether checkpoint.background may write in the background (auto decides again at the start, from free
+    memory): not with NVMe offload, whose swap files DeepSpeed copies while it saves."""
+    return cfg.background != "false" and not uses_nvme(ds_cfg)
+
+
 def check_background(cfg: CheckpointConfig, ds_cfg: dict) -> None:
     """Part of the validation pass: a setting that cannot apply is said before anything is built."""
-    from .memory import uses_nvme
-
     if cfg.background == "true" and uses_nvme(ds_cfg):
         raise UserError("checkpoint.background=true cannot apply with NVMe offload (DeepSpeed copies its swap "
                         "files while it saves); use checkpoint.background=auto or false")
@@ -406,9 +429,7 @@ def check_background(cfg: CheckpointConfig, ds_cfg: dict) -> None:
 def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, parameters: int,
                         trained: int | None, ranks_per_node: int) -> tuple[bool, str]:
     """Whether saves run in the background, and the line that says so (the host copy's size:
-    memory.checkpoint_copy_bytes)."""
-    from .memory import background_saves, checkpoint_copy_bytes
-
+    checkpoint_copy_bytes)."""
     if cfg.background == "false":
         return False, "checkpoints: written before the step goes on (checkpoint.background=false)"
     if not background_saves(cfg, ds_cfg):

@@ -150,31 +150,6 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     return est
 
 
-def checkpoint_copy_bytes(ds_cfg: dict, layout, parameters: int, trained: int | None = None) -> int:
-    """Host memory a background checkpoint takes on the rank that writes the most (dstrain/background_save.py),
-    kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
-    Adam moments (12 bytes a trained parameter) and, on data-parallel rank 0 of ZeRO-0/1/2, the module's trained
-    weights whole (ZeRO-3 writes its weights inside the optimizer shares). Pinned memory on GPU hosts."""
-    zero = ds_cfg.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
-    sixteen_bit = bool((ds_cfg.get("bf16") or {}).get("enabled") or (ds_cfg.get("fp16") or {}).get("enabled"))
-    split = layout.pipeline_stages * layout.tensor_parallel
-    share = layout.zero_shards if stage >= 1 or sixteen_bit else 1
-    trained = trained or parameters
-    return 12 * trained // (split * share) + ((2 if sixteen_bit else 4) * trained // split if stage < 3 else 0)
-
-
-def uses_nvme(ds_cfg: dict) -> bool:
-    zero = ds_cfg.get("zero_optimization") or {}
-    return any((zero.get(key) or {}).get("device") == "nvme" for key in ("offload_optimizer", "offload_param"))
-
-
-def background_saves(cfg, ds_cfg: dict) -> bool:
-    """Whether checkpoint.background may write in the background (auto decides again at the start, from free
-    memory): not with NVMe offload, whose swap files DeepSpeed copies while it saves."""
-    return cfg.background != "false" and not uses_nvme(ds_cfg)
-
-
 def _diloco(cfg, psi_t: int, layout, gathered_w: int) -> dict:
     """DiLoCo's outer state on every rank (components/diloco.py): the shared weights of the last sync (fp32, the
     whole model), the outer momentum (fp32, when outer_momentum > 0) and the rounding carried over (fp32, this
@@ -296,6 +271,7 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         per_rank = sum(est.host.values())
         text += (f"\nhost memory: {per_rank * ranks_per_node / GiB:,.1f} GiB per node for what is offloaded "
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
+    from .checkpoint import background_saves, checkpoint_copy_bytes
     if background_saves(recipe.checkpoint, resolved):
         copy = checkpoint_copy_bytes(resolved, layout, parameters, trained)
         text += (f"\nhost memory for background checkpoints (checkpoint.background): up to {copy / GiB:,.1f} GiB a "

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
+from dstrain import checkpoint, memory
 from dstrain import ds_config as dsc
-from dstrain import memory
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.layout import Layout
 
@@ -169,9 +169,9 @@ def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
     monkeypatch.setattr(memory, "device_memory", lambda name, ranks: (80 * GiB, "H100 80GB"))
     r = recipe(llama8b)
     cfg = dsc.resolve(dsc.load("zero2.json"), r, 1, GPU, hidden_size=4096)
-    assert memory.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 1), 1_240_000_000) == 14 * 1_240_000_000
+    assert checkpoint.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 1), 1_240_000_000) == 14 * 1_240_000_000
     cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
-    assert memory.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 32), 32 * 10**9) == 12 * 10**9
+    assert checkpoint.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 32), 32 * 10**9) == 12 * 10**9
     text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)[1]
     psi = float(re.search(r"preflight: ([\d,.]+)M parameters", text).group(1).replace(",", "")) * 1e6
     line = next(line for line in text.splitlines() if "background checkpoints" in line)
