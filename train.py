@@ -233,11 +233,11 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
             metrics.evaluation(step, *evaluate(engine, val, layout, objective))
             watchdog.progress()
         ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
+        ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
+                             metrics.message)  # checkpoint.every=auto, once the first save's stall is known
         if ckpt.due(step, last):
             ckpt.save(engine, step, saved(step), wait=False, say=metrics.message)
             watchdog.progress()
-        ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
-                             metrics.message)
         if stop.agreed(step, engine.device):
             last = step
             break
