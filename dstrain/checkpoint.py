@@ -399,9 +399,9 @@ def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained
     kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
     Adam moments (12 bytes a trained parameter) and, on data-parallel rank 0 of ZeRO-0/1/2, the module's trained
     weights whole (ZeRO-3 writes its weights inside the optimizer shares). Pinned memory on GPU hosts."""
-    zero = ds_cfg.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
-    sixteen_bit = bool((ds_cfg.get("bf16") or {}).get("enabled") or (ds_cfg.get("fp16") or {}).get("enabled"))
+    from .ds_config import precision, zero_stage
+
+    stage, sixteen_bit = zero_stage(ds_cfg), precision(ds_cfg) != "fp32"
     split = layout.pipeline_stages * layout.tensor_parallel
     share = layout.zero_shards if stage >= 1 or sixteen_bit else 1
     trained = trained or parameters
