@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -141,6 +141,11 @@ bench-checkpoints: setup
 bench-compression: setup
 	$(call apt_install,iproute2)
 	$(PY) bench/compression.py --seeds 42,1,2 --slow-link --write $(BENCH_ARGS)
+
+# time to a target loss across a 100 Mbit/s link: DiLoCo, PowerSGD and the synchronous run (root, iproute2; ~35 min)
+bench-slow-links: setup
+	$(call apt_install,iproute2)
+	$(PY) bench/slow_links.py --loss-seeds 1,2 --write $(BENCH_ARGS)
 
 lint: setup test-deps
 	$(VENV)/bin/ruff check .

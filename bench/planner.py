@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--delay", default="1ms")
     parser.add_argument("--trials", type=int, default=30, help="--trial K for each link (at most 2 per strategy)")
     parser.add_argument("--published-only", action="store_true", help="part 2 only (no namespaces, no launch)")
+    parser.add_argument("--links", choices=("both", "shaped", "unshaped"), default="both",
+                        help="which links part 1 runs on (the other's saved results stay)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
     state = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -121,7 +123,7 @@ def main() -> None:
         try:
             params = make_model(work / "model")
             state["params"] = params
-            for rate in (args.rate, None):
+            for rate in {"both": (args.rate, None), "shaped": (args.rate,), "unshaped": (None,)}[args.links]:
                 print(f"part 1: --plan --trial {args.trials} on the {rate or 'unshaped'} link", file=sys.stderr)
                 state[rate or "unshaped"] = plan_on_link(work / "model", work, rate, args.delay, args.trials)
                 state["rate"] = args.rate

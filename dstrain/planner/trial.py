@@ -5,7 +5,9 @@ picks it and broadcasts it), so the trial runs on exactly the ranks, nodes and n
 launcher (deepspeed, torchrun, srun). The parents wait in no collective while a trial runs. A trial writes into
 <run dir>/plan/trial-<i>/ (no checkpoints kept, no export) and is timed from its metrics.jsonl: the median step
 time after the first TRIAL_SKIP steps (warm-up). Gradient compression's warm-up of uncompressed steps is cut to
-1 step in a trial, so the measured steps are the compressed ones the prediction describes.
+1 step in a trial, so the measured steps are the compressed ones the prediction describes. A DiLoCo trial syncs
+at its last step: measured is the inner steps' median plus 1/H of what the sync step took beyond it (the mean
+step over H steps, which the prediction describes).
 """
 from __future__ import annotations
 
@@ -63,9 +65,24 @@ def trial_overrides(candidate, steps: int = TRIAL_STEPS) -> list[str]:
     """The candidate's recipe overrides, with gradient compression's uncompressed warm-up cut to one step (a
     trial of a few steps would otherwise time the plain all-reduce). DiLoCo syncs at the trial's last step only
     (diloco.every may not exceed the run): the median step times the inner steps, and the prediction's 1/H share
-    of a sync is not measured."""
+    of a sync is measured from the last step (measured_step_s)."""
     out = candidate.overrides() + (["--compression.warmup_steps=1"] if candidate.compression != "none" else [])
     return out + ([f"--diloco.every={steps}"] if candidate.diloco_every > steps else [])
+
+
+def measured_step_s(rows: list[dict], diloco_every: int, steps: int) -> float | None:
+    """The trial's step time from its metrics rows: the median after TRIAL_SKIP steps. With DiLoCo the last step
+    holds the trial's one sync: the inner steps' median plus 1/H of the sync step's excess over it."""
+    timed = {r["step"]: r["step_s"] for r in rows if r["step"] > TRIAL_SKIP}
+    if not diloco_every:
+        return statistics.median(timed.values()) if timed else None
+    if diloco_every < steps:  # syncs inside the trial: the mean holds them in their share
+        return statistics.mean(timed.values()) if timed else None
+    inner = [s for step, s in timed.items() if step < steps]
+    if not inner or steps not in timed:
+        return None
+    median = statistics.median(inner)
+    return median + max(timed[steps] - median, 0.0) / diloco_every
 
 
 def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = TRIAL_STEPS):
@@ -99,8 +116,7 @@ def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = 
         measured = None
         if ctx.is_main:
             rows = [r for r in read_metrics(folder / "run" / "metrics.jsonl") if "step_s" in r]
-            timed = [r["step_s"] for r in rows if r["step"] > TRIAL_SKIP]
-            measured = statistics.median(timed) if codes.item() == 0 and timed else None
+            measured = measured_step_s(rows, pred.candidate.diloco_every, steps) if codes.item() == 0 else None
             comm = [r.get("comm_s") for r in rows if r["step"] > TRIAL_SKIP and r.get("comm_s") is not None]
             results.append((pred, measured, statistics.median(comm) if comm else None))
             if measured is None:

@@ -8,10 +8,23 @@ AdamW state reset at a sync each move the losses by far more (the first test che
 instead of every step, simulated, falls outside the bound).
 """
 import json
+import signal
+import subprocess
+import time
 
 import pytest
 
-from tests.helpers import diloco_reference_losses, launch, metrics
+from tests.helpers import (
+    BIN,
+    ROOT,
+    diloco_reference_losses,
+    env,
+    free_port,
+    kill_tree,
+    launch,
+    metrics,
+    processes_below,
+)
 
 STEPS, LR, WARMUP, MIN_LR, MICRO = 8, 3e-3, 2, 0.1, 4
 RTOL = 2e-6
@@ -74,8 +87,9 @@ def test_h3_nesterov_int8_replicas_of_two_ranks_zero3_stopped_and_resumed(tmp_pa
 
 
 def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
-    """Whole replicas (of one rank) join and leave between launches, as nodes do: 2 replicas to step 3, 3 to step 6,
-    2 to the end (H = 3, checkpoints at the syncs; the paper's Nesterov outer step; bf16 pseudo-gradients). The
+    """Whole replicas (of one rank) join and leave between launches, as nodes do: 2 replicas to step 3, 3 until one
+    of them is killed (-9) after checkpoint 6, 2 to the end (H = 3, checkpoints at the syncs; the paper's Nesterov
+    outer step; bf16 pseudo-gradients). The
     joining replica starts from a copy of replica 0 (its weights and AdamW state), the shared weights and the
     outer momentum carry on, the carried rounding starts again from zero, and grad_accum_steps keeps the global
     batch of 24: the joined losses are the simulation's with the same regrouping (measured 6.2e-8). The simulation
@@ -85,10 +99,10 @@ def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
                      "--train.max_steps=9", "--train.grad_accum_steps=3", "--checkpoint.every=3",
                      "--diloco.every=3", "--diloco.dtype=bf16"]
     launch(args + ["--diloco.replicas=2", "--train.exit_at_step=3"], cache, nproc=2)
-    grew = launch(args + ["--diloco.replicas=3", "--train.exit_at_step=6"], cache, nproc=3)
+    grew = _killed_after(6, args + ["--diloco.replicas=3"], cache, nproc=3, rank=2)
     assert "DiLoCo replicas changed from 2 to 3: replica 2 (a copy of replica 0) joined; shared weights and outer " \
            "momentum kept, the carried rounding reset; grad_accum_steps 3 -> 2 keeps the global batch at 24" \
-           in grew.stderr, grew.stderr[-3000:]
+           in grew, grew[-3000:]
     shrank = launch(args + ["--diloco.replicas=2"], cache, nproc=2)
     assert "DiLoCo replicas changed from 3 to 2: replica 2 left, its inner state dropped" in shrank.stderr, \
         shrank.stderr[-3000:]
@@ -96,3 +110,27 @@ def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
     want = diloco_reference_losses(tiny_llama, run, 9, LR, WARMUP, MIN_LR, 0.1, 2, 2, MICRO, 3, 0.7, 0.9, "bf16",
                                    regroups=((3, 3, 3), (6, 2, 2)))
     assert len(got) == 9 and got == pytest.approx(want, rel=RTOL)
+
+
+def _killed_after(step: int, args: list[str], cache, nproc: int, rank: int) -> str:
+    """Run under the deepspeed runner, as a user does; SIGKILL one rank once checkpoint `step` is published (rank 0
+    holds still just after publishing it, so the kill lands mid-run); the runner's output."""
+    run = args[args.index("--output_dir") + 1]
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py", *args]
+    fault = f"save:prune:slow:rank=0:step={step}:seconds=60"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache, DSTRAIN_FAULT=fault), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (ROOT / run / "checkpoints" / f"step_{step:08d}" / "complete.json").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        ranks = processes_below(proc.pid, "train.py", f"--local_rank={rank}")
+        assert len(ranks) == 1, ranks
+        ranks[0].send_signal(signal.SIGKILL)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    assert proc.returncode != 0, out[-3000:]
+    return out

@@ -183,6 +183,16 @@ def test_a_run_says_once_when_communication_dominates(tmp_path, capsys):
     assert rows[-1]["comm_fraction"] == pytest.approx(0.6) and rows[-1]["comm_bytes"] == 10.0
 
 
+def test_trial_times_diloco_with_its_sync_amortised_over_h():
+    """A DiLoCo trial syncs once, at its last step: the inner steps' median plus 1/H of the sync's excess (the
+    mean step over H steps). Without DiLoCo the median after the warm-up steps, the last step among them."""
+    rows = [{"step": s, "step_s": t} for s, t in [(1, 9.0), (2, 5.0), (3, 1.0), (4, 1.2), (5, 1.1), (6, 11.1)]]
+    assert trial.measured_step_s(rows, 50, 6) == pytest.approx(1.1 + 10.0 / 50)
+    assert trial.measured_step_s(rows, 0, 6) == pytest.approx(1.15)
+    assert trial.measured_step_s(rows, 3, 6) == pytest.approx((1.0 + 1.2 + 1.1 + 11.1) / 4)
+    assert trial.measured_step_s(rows[:5], 50, 6) is None  # the sync step missing: no figure, not a wrong one
+
+
 def test_trial_command_drops_the_planners_options():
     argv = ["--local_rank=1", "--recipe", "r.yaml", "--plan", "--trial", "3", "--ds_config", "zero2.json",
             "--output_dir=o", "--train.lr=1e-3", "--plan_max_mb", "16"]

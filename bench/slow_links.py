@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Time to a target loss across a slow link: DiLoCo and gradient compression against synchronous training.
+
+Two network namespaces joined by a veth pair (bench/compression.py's SlowLink), one rank in each (two "nodes"),
+the ~3M-parameter Llama of bench/compression.py on data/tiny, ZeRO-0, fp32. Each run is one train.py job with the
+link either shaped with tc (--rate, netem delay where the kernel has sch_netem) or unshaped:
+
+- the reference: the fully synchronous fp32 all-reduce on the unshaped link, --steps steps. Its eval loss at
+  --target-step is the target;
+- DiLoCo (two replicas of one rank, H = 50, int8 pseudo-gradients, outer lr 1 and no momentum: the setting
+  bench/compression.py found for runs of hundreds of steps) on the shaped link, --steps steps;
+- PowerSGD rank 4 and the synchronous fp32 all-reduce on the shaped link, for contrast: the same --steps schedule,
+  stopped at the reference's target step (PowerSGD half as many steps again: its loss lags a little).
+
+Reported per run: bytes each rank sends per step (counted at the collectives, mean over the steps), eval loss at
+the target step and at the last step and its gap to the reference's at the same step, and the wall-clock time
+from the start of step 1 to the target loss (the first eval at or below it, interpolated linearly in time between
+that eval and the one before). Every run evaluates at the same steps (DiLoCo evaluates at its syncs), so the
+evaluations cost every run the same. Plot: eval loss against wall time (docs/slow_links.png).
+
+--loss-seeds 1,2 adds the reference and DiLoCo with other data orders (train.seed), for their eval loss only (the
+time is not measured there: those runs may share the machine).
+
+    python bench/slow_links.py [--steps 1000] [--target-step 300] [--rate 100mbit] [--delay 10ms]
+                               [--loss-seeds 1,2] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import free_port, write_section
+from compression import METHODS, SlowLink, environment, make_model, train_args
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "slow_links_bench.json"
+PLOT = ROOT / "docs" / "slow_links.png"
+EVERY = 50  # eval.every: DiLoCo's H, so every run evaluates at the same steps
+REFERENCE = "fp32 all-reduce"
+DILOCO = "DiLoCo H=50 int8, outer lr 1, no momentum"
+POWERSGD = "PowerSGD rank 4"
+
+
+def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work: Path, args) -> dict:
+    """One train.py job of --steps steps (the learning-rate schedule's length) stopped after `stop`, a rank in each
+    namespace; its evaluations with their wall time, losses, bytes and step time."""
+    out = work / f"run-{len(list(work.glob('run-*')))}"
+    cmd = train_args(model, out, args.steps, 20, METHODS[name] + [f"--train.seed={seed}", f"--eval.every={EVERY}"] +
+                     ([f"--train.exit_at_step={stop}"] if stop < args.steps else []))
+    with SlowLink(args.rate if shaped else None, args.delay) as link:
+        port = str(free_port())
+        procs = []
+        for rank in range(2):
+            env = environment(work, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR=link.addr[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[rank])
+            procs.append(subprocess.Popen(["ip", "netns", "exec", link.ns[rank], sys.executable, *cmd], cwd=ROOT,
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errors = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"{name} ({'shaped' if shaped else 'unshaped'}) failed:\n{errors[0][-3000:]}\n"
+                             f"{errors[1][-3000:]}")
+        shaping = link.shaping
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = {r["step"]: r for r in rows if "loss" in r}
+    start = steps_rows[1]["time"] - steps_rows[1]["step_s"]  # the start of step 1: start-up is not counted
+    return {"name": name, "shaped": shaped, "seed": seed, "shaping": shaping,
+            "evals": [(r["step"], r["eval_loss"], steps_rows[r["step"]]["time"] - start if r["step"] else 0.0)
+                      for r in rows if "eval_loss" in r],
+            "losses": [steps_rows[s]["loss"] for s in sorted(steps_rows)],
+            "bytes_per_step": sum(r["comm_bytes"] for r in steps_rows.values()) / len(steps_rows),
+            "step_s": sorted(r["step_s"] for r in steps_rows.values())[len(steps_rows) // 2]}
+
+
+def time_to(evals: list, target: float) -> float | None:
+    """Seconds until the eval loss first reaches target, linear in time between that eval and the one before."""
+    before = (0.0, None)
+    for _step, loss, seconds in evals:
+        if loss <= target:
+            if before[1] is None:
+                return seconds
+            return before[0] + (before[1] - target) / (before[1] - loss) * (seconds - before[0])
+        before = (seconds, loss)
+    return None
+
+
+def loss_at(run: dict, step: int) -> float | None:
+    return next((loss for s, loss, _ in run["evals"] if s == step), None)
+
+
+def plot(runs: list[dict], target: float, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in runs:
+        steps, losses, seconds = zip(*r["evals"])
+        ax.plot(seconds, losses, marker="o", markersize=3, label=label(r))
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="target")
+    ax.set(xlabel="wall-clock seconds from step 1", ylabel="eval loss", title="eval loss against time, 2 nodes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def label(r: dict) -> str:
+    return f"{r['name']}, {'shaped' if r['shaped'] else 'unshaped'} link"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000, help="the reference's and DiLoCo's steps (the horizon)")
+    parser.add_argument("--target-step", type=int, default=300, help="the reference's eval loss here is the target")
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--delay", default="10ms", help="each way (netem only; 20 ms round trip by default)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--loss-seeds", default="", help="more data orders, eval loss only (comma-separated)")
+    parser.add_argument("--contrast", default="powersgd,fp32", help="shaped-link contrast runs: powersgd, fp32, none")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md, the JSON and the PNG")
+    args = parser.parse_args()
+    if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
+        parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
+    saved = RESULTS if args.write else Path(tempfile.gettempdir()) / "dstrain-slow-links-bench.json"
+    state = json.loads(saved.read_text()) if saved.exists() else {}
+    work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
+    try:
+        state["params"] = make_model(work / "model")
+        state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
+                         "delay": args.delay, "seed": args.seed}
+        plan = [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
+        contrast = [c for c in args.contrast.split(",") if c and c != "none"]
+        if "powersgd" in contrast:
+            plan.append((POWERSGD, True, min(args.steps, args.target_step * 3 // 2 // EVERY * EVERY)))
+        if "fp32" in contrast:
+            plan.append((REFERENCE, True, args.target_step))
+        runs = []
+        for name, shaped, steps in plan:
+            began = time.time()
+            runs.append(run_on_link(name, shaped, steps, args.seed, work / "model", work, args))
+            print(f"  {label(runs[-1])}: {time.time() - began:.0f} s, {runs[-1]['step_s']:.3f} s/step, "
+                  f"eval loss {runs[-1]['evals'][-1][1]:.4f}", file=sys.stderr)
+            state["runs"] = runs
+            saved.write_text(json.dumps(state, indent=1))  # a failure later keeps what ran
+        seeds = state.setdefault("loss_seeds", {})
+        for seed in [int(s) for s in args.loss_seeds.split(",") if s]:
+            for name in (REFERENCE, DILOCO):
+                r = run_on_link(name, False, args.steps, seed, work / "model", work, args)
+                seeds.setdefault(str(seed), {})[name] = {str(s): loss for s, loss, _ in r["evals"]}
+                print(f"  seed {seed}, {name}: eval loss {r['evals'][-1][1]:.4f}", file=sys.stderr)
+                saved.write_text(json.dumps(state, indent=1))
+        plot(runs, loss_at(runs[0], args.target_step), PLOT if args.write else work / "slow_links.png")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = report(state)
+    print(text)
+    if args.write:
+        write_section("bench/slow_links.py", "Training across a slow link", text)
+
+
+def report(state: dict) -> str:
+    a = argparse.Namespace(**state["args"])
+    runs = state["runs"]
+    ref = runs[0]
+    target = loss_at(ref, a.target_step)
+    shaping = next((r["shaping"] for r in runs if r["shaped"]), "")
+    ref_time = time_to(ref["evals"], target)
+    text = (f"{state['params'] / 1e6:.2f}M-parameter Llama (bench/compression.py's), data/tiny, ZeRO-0, fp32, "
+            f"micro batch 8 x 128 tokens, one CPU rank in each of two network namespaces joined by a veth pair "
+            f"(two \"nodes\"); shaped: {shaping}; unshaped: the veth's own speed. {platform.machine()}, "
+            f"{os.cpu_count()} cores. Data order seed {a.seed}. Target: the synchronous fp32 run's eval loss at "
+            f"step {a.target_step} on the unshaped link ({target:.4f}). Time to target: from the start of step 1 "
+            f"to the first evaluation at or below it (every {EVERY} steps), interpolated in time from the one "
+            f"before. Bytes: what each rank sends, counted at the collectives, mean over all steps.\n\n"
+            f"| method | link | bytes/step | less than fp32 | s/step (median) | eval loss at {a.target_step} | "
+            f"eval loss at {a.steps} | time to target | vs the reference |\n|---|---|---|---|---|---|---|---|---|\n")
+    for r in runs:
+        seconds = time_to(r["evals"], target)
+        at_target, at_end = loss_at(r, a.target_step), loss_at(r, a.steps)
+        text += (f"| {r['name']} | {'shaped' if r['shaped'] else 'unshaped'} | {r['bytes_per_step'] / 1e6:.3f} MB | "
+                 f"{ref['bytes_per_step'] / r['bytes_per_step']:.1f}x | {r['step_s']:.3f} | "
+                 f"{_gap(at_target, loss_at(ref, a.target_step))} | {_gap(at_end, loss_at(ref, a.steps))} | "
+                 + (f"{seconds:.0f} s | {seconds / ref_time:.2f}x |\n" if seconds is not None else
+                    f"not reached in {r['evals'][-1][0]} steps | |\n"))
+    same = [r for r in runs[1:] if r["name"] == ref["name"]]
+    for r in same:  # the link changes the time, not the arithmetic
+        n = len(r["losses"])
+        worst = max(abs(a / b - 1) for a, b in zip(r["losses"], ref["losses"][:n]))
+        text += (f"\nThe synchronous run on the shaped link against the reference, its {n} steps: losses "
+                 f"{'identical' if worst == 0 else f'within {worst:.1e} (relative)'}.\n")
+    text += "\nEval loss against wall time: [slow_links.png](slow_links.png)\n"
+    seeds = state.get("loss_seeds", {})
+    if seeds:
+        text += (f"\nOther data orders (the unshaped link, eval loss only): DiLoCo against the synchronous run at steps "
+                 f"{a.target_step} and {a.steps}.\n\n| seed | step | synchronous fp32 | DiLoCo | gap |\n"
+                 "|---|---|---|---|---|\n")
+        for seed, by_name in sorted(seeds.items(), key=lambda kv: int(kv[0])):
+            for step in (a.target_step, a.steps):
+                ref_loss, loss = by_name[REFERENCE].get(str(step)), by_name[DILOCO].get(str(step))
+                if ref_loss is not None and loss is not None:
+                    text += f"| {seed} | {step} | {ref_loss:.4f} | {loss:.4f} | {loss / ref_loss - 1:+.2%} |\n"
+    return text
+
+
+def _gap(loss: float | None, ref: float | None) -> str:
+    if loss is None:
+        return ""
+    return f"{loss:.4f}" + (f" ({loss / ref - 1:+.2%})" if ref is not None else "")
+
+
+if __name__ == "__main__":
+    main()
