@@ -142,7 +142,8 @@ bench-compression: setup
 	$(call apt_install,iproute2)
 	$(PY) bench/compression.py --seeds 42,1,2 --slow-link --write $(BENCH_ARGS)
 
-# time to a target loss across a 100 Mbit/s link: DiLoCo, PowerSGD and the synchronous run (root, iproute2; ~35 min)
+# time to a target loss across a 100 Mbit/s link: DiLoCo, PowerSGD and the synchronous run (root, iproute2; about
+# 35 min on 2 cores, and 40 more for the other data orders' losses)
 bench-slow-links: setup
 	$(call apt_install,iproute2)
 	$(PY) bench/slow_links.py --loss-seeds 1,2 --write $(BENCH_ARGS)

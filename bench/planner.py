@@ -194,20 +194,29 @@ def _same(fastest: dict, first: tuple) -> str:
 
 
 READING = """
-Reading it. On the shaped link communication is most of every step and every candidate is predicted within 20%
-(median 4%); the model's first choice, PowerSGD on ZeRO-0, is the measured fastest strategy (its micro 8 x 1 and
-4 x 2 variants measured 0.401 and 0.396 s: 1% apart, within run-to-run noise, while the next strategy is 1.8x
-slower). On the unshaped link the first choice is plain ZeRO-0, again the measured fastest: the choice changes with
-the link, as it should. The two misses there are AutoTP (-31% and -41%): its per-linear all-reduce hooks cost CPU
-time that the probe does not measure (it measures DeepSpeed's own cost per micro-batch for the ZeRO stages only,
-on a 1-layer copy; that brought ZeRO-3 from -25..-35% to +9..+20%, the per-tensor cost of a 1-layer engine
-overstating a deeper one's). Byte counts match the model for every strategy (ZeRO-3 within 3%, the rest exactly).
-comm_s against the counted bytes over the line rate: 0.95 to 1.22 where the traffic is all-reduce (ZeRO-0 1.10,
-PowerSGD on ZeRO-0 0.95 and 1.22 at 0.07 s per step, AutoTP 1.03 to 1.07); 1.26 to 1.61 for ZeRO-1/2/3 and sign,
-and 1.65 to 2.0 for pipeline send/recv, because gloo's all-gather (7 to 9 MB/s bus bandwidth in the probe),
-reduce-scatter (5.8 MB/s) and point-to-point move bytes slower than its all-reduce (11.7 MB/s) on this 12.5 MB/s
-link: the probe's per-operation rate, which the predictions use, is the right divisor for those, not the line
-rate.
+Reading it (the shaped link rerun 2026-11-26 with the TopK and DiLoCo candidates, --trial 14; the unshaped link is
+the 2026-11-24 run). On the 100 Mbit/s link the top 14 are now DiLoCo (every H = 50 setting, then H = 10) and
+PowerSGD: the model ranks them first because one model's worth crosses the link every H steps, and they are the
+measured fastest (0.41-0.72 s against 1.6 s for the synchronous all-reduce in bench/slow_links.py). Their step times
+are not predicted within 25% here: 5 of 14 (median error 30%, predicted too fast by 9-35%). The same bench a few
+minutes earlier, its probe sharing the cores with a plot for its first seconds, predicted the same candidates too
+slow by up to 38% (9 of 14 within 25%). Within one run, candidates that compute the same thing (ZeRO-1 and ZeRO-2
+inside a replica of one rank, where neither partitions anything) measured 0.41 to 0.57 s and 0.39 to 0.62 s: a
+6-step trial of a compute-bound step on this shared 2-core machine varies by a quarter on its own, so these rows
+test the machine more than the model. DiLoCo's sync is now in the measured figure (the trial's last step, 1/H of
+its excess). The 2026-11-24 shaped-link run, before these candidates (synchronous, compressed, pipeline and TP
+candidates): 22 of 22 within 20% (median 4%), its first choice, PowerSGD on ZeRO-0, the measured fastest.
+
+On the unshaped link the first choice is plain ZeRO-0, the measured fastest: the choice changes with the link, as
+it should. The two misses there are AutoTP (-31% and -41%): its per-linear all-reduce hooks cost CPU time that the
+probe does not measure (it measures DeepSpeed's own cost per micro-batch for the ZeRO stages only, on a 1-layer
+copy; that brought ZeRO-3 from -25..-35% to +9..+20%, the per-tensor cost of a 1-layer engine overstating a deeper
+one's). Byte counts match the model for every strategy (ZeRO-3 within 3%, the rest exactly). comm_s against the
+counted bytes over the line rate (the 2026-11-24 shaped run): 0.95 to 1.22 where the traffic is all-reduce; 1.26
+to 1.61 for ZeRO-1/2/3 and sign, and 1.65 to 2.0 for pipeline send/recv, because gloo's all-gather (7 to 9 MB/s bus
+bandwidth in the probe), reduce-scatter (5.8 MB/s) and point-to-point move bytes slower than its all-reduce (11.7
+MB/s) on this 12.5 MB/s link: the probe's per-operation rate, which the predictions use, is the right divisor for
+those, not the line rate.
 """
 
 PUBLISHED_NOTE = """

@@ -95,7 +95,7 @@ def loss_at(run: dict, step: int) -> float | None:
     return next((loss for s, loss, _ in run["evals"] if s == step), None)
 
 
-def plot(runs: list[dict], target: float, path: Path) -> None:
+def plot(runs: list[dict], targets: tuple, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -104,8 +104,10 @@ def plot(runs: list[dict], target: float, path: Path) -> None:
     for r in runs:
         steps, losses, seconds = zip(*r["evals"])
         ax.plot(seconds, losses, marker="o", markersize=3, label=label(r))
-    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="target")
-    ax.set(xlabel="wall-clock seconds from step 1", ylabel="eval loss", title="eval loss against time, 2 nodes")
+    for target, style in zip(targets, (":", "--")):
+        ax.axhline(target, color="grey", linestyle=style, linewidth=1)
+    ax.set(xlabel="wall-clock seconds from step 1", ylabel="eval loss", ylim=(0.8, 1.6),
+           title="eval loss against time, 2 nodes (grey: the reference's losses at the two target steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -125,11 +127,18 @@ def main() -> None:
     parser.add_argument("--loss-seeds", default="", help="more data orders, eval loss only (comma-separated)")
     parser.add_argument("--contrast", default="powersgd,fp32", help="shaped-link contrast runs: powersgd, fp32, none")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md, the JSON and the PNG")
+    parser.add_argument("--report", action="store_true", help="only print (and with --write, write) the saved results")
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
     saved = RESULTS if args.write else Path(tempfile.gettempdir()) / "dstrain-slow-links-bench.json"
     state = json.loads(saved.read_text()) if saved.exists() else {}
+    if args.report:
+        a = state["args"]
+        if args.write:
+            plot(state["runs"], (loss_at(state["runs"][0], a["target_step"]), loss_at(state["runs"][0], a["steps"])),
+                 PLOT)
+        return _print(report(state), args.write)
     work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
     try:
         state["params"] = make_model(work / "model")
@@ -156,12 +165,16 @@ def main() -> None:
                 seeds.setdefault(str(seed), {})[name] = {str(s): loss for s, loss, _ in r["evals"]}
                 print(f"  seed {seed}, {name}: eval loss {r['evals'][-1][1]:.4f}", file=sys.stderr)
                 saved.write_text(json.dumps(state, indent=1))
-        plot(runs, loss_at(runs[0], args.target_step), PLOT if args.write else work / "slow_links.png")
+        plot(runs, (loss_at(runs[0], args.target_step), loss_at(runs[0], args.steps)),
+             PLOT if args.write else work / "slow_links.png")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = report(state)
+    _print(report(state), args.write)
+
+
+def _print(text: str, write: bool) -> None:
     print(text)
-    if args.write:
+    if write:
         write_section("bench/slow_links.py", "Training across a slow link", text)
 
 
@@ -169,26 +182,31 @@ def report(state: dict) -> str:
     a = argparse.Namespace(**state["args"])
     runs = state["runs"]
     ref = runs[0]
-    target = loss_at(ref, a.target_step)
+    targets = (loss_at(ref, a.target_step), loss_at(ref, a.steps))
     shaping = next((r["shaping"] for r in runs if r["shaped"]), "")
-    ref_time = time_to(ref["evals"], target)
     text = (f"{state['params'] / 1e6:.2f}M-parameter Llama (bench/compression.py's), data/tiny, ZeRO-0, fp32, "
-            f"micro batch 8 x 128 tokens, one CPU rank in each of two network namespaces joined by a veth pair "
-            f"(two \"nodes\"); shaped: {shaping}; unshaped: the veth's own speed. {platform.machine()}, "
-            f"{os.cpu_count()} cores. Data order seed {a.seed}. Target: the synchronous fp32 run's eval loss at "
-            f"step {a.target_step} on the unshaped link ({target:.4f}). Time to target: from the start of step 1 "
-            f"to the first evaluation at or below it (every {EVERY} steps), interpolated in time from the one "
-            f"before. Bytes: what each rank sends, counted at the collectives, mean over all steps.\n\n"
+            f"micro batch 8 x 128 tokens, {a.steps} steps of the cosine schedule (a run stopped sooner is marked), "
+            f"one CPU rank in each of two network namespaces joined by a veth pair (two \"nodes\"); shaped: "
+            f"{shaping}; unshaped: the veth's own speed. {platform.machine()}, {os.cpu_count()} cores. Data order seed "
+            f"{a.seed}. The reference is the synchronous fp32 run on the unshaped link; two targets: its eval loss "
+            f"at step {a.target_step} ({targets[0]:.4f}) and at step {a.steps} ({targets[1]:.4f}). Time to a "
+            f"target: from the start of step 1 to the first evaluation at or below it (every {EVERY} steps), "
+            f"interpolated in time from the one before; in brackets, against the reference's own time to it. "
+            f"Bytes: what each rank sends, counted at the collectives, mean over all steps.\n\n"
             f"| method | link | bytes/step | less than fp32 | s/step (median) | eval loss at {a.target_step} | "
-            f"eval loss at {a.steps} | time to target | vs the reference |\n|---|---|---|---|---|---|---|---|---|\n")
+            f"eval loss at {a.steps} | time to the step-{a.target_step} loss | time to the step-{a.steps} loss |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
     for r in runs:
-        seconds = time_to(r["evals"], target)
-        at_target, at_end = loss_at(r, a.target_step), loss_at(r, a.steps)
+        last = r["evals"][-1][0]
+        cells = []
+        for target in targets:
+            seconds, base = time_to(r["evals"], target), time_to(ref["evals"], target)
+            cells.append(f"{seconds:.0f} s ({seconds / base:.2f}x)" if seconds is not None else
+                         f"not reached by step {last}" + (" (stopped)" if last < a.steps else ""))
         text += (f"| {r['name']} | {'shaped' if r['shaped'] else 'unshaped'} | {r['bytes_per_step'] / 1e6:.3f} MB | "
                  f"{ref['bytes_per_step'] / r['bytes_per_step']:.1f}x | {r['step_s']:.3f} | "
-                 f"{_gap(at_target, loss_at(ref, a.target_step))} | {_gap(at_end, loss_at(ref, a.steps))} | "
-                 + (f"{seconds:.0f} s | {seconds / ref_time:.2f}x |\n" if seconds is not None else
-                    f"not reached in {r['evals'][-1][0]} steps | |\n"))
+                 f"{_gap(loss_at(r, a.target_step), targets[0])} | {_gap(loss_at(r, a.steps), targets[1])} | "
+                 f"{cells[0]} | {cells[1]} |\n")
     same = [r for r in runs[1:] if r["name"] == ref["name"]]
     for r in same:  # the link changes the time, not the arithmetic
         n = len(r["losses"])
