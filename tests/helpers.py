@@ -104,6 +104,33 @@ def processes_below(pid: int, *words: str) -> list:
     return found
 
 
+def kill_rank_after_checkpoint(args: list[str], run_dir: Path, cache: Path, step: int, rank: int,
+                               nproc: int = 2) -> subprocess.CompletedProcess:
+    """train.py under the deepspeed runner, as a user starts it; SIGKILL local rank `rank` once checkpoint `step` is
+    published. Rank 0 holds still just after publishing it (whenever a busy machine's background writer lets that
+    happen), so the kill lands mid-run, and the runner then ends the others. Slowing a step instead held the
+    publication too (it waits for every rank at a step boundary): 60 s lost in CI. Output: stdout and stderr."""
+    import signal
+    import time
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py", *args]
+    fault = f"save:prune:slow:rank=0:step={step}:seconds=60"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache, DSTRAIN_FAULT=fault), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "checkpoints" / f"step_{step:08d}" / "complete.json").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        ranks = processes_below(proc.pid, "train.py", f"--local_rank={rank}")
+        assert len(ranks) == 1, ranks
+        ranks[0].send_signal(signal.SIGKILL)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything below it (launch/ scripts start the launcher in its own session, so
     killing the script's process group would leave the ranks running)."""

@@ -8,23 +8,10 @@ AdamW state reset at a sync each move the losses by far more (the first test che
 instead of every step, simulated, falls outside the bound).
 """
 import json
-import signal
-import subprocess
-import time
 
 import pytest
 
-from tests.helpers import (
-    BIN,
-    ROOT,
-    diloco_reference_losses,
-    env,
-    free_port,
-    kill_tree,
-    launch,
-    metrics,
-    processes_below,
-)
+from tests.helpers import diloco_reference_losses, kill_rank_after_checkpoint, launch, metrics
 
 STEPS, LR, WARMUP, MIN_LR, MICRO = 8, 3e-3, 2, 0.1, 4
 RTOL = 2e-6
@@ -99,7 +86,9 @@ def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
                      "--train.max_steps=9", "--train.grad_accum_steps=3", "--checkpoint.every=3",
                      "--diloco.every=3", "--diloco.dtype=bf16"]
     launch(args + ["--diloco.replicas=2", "--train.exit_at_step=3"], cache, nproc=2)
-    grew = _killed_after(6, args + ["--diloco.replicas=3"], cache, nproc=3, rank=2)
+    grew = kill_rank_after_checkpoint(args + ["--diloco.replicas=3"], run, cache, step=6, rank=2, nproc=3)
+    assert grew.returncode != 0, grew.stdout[-3000:]
+    grew = grew.stdout
     assert "DiLoCo replicas changed from 2 to 3: replica 2 (a copy of replica 0) joined; shared weights and outer " \
            "momentum kept, the carried rounding reset; grad_accum_steps 3 -> 2 keeps the global batch at 24" \
            in grew, grew[-3000:]
@@ -111,26 +100,3 @@ def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
                                    regroups=((3, 3, 3), (6, 2, 2)))
     assert len(got) == 9 and got == pytest.approx(want, rel=RTOL)
 
-
-def _killed_after(step: int, args: list[str], cache, nproc: int, rank: int) -> str:
-    """Run under the deepspeed runner, as a user does; SIGKILL one rank once checkpoint `step` is published (rank 0
-    holds still just after publishing it, so the kill lands mid-run); the runner's output."""
-    run = args[args.index("--output_dir") + 1]
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "train.py", *args]
-    fault = f"save:prune:slow:rank=0:step={step}:seconds=60"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache, DSTRAIN_FAULT=fault), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (ROOT / run / "checkpoints" / f"step_{step:08d}" / "complete.json").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
-            time.sleep(0.1)
-        ranks = processes_below(proc.pid, "train.py", f"--local_rank={rank}")
-        assert len(ranks) == 1, ranks
-        ranks[0].send_signal(signal.SIGKILL)
-        out = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-    assert proc.returncode != 0, out[-3000:]
-    return out

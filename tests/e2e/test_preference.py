@@ -5,22 +5,14 @@ engine and ZeRO stage; the loop recomputes them every step, so a wrong table (ro
 share lost, the policy instead of the base) shows in the losses."""
 import json
 import math
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
 from tests.helpers import (
-    BIN,
-    ROOT,
-    env,
-    free_port,
-    kill_tree,
+    kill_rank_after_checkpoint,
     launch,
     metrics,
-    processes_below,
     reference_losses,
     response_logps,
 )
@@ -148,26 +140,8 @@ def test_kill9_mid_run_then_resume_on_one_rank_matches_uninterrupted(tmp_path, c
     and the per-step losses are the uninterrupted run's."""
     run_dir = tmp_path / "run"
     args = args_for(tiny_llama, "zero2.json", run_dir, ["--checkpoint.every=3", "--world_size=2"])
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args]
-    # rank 0 holds still just after publishing checkpoint 3 (whenever a busy machine's background writer lets that
-    # happen), so the kill lands before the run ends; the runner ends rank 0 at once. Slowing a step instead held
-    # the publication too (it waits for every rank at a step boundary): 60 s lost in CI.
-    fault = "save:prune:slow:rank=0:step=3:seconds=60"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(cache, DSTRAIN_FAULT=fault),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (run_dir / "checkpoints" / "step_00000003" / "complete.json").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
-        ranks = processes_below(proc.pid, "train.py", "--local_rank=1")
-        assert len(ranks) == 1, ranks
-        ranks[0].send_signal(signal.SIGKILL)
-        proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-    assert proc.returncode != 0
+    killed = kill_rank_after_checkpoint(args, run_dir, cache, step=3, rank=1)
+    assert killed.returncode != 0, killed.stdout[-3000:]
     resumed = launch(args, cache, launcher="python")
     assert "reference log-probs of" in resumed.stderr and "read from" in resumed.stderr
     got, want = metrics(run_dir)[0], metrics(whole)[0]
