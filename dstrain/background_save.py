@@ -81,7 +81,7 @@ class Job:
     """One checkpoint's files on this rank."""
     step: int
     folder: Path
-    records: dict = field(default_factory=dict)  # file name (relative to folder) -> {"size", "sha256"}
+    records: dict = field(default_factory=dict)  # file name (relative to folder) -> {"size", "crc32"}
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     copy_s: float = 0.0  # what the training step waited for: the copy off the device
@@ -101,7 +101,7 @@ class Writer:
     falls to the copy itself from the second save on. The price: that host memory stays taken between saves."""
 
     def __init__(self, rank: int, record) -> None:
-        self.rank, self.record = rank, record  # record(path) -> {"size", "sha256"} (checkpoint._file_record)
+        self.rank, self.record = rank, record  # record(path) -> {"size", "crc32"} (checkpoint._file_record)
         self.items: queue.Queue = queue.Queue()
         self.job: Job | None = None
         self.spare: dict[tuple[int, bool], list] = {}  # (nbytes, pinned) -> host storages of the last written save

@@ -205,7 +205,7 @@ def test_corrupt_file_in_newest_checkpoint_is_skipped_and_named(tmp_path, cache,
     data[len(data) // 2] ^= 0xFF  # one flipped bit-pattern, same size: only the checksum can tell
     victim.write_bytes(bytes(data))
     proc = launch(args + ["--output_dir", str(run)], cache)
-    assert f"checkpoint {newest} is damaged ({victim.name} fails its SHA-256 check)" in proc.stderr
+    assert f"checkpoint {newest} is damaged ({victim.name} fails its CRC-32 check)" in proc.stderr
     assert f"resumed from {run / 'checkpoints' / 'step_00000004'} at step 4" in proc.stderr
     assert (run / "checkpoints" / "step_00000008.corrupt" / victim.name).exists()
     got = losses(run)

@@ -127,3 +127,34 @@ def test_engine_state_is_copied_before_the_next_update_and_the_rest_at_once(tmp_
     assert torch.load(tmp_path / "engine.pt")["v"].tolist() == [0.0] * 3
     assert torch.load(tmp_path / "extra.pt")["r"].tolist() == [0.0] * 10
     assert writer.wait_copied() == 0.0  # nothing in flight to wait for
+
+
+def test_file_records_are_crc32_and_older_sha256_manifests_are_still_checked(tmp_path):
+    import hashlib
+    import zlib
+    path = tmp_path / "shard.pt"
+    data = bytes(range(256)) * ((1 << 24) // 256 + 3)  # longer than one read buffer
+    path.write_bytes(data)
+    record = checkpoint._file_record(path)
+    assert record == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    old = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}  # a manifest from before CRC-32
+    assert checkpoint._problems(tmp_path, ["shard.pt"], {"shard.pt": record}) == []
+    assert checkpoint._problems(tmp_path, ["shard.pt"], {"shard.pt": old}) == []
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    assert checkpoint._problems(tmp_path, ["shard.pt"], {"shard.pt": record}) == ["shard.pt fails its CRC-32 check"]
+    assert checkpoint._problems(tmp_path, ["shard.pt"], {"shard.pt": old}) == ["shard.pt fails its SHA-256 check"]
+
+
+def test_checkpoint_files_carry_no_zip_crc_and_load_the_same(tmp_path):
+    """The manifest's CRC-32 is the check; torch.save's own per-record CRC (0.6 s of CPU a GB) is switched off for
+    the run, and torch.load reads the files as before."""
+    before = torch.serialization.get_crc32_options()
+    try:
+        checkpoint.Checkpointer(tmp_path, CheckpointConfig(), ctx=type("Ctx", (), {"rank": 0})())
+        assert torch.serialization.get_crc32_options() is False
+        torch.save({"w": torch.arange(5.0)}, tmp_path / "a.pt")
+        assert torch.load(tmp_path / "a.pt")["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        torch.serialization.set_crc32_options(before)
