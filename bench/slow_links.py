@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--contrast", default="powersgd,fp32", help="shaped-link contrast runs: powersgd, fp32, none")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md, the JSON and the PNG")
     parser.add_argument("--report", action="store_true", help="only print (and with --write, write) the saved results")
+    parser.add_argument("--seeds-only", action="store_true",
+                        help="run only --loss-seeds, adding them to the saved results (the timed runs are kept)")
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
@@ -139,18 +141,21 @@ def main() -> None:
             plot(state["runs"], (loss_at(state["runs"][0], a["target_step"]), loss_at(state["runs"][0], a["steps"])),
                  PLOT)
         return _print(report(state), args.write)
+    if args.seeds_only and state.get("args", {}).get("steps") != args.steps:
+        parser.error(f"--seeds-only adds to saved results of {args.steps} steps; {saved} has none")
     work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
     try:
         state["params"] = make_model(work / "model")
-        state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
-                         "delay": args.delay, "seed": args.seed}
-        plan = [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
+        if not args.seeds_only:
+            state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
+                             "delay": args.delay, "seed": args.seed}
+        plan = [] if args.seeds_only else [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
         contrast = [c for c in args.contrast.split(",") if c and c != "none"]
-        if "powersgd" in contrast:
+        if "powersgd" in contrast and plan:
             plan.append((POWERSGD, True, min(args.steps, args.target_step * 3 // 2 // EVERY * EVERY)))
-        if "fp32" in contrast:
+        if "fp32" in contrast and plan:
             plan.append((REFERENCE, True, args.target_step))
-        runs = []
+        runs = [] if plan else state["runs"]
         for name, shaped, steps in plan:
             began = time.time()
             runs.append(run_on_link(name, shaped, steps, args.seed, work / "model", work, args))
@@ -216,14 +221,23 @@ def report(state: dict) -> str:
     text += "\nEval loss against wall time: [slow_links.png](slow_links.png)\n"
     seeds = state.get("loss_seeds", {})
     if seeds:
-        text += (f"\nOther data orders (the unshaped link, eval loss only): DiLoCo against the synchronous run at steps "
-                 f"{a.target_step} and {a.steps}.\n\n| seed | step | synchronous fp32 | DiLoCo | gap |\n"
-                 "|---|---|---|---|---|\n")
-        for seed, by_name in sorted(seeds.items(), key=lambda kv: int(kv[0])):
+        diloco = next((r for r in runs if r["name"] == DILOCO), None)
+        orders = {str(a.seed): {REFERENCE: {str(s): loss for s, loss, _ in ref["evals"]},
+                                DILOCO: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}},
+                  **seeds}
+        text += (f"\nEvery data order (train.seed; {a.seed} is the timed runs above, the others ran on the unshaped "
+                 f"link for their eval loss only): DiLoCo against the synchronous run.\n\n"
+                 "| seed | step | synchronous fp32 | DiLoCo | gap |\n|---|---|---|---|---|\n")
+        gaps: dict[int, list[float]] = {}
+        for seed, by_name in sorted(orders.items(), key=lambda kv: int(kv[0])):
             for step in (a.target_step, a.steps):
                 ref_loss, loss = by_name[REFERENCE].get(str(step)), by_name[DILOCO].get(str(step))
                 if ref_loss is not None and loss is not None:
+                    gaps.setdefault(step, []).append(loss / ref_loss - 1)
                     text += f"| {seed} | {step} | {ref_loss:.4f} | {loss:.4f} | {loss / ref_loss - 1:+.2%} |\n"
+        for step, values in gaps.items():
+            text += (f"| mean of {len(values)} | {step} | | | **{sum(values) / len(values):+.2%}** (from "
+                     f"{min(values):+.2%} to {max(values):+.2%}) |\n")
     return text
 
 
