@@ -1,9 +1,11 @@
 """launch/slurm.sbatch on a real two-node SLURM cluster (see conftest.py): it trains and exports what a
 single-node run computes, and a job signalled mid-run (as SLURM does before a time limit) checkpoints, requeues
-itself, resumes, and ends with the per-step losses of an uninterrupted run. What a run computes is the plain
+itself, resumes, and ends with the per-step losses of an uninterrupted run. launch/slurm_elastic.sbatch: one
+node's agent and rank killed mid-run, the job finishes on the other with the same losses. What a run computes is the plain
 single-process loop's (tests/helpers.py: reference_losses): an independent reference that costs no launch."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -19,10 +21,11 @@ ARGS = ["--train.warmup_steps=2", "--train.micro_batch_size=4", "--train.grad_ac
         "--log.progress_bar=false", "--ds_config", "zero2.json"]
 
 
-def submit(slurm, cache: Path, tmp_path: Path, run_dir: Path, args: list[str]) -> str:
-    job_env = slurm.env(env(cache, OUTPUT_DIR=str(run_dir), NPROC_PER_NODE="1", GLOO_SOCKET_IFNAME="lo"))
+def submit(slurm, cache: Path, tmp_path: Path, run_dir: Path, args: list[str], script: str = "launch/slurm.sbatch",
+           **extra_env) -> str:
+    job_env = slurm.env(env(cache, OUTPUT_DIR=str(run_dir), NPROC_PER_NODE="1", GLOO_SOCKET_IFNAME="lo", **extra_env))
     out = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/slurm-%j.out",
-                          str(ROOT / "launch/slurm.sbatch")] + args, cwd=ROOT, env=job_env, capture_output=True,
+                          str(ROOT / script)] + args, cwd=ROOT, env=job_env, capture_output=True,
                          text=True, check=True)
     return out.stdout.strip().split(";")[0]
 
@@ -99,3 +102,55 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, cache,
     assert len(got) == steps and got == pytest.approx(want, rel=1e-4, abs=0)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
     assert (run_dir / "hf" / "config.json").exists()
+
+
+def logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_elastic_job_loses_a_node_and_finishes_on_the_other_with_the_uninterrupted_losses(tmp_path, cache,
+                                                                                           tiny_llama, slurm):
+    """launch/slurm_elastic.sbatch: a torchrun agent per node under srun. At step 8 one node's agent and rank are
+    killed with SIGKILL (the node that does not host the rendezvous store: on a real cluster the first node hosts
+    it; here both nodes are this machine, so whichever agent bound the port first). The survivor's agent meets
+    alone, its rank resumes on 1 rank with twice the accumulation, and the job ends COMPLETED with every step's
+    loss the plain loop's."""
+    import psutil
+    steps = 40
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm, cache, tmp_path, run_dir, ARGS + [
+        f"--train.max_steps={steps}", "--checkpoint.every=4", "--fault.heartbeat_interval=0.5",
+        "--checkpoint.export_hf=false", f"--model.name_or_path={tiny_llama}"], script="launch/slurm_elastic.sbatch",
+        DSTRAIN_EXIT_BARRIER_TIMEOUT="5")
+    deadline = time.time() + 600
+    while logged(run_dir) < 8:
+        assert time.time() < deadline and slurm.job(job_id).get("JobState") in ("PENDING", "RUNNING"), \
+            f"{slurm.job(job_id)}\n{job_log(tmp_path, job_id)}"
+        time.sleep(0.1)
+    port = int(re.search(r"rendezvous [^ ]+:(\d+),", job_log(tmp_path, job_id)).group(1))
+    agents = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "dstrain.elastic_run" in " ".join(proc.info["cmdline"] or []):
+                agents[proc.environ()["SLURMD_NODENAME"]] = proc
+        except (psutil.Error, KeyError):
+            continue
+    assert sorted(agents) == ["n1", "n2"], agents
+    host = [n for n, p in agents.items() if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                                                for c in p.net_connections())]
+    assert len(host) == 1, host
+    victim = agents["n2" if host == ["n1"] else "n1"]
+    doomed = victim.children(recursive=True) + [victim] + [victim.parent()]  # its rank, the agent, elastic.sh
+    for proc in doomed:
+        proc.kill()
+    job = wait_done(slurm, job_id, tmp_path)
+    log = job_log(tmp_path, job_id)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", f"{job}\n{log}\n{slurm.logs()}"
+    assert "world changed from 2 to 1" in log and "grad_accum_steps 2 -> 4 keeps the global batch at 16" in log, log
+    assert "restart 1 of" not in log, log  # the agents carried it: the script did not start the step again
+    starts = [r for r in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if r["event"] == "start"]
+    assert [r["world_size"] for r in starts] == [2, 1], starts
+    want, _ = reference(tiny_llama, run_dir, steps)
+    got, _ = metrics(run_dir)
+    assert len(got) == steps and got == pytest.approx(want, rel=1e-5, abs=0)
