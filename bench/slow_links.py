@@ -19,10 +19,11 @@ that eval and the one before). Every run evaluates at the same steps (DiLoCo eva
 evaluations cost every run the same. Plot: eval loss against wall time (docs/slow_links.png).
 
 --loss-seeds 1,2 adds the reference and DiLoCo with other data orders (train.seed), for their eval loss only (the
-time is not measured there: those runs may share the machine).
+time is not measured there: those runs may share the machine); with --seeds-only, to the saved results. --add
+diloco200 runs DiLoCo with H = 200 (evaluated at its syncs, every 200 steps) on the shaped link and adds it.
 
     python bench/slow_links.py [--steps 1000] [--target-step 300] [--rate 100mbit] [--delay 10ms]
-                               [--loss-seeds 1,2] [--write]
+                               [--loss-seeds 1,2 [--seeds-only]] [--add diloco200] [--write]
 """
 from __future__ import annotations
 
@@ -47,13 +48,19 @@ EVERY = 50  # eval.every: DiLoCo's H, so every run evaluates at the same steps
 REFERENCE = "fp32 all-reduce"
 DILOCO = "DiLoCo H=50 int8, outer lr 1, no momentum"
 POWERSGD = "PowerSGD rank 4"
+DILOCO200 = "DiLoCo H=200 int8, outer lr 1, no momentum"
+OWN = {DILOCO200: ["--diloco.every=200", "--diloco.replicas=2", "--diloco.dtype=int8", "--diloco.outer_lr=1",
+                   "--diloco.outer_momentum=0"]}  # evaluates every 200 steps (at its syncs)
+CONTRAST = {"powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOCO200}
 
 
 def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work: Path, args) -> dict:
     """One train.py job of --steps steps (the learning-rate schedule's length) stopped after `stop`, a rank in each
     namespace; its evaluations with their wall time, losses, bytes and step time."""
     out = work / f"run-{len(list(work.glob('run-*')))}"
-    cmd = train_args(model, out, args.steps, 20, METHODS[name] + [f"--train.seed={seed}", f"--eval.every={EVERY}"] +
+    every = 200 if name == DILOCO200 else EVERY
+    cmd = train_args(model, out, args.steps, 20, (OWN.get(name) or METHODS[name]) + [f"--train.seed={seed}",
+                                                                                     f"--eval.every={every}"] +
                      ([f"--train.exit_at_step={stop}"] if stop < args.steps else []))
     with SlowLink(args.rate if shaped else None, args.delay) as link:
         port = str(free_port())
@@ -91,6 +98,18 @@ def time_to(evals: list, target: float) -> float | None:
     return None
 
 
+def steps_to(evals: dict, target: float) -> float | None:
+    """The step at which an eval loss ({step: loss}) first reaches target, linear between evaluations."""
+    before = None
+    for step, loss in sorted(((int(k), v) for k, v in evals.items())):
+        if loss <= target:
+            if before is None:
+                return float(step)
+            return before[0] + (before[1] - target) / (before[1] - loss) * (step - before[0])
+        before = (step, loss)
+    return None
+
+
 def loss_at(run: dict, step: int) -> float | None:
     return next((loss for s, loss, _ in run["evals"] if s == step), None)
 
@@ -106,7 +125,8 @@ def plot(runs: list[dict], targets: tuple, path: Path) -> None:
         ax.plot(seconds, losses, marker="o", markersize=3, label=label(r))
     for target, style in zip(targets, (":", "--")):
         ax.axhline(target, color="grey", linestyle=style, linewidth=1)
-    ax.set(xlabel="wall-clock seconds from step 1", ylabel="eval loss", ylim=(0.8, 1.6),
+    low = min(loss for r in runs for _, loss, _ in r["evals"])
+    ax.set(xlabel="wall-clock seconds from step 1", ylabel="eval loss", ylim=(min(0.8, low - 0.05), 1.6),
            title="eval loss against time, 2 nodes (grey: the reference's losses at the two target steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -125,7 +145,10 @@ def main() -> None:
     parser.add_argument("--delay", default="10ms", help="each way (netem only; 20 ms round trip by default)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--loss-seeds", default="", help="more data orders, eval loss only (comma-separated)")
-    parser.add_argument("--contrast", default="powersgd,fp32", help="shaped-link contrast runs: powersgd, fp32, none")
+    parser.add_argument("--contrast", default="powersgd,fp32",
+                        help="shaped-link contrast runs: powersgd, fp32, diloco200, none")
+    parser.add_argument("--add", default="", help="run only these contrast runs (comma-separated, as --contrast) and "
+                                                  "add them to the saved results")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md, the JSON and the PNG")
     parser.add_argument("--report", action="store_true", help="only print (and with --write, write) the saved results")
     parser.add_argument("--seeds-only", action="store_true",
@@ -141,21 +164,28 @@ def main() -> None:
             plot(state["runs"], (loss_at(state["runs"][0], a["target_step"]), loss_at(state["runs"][0], a["steps"])),
                  PLOT)
         return _print(report(state), args.write)
-    if args.seeds_only and state.get("args", {}).get("steps") != args.steps:
-        parser.error(f"--seeds-only adds to saved results of {args.steps} steps; {saved} has none")
+    adding = args.seeds_only or bool(args.add)
+    if adding and state.get("args", {}).get("steps") != args.steps:
+        parser.error(f"--seeds-only and --add add to saved results of {args.steps} steps; {saved} has none")
     work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
     try:
         state["params"] = make_model(work / "model")
-        if not args.seeds_only:
+        if not adding:
             state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
                              "delay": args.delay, "seed": args.seed}
-        plan = [] if args.seeds_only else [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
+        plan = [] if adding else [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
         contrast = [c for c in args.contrast.split(",") if c and c != "none"]
         if "powersgd" in contrast and plan:
             plan.append((POWERSGD, True, min(args.steps, args.target_step * 3 // 2 // EVERY * EVERY)))
         if "fp32" in contrast and plan:
             plan.append((REFERENCE, True, args.target_step))
-        runs = [] if plan else state["runs"]
+        if "diloco200" in contrast and plan:
+            plan.append((DILOCO200, True, args.steps))
+        added = [c for c in args.add.split(",") if c]
+        if added:
+            plan = [(CONTRAST[c], True, args.steps if c != "fp32" else args.target_step) for c in added]
+        runs = [] if not adding else [r for r in state["runs"] if not (
+            r["shaped"] and any(r["name"] == name for name, _, _ in plan))]
         for name, shaped, steps in plan:
             began = time.time()
             runs.append(run_on_link(name, shaped, steps, args.seed, work / "model", work, args))
@@ -226,18 +256,34 @@ def report(state: dict) -> str:
                                 DILOCO: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}},
                   **seeds}
         text += (f"\nEvery data order (train.seed; {a.seed} is the timed runs above, the others ran on the unshaped "
-                 f"link for their eval loss only): DiLoCo against the synchronous run.\n\n"
-                 "| seed | step | synchronous fp32 | DiLoCo | gap |\n|---|---|---|---|---|\n")
+                 f"link for their eval loss only). Time to the synchronous run's step-{a.target_step} loss for the "
+                 f"other orders is projected: the step at which each run reaches it (interpolated between "
+                 f"evaluations) times the median step of the timed runs (DiLoCo on the shaped link "
+                 f"{diloco['step_s'] if diloco else float('nan'):.3f} s, the reference {ref['step_s']:.3f} s).\n\n"
+                 f"| seed | synchronous fp32 at {a.target_step} | DiLoCo at {a.target_step} | gap | "
+                 f"at {a.steps} | DiLoCo at {a.steps} | gap | DiLoCo's time to the step-{a.target_step} loss |\n"
+                 "|---|---|---|---|---|---|---|---|\n")
         gaps: dict[int, list[float]] = {}
+        ratios = []
         for seed, by_name in sorted(orders.items(), key=lambda kv: int(kv[0])):
+            cells = []
             for step in (a.target_step, a.steps):
                 ref_loss, loss = by_name[REFERENCE].get(str(step)), by_name[DILOCO].get(str(step))
-                if ref_loss is not None and loss is not None:
-                    gaps.setdefault(step, []).append(loss / ref_loss - 1)
-                    text += f"| {seed} | {step} | {ref_loss:.4f} | {loss:.4f} | {loss / ref_loss - 1:+.2%} |\n"
-        for step, values in gaps.items():
-            text += (f"| mean of {len(values)} | {step} | | | **{sum(values) / len(values):+.2%}** (from "
-                     f"{min(values):+.2%} to {max(values):+.2%}) |\n")
+                gaps.setdefault(step, []).append(loss / ref_loss - 1)
+                cells.append(f"{ref_loss:.4f} | {loss:.4f} | {loss / ref_loss - 1:+.2%}")
+            if seed == str(a.seed) and diloco:
+                ratio = time_to(diloco["evals"], targets[0]) / time_to(ref["evals"], targets[0])
+                when = f"{ratio:.2f}x (measured)"
+            else:
+                target = by_name[REFERENCE][str(a.target_step)]
+                took = steps_to(by_name[DILOCO], target)
+                ratio = took * diloco["step_s"] / (a.target_step * ref["step_s"]) if took and diloco else None
+                when = f"{ratio:.2f}x (step {took:.0f}, projected)" if ratio else "not reached"
+            ratios.append(ratio)
+            text += f"| {seed} | {cells[0]} | {cells[1]} | {when} |\n"
+        mean = {step: sum(v) / len(v) for step, v in gaps.items()}
+        text += (f"| mean of {len(orders)} | | | **{mean[a.target_step]:+.2%}** | | | **{mean[a.steps]:+.2%}** | "
+                 f"{sum(r <= 1.3 for r in ratios if r)} of {len(ratios)} within 1.3x |\n")
     return text
 
 
