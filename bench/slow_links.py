@@ -98,18 +98,6 @@ def time_to(evals: list, target: float) -> float | None:
     return None
 
 
-def steps_to(evals: dict, target: float) -> float | None:
-    """The step at which an eval loss ({step: loss}) first reaches target, linear between evaluations."""
-    before = None
-    for step, loss in sorted(((int(k), v) for k, v in evals.items())):
-        if loss <= target:
-            if before is None:
-                return float(step)
-            return before[0] + (before[1] - target) / (before[1] - loss) * (step - before[0])
-        before = (step, loss)
-    return None
-
-
 def loss_at(run: dict, step: int) -> float | None:
     return next((loss for s, loss, _ in run["evals"] if s == step), None)
 
@@ -173,19 +161,23 @@ def main() -> None:
         if not adding:
             state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
                              "delay": args.delay, "seed": args.seed}
-        plan = [] if adding else [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
-        contrast = [c for c in args.contrast.split(",") if c and c != "none"]
-        if "powersgd" in contrast and plan:
-            plan.append((POWERSGD, True, min(args.steps, args.target_step * 3 // 2 // EVERY * EVERY)))
-        if "fp32" in contrast and plan:
-            plan.append((REFERENCE, True, args.target_step))
-        if "diloco200" in contrast and plan:
-            plan.append((DILOCO200, True, args.steps))
         added = [c for c in args.add.split(",") if c]
         if added:
-            plan = [(CONTRAST[c], True, args.steps if c != "fp32" else args.target_step) for c in added]
-        runs = [] if not adding else [r for r in state["runs"] if not (
-            r["shaped"] and any(r["name"] == name for name, _, _ in plan))]
+            plan = [(CONTRAST[c], True, args.target_step if c == "fp32" else args.steps) for c in added]
+        elif args.seeds_only:
+            plan = []
+        else:
+            plan = [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
+            contrast = [c for c in args.contrast.split(",") if c and c != "none"]
+            if "powersgd" in contrast:
+                plan.append((POWERSGD, True, min(args.steps, args.target_step * 3 // 2 // EVERY * EVERY)))
+            if "fp32" in contrast:
+                plan.append((REFERENCE, True, args.target_step))
+            if "diloco200" in contrast:
+                plan.append((DILOCO200, True, args.steps))
+        # adding: the saved runs stay, but for those run again
+        runs = [r for r in state["runs"] if not (r["shaped"] and any(r["name"] == n for n, _, _ in plan))] \
+            if adding else []
         for name, shaped, steps in plan:
             began = time.time()
             runs.append(run_on_link(name, shaped, steps, args.seed, work / "model", work, args))
@@ -276,7 +268,8 @@ def report(state: dict) -> str:
                 when = f"{ratio:.2f}x (measured)"
             else:
                 target = by_name[REFERENCE][str(a.target_step)]
-                took = steps_to(by_name[DILOCO], target)
+                took = time_to([(int(k), v, int(k)) for k, v in  # in steps: the step stands in for the time
+                                sorted(by_name[DILOCO].items(), key=lambda kv: int(kv[0]))], target)
                 ratio = took * diloco["step_s"] / (a.target_step * ref["step_s"]) if took and diloco else None
                 when = f"{ratio:.2f}x (step {took:.0f}, projected)" if ratio else "not reached"
             ratios.append(ratio)
