@@ -8,9 +8,6 @@ NUM_RANKS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] &&
 # CPU ranks share the cores; without this each rank would start one thread per core
 export OMP_NUM_THREADS ?= $(shell n=$$(( $$(nproc) / $(NUM_RANKS) )); [ $$n -gt 0 ] && echo $$n || echo 1)
 export TOKENIZERS_PARALLELISM ?= false
-# glibc otherwise keeps freed multi-MB tensors in its heap: CPU ranks' RSS then overstates live memory
-# (measured: ZeRO-3 peak 2.5x -> 2.0x of the ZeRO paper at equal settings, docs/benchmarks.md)
-export MALLOC_MMAP_THRESHOLD_ ?= 131072
 RECIPE ?= recipes/tiny/pretrain.yaml
 DS_CONFIG ?=
 ARGS ?=

@@ -91,7 +91,9 @@ def train_args(model: Path, out: Path, steps: int, warmup: int, extra: list[str]
 
 def environment(work: Path, **extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DSTRAIN_CACHE=str(work / "cache"),
-               MALLOC_MMAP_THRESHOLD_="131072", WANDB_MODE="offline")
+               WANDB_MODE="offline")
+    # timed as users run: a low glibc mmap threshold (for honest RSS) made these steps 1.7x slower (docs/planning.md)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env.update(extra)
     return env
 

@@ -28,10 +28,10 @@ local_devices() {
 }
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(local_devices)}
 
-# CPU ranks share the cores; glibc's mmap threshold keeps freed large tensors from inflating RSS.
+# CPU ranks share the cores. (glibc's MALLOC_MMAP_THRESHOLD_ is left alone: a low one makes CPU ranks' RSS honest
+# and their steps 1.5x slower, docs/planning.md)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-131072}
 
 # Retries: a run that fails (a dead rank, a lost node, a hang the watchdog ended) starts again, up to
 # MAX_RESTARTS times, RESTART_DELAY seconds apart; each attempt resumes from the newest complete

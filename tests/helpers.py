@@ -151,9 +151,9 @@ def env(cache: Path, **extra) -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DSTRAIN_CACHE=str(cache),
              WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     e.pop("WANDB_API_KEY", None)
-    # the Makefile's MALLOC_MMAP_THRESHOLD_ (make test exports it) makes freed tensors leave RSS at once, which the
-    # memory tests need, at the price of page faults for every tensor: 15-40% more kernel time in a launched run
-    # here. Tests that measure memory set it themselves.
+    # a caller's MALLOC_MMAP_THRESHOLD_ makes freed tensors leave RSS at once, which the memory tests need, at the
+    # price of page faults for every tensor (steps 1.5x slower here, docs/planning.md). Tests that measure memory
+    # set it themselves.
     e.pop("MALLOC_MMAP_THRESHOLD_", None)
     e.update(extra)
     return e
