@@ -93,3 +93,34 @@ stage_data() {
     mkdir -p "$dst" && rsync -a --exclude manifest.json "$src/" "$dst/" && cp "$src/manifest.json" "$dst/"' \
     _ "$1" "$2"
 }
+
+# SLURM batch scripts (slurm.sbatch, slurm_elastic.sbatch). USR1 (SLURM's warning before the time limit, a
+# preemption, `scancel --signal=USR1 --batch`) or TERM asks train.py to checkpoint and stop through the run
+# directory's STOP file: `PREEMPTED=0; trap slurm_on_signal USR1 TERM`.
+PREEMPTED=0
+# shellcheck disable=SC2317  # called by the batch scripts' trap
+slurm_on_signal() {
+  echo "job $SLURM_JOB_ID: signalled; asking train.py to checkpoint and stop"
+  PREEMPTED=1
+  touch "$OUTPUT_DIR/STOP"
+}
+# Bash runs a trap only between commands, so a job step runs in the background and is waited for here, through
+# the trap's interruptions; sets STATUS to the step's exit status.
+wait_step() {
+  while true; do
+    wait "$1" && STATUS=0 || STATUS=$?
+    if kill -0 "$1" 2>/dev/null; then continue; fi  # a trap interrupted wait; the step still runs
+    wait "$1" 2>/dev/null && STATUS=0 || STATUS=$?
+    break
+  done
+}
+# The job's end: a checkpointed stop (75), or a signalled step that did not finish, requeues the job, which
+# resumes from that checkpoint; anything else exits with the step's status.
+requeue_or_exit() {
+  if [[ "$STATUS" == 75 || ( "$PREEMPTED" == 1 && "$STATUS" != 0 ) ]]; then
+    echo "job $SLURM_JOB_ID: checkpoint saved (exit $STATUS); requeueing to resume"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
+  exit "$STATUS"
+}
