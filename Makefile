@@ -140,10 +140,11 @@ bench-compression: setup
 	$(PY) bench/compression.py --seeds 42,1,2 --slow-link --write $(BENCH_ARGS)
 
 # time to a target loss across a 100 Mbit/s link: DiLoCo, PowerSGD and the synchronous run (root, iproute2; about
-# 35 min on 2 cores, and 40 more for the other data orders' losses)
+# 35 min on 2 cores, and 40 more for the other data orders' losses), then the same on a corpus seen once (35 min)
 bench-slow-links: setup
 	$(call apt_install,iproute2)
 	$(PY) bench/slow_links.py --loss-seeds 1,2 --write $(BENCH_ARGS)
+	$(PY) bench/slow_links.py --corpus once --contrast powersgd,fp32,diloco200 --write $(BENCH_ARGS)
 
 lint: setup test-deps
 	$(VENV)/bin/ruff check .

@@ -18,19 +18,26 @@ from the start of step 1 to the target loss (the first eval at or below it, inte
 that eval and the one before). Every run evaluates at the same steps (DiLoCo evaluates at its syncs), so the
 evaluations cost every run the same. Plot: eval loss against wall time (docs/slow_links.png).
 
+--corpus once trains on a corpus seen once instead of data/tiny (which 1,000 steps of 16 sequences repeat about 7
+times): ONCE_STORIES stories from data/tiny's own generator (scripts/make_tiny_assets.py) with another seed, written
+to the work folder, evaluated on data/tiny/val.jsonl; its results, section and plot are separate (*_once).
+
 --loss-seeds 1,2 adds the reference and DiLoCo with other data orders (train.seed), for their eval loss only (the
 time is not measured there: those runs may share the machine); with --seeds-only, to the saved results. --add
-diloco200 runs DiLoCo with H = 200 (evaluated at its syncs, every 200 steps) on the shaped link and adds it.
+diloco200 runs DiLoCo with H = 200 (evaluated at its syncs, every 200 steps) on the shaped link and adds it; --add
+also takes bench/compression.py's short names (diloco50int8, diloco10, topk01, ...).
 
-    python bench/slow_links.py [--steps 1000] [--target-step 300] [--rate 100mbit] [--delay 10ms]
+    python bench/slow_links.py [--corpus tiny|once] [--steps 1000] [--target-step 300] [--rate 100mbit] [--delay 10ms]
                                [--loss-seeds 1,2 [--seeds-only]] [--add diloco200] [--write]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
@@ -39,11 +46,28 @@ import time
 from pathlib import Path
 
 from common import free_port, write_section
-from compression import METHODS, SlowLink, environment, make_model, train_args
+from compression import METHODS, SHORT, SlowLink, environment, make_model, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "slow_links_bench.json"
-PLOT = ROOT / "docs" / "slow_links.png"
+ONCE_STORIES = 60_000  # ~2.8M tokens: 1,000 steps of 16 x 128 tokens read 0.74 of it
+
+
+def outputs(corpus: str) -> tuple[Path, Path, str]:
+    """The saved results, the plot and the docs section of a corpus."""
+    tail = "" if corpus == "tiny" else f"_{corpus}"
+    title = "Training across a slow link" + ("" if corpus == "tiny" else ", a corpus seen once")
+    return ROOT / "docs" / f"slow_links{tail}_bench.json", ROOT / "docs" / f"slow_links{tail}.png", title
+
+
+def make_corpus(folder: Path) -> Path:
+    """data/tiny's distribution, never repeated in a run: its generator's stories with another seed."""
+    spec = importlib.util.spec_from_file_location("make_tiny_assets", ROOT / "scripts" / "make_tiny_assets.py")
+    assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assets)
+    rng = random.Random(2026)
+    assets._write_jsonl(folder / "train.jsonl", [{"text": assets._story(rng)} for _ in range(ONCE_STORIES)])
+    shutil.copy(ROOT / "data/tiny/val.jsonl", folder / "val.jsonl")
+    return folder
 EVERY = 50  # eval.every: DiLoCo's H, so every run evaluates at the same steps
 REFERENCE = "fp32 all-reduce"
 DILOCO = "DiLoCo H=50 int8, outer lr 1, no momentum"
@@ -51,7 +75,8 @@ POWERSGD = "PowerSGD rank 4"
 DILOCO200 = "DiLoCo H=200 int8, outer lr 1, no momentum"
 OWN = {DILOCO200: ["--diloco.every=200", "--diloco.replicas=2", "--diloco.dtype=int8", "--diloco.outer_lr=1",
                    "--diloco.outer_momentum=0"]}  # evaluates every 200 steps (at its syncs)
-CONTRAST = {"powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOCO200}
+CONTRAST = {**SHORT, "powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOCO200}  # --add also takes
+# bench/compression.py's short names (diloco50int8: the paper's outer Nesterov step, topk01, ...)
 
 
 def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work: Path, args) -> dict:
@@ -61,7 +86,8 @@ def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work
     every = 200 if name == DILOCO200 else EVERY
     cmd = train_args(model, out, args.steps, 20, (OWN.get(name) or METHODS[name]) + [f"--train.seed={seed}",
                                                                                      f"--eval.every={every}"] +
-                     ([f"--train.exit_at_step={stop}"] if stop < args.steps else []))
+                     ([f"--train.exit_at_step={stop}"] if stop < args.steps else []) +
+                     ([f"--data.path={args.data}"] if args.data else []))
     with SlowLink(args.rate if shaped else None, args.delay) as link:
         port = str(free_port())
         procs = []
@@ -132,11 +158,14 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay", default="10ms", help="each way (netem only; 20 ms round trip by default)")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--corpus", choices=("tiny", "once"), default="tiny",
+                        help="data/tiny (repeated ~7 times in 1,000 steps) or a corpus of its kind seen once")
     parser.add_argument("--loss-seeds", default="", help="more data orders, eval loss only (comma-separated)")
     parser.add_argument("--contrast", default="powersgd,fp32",
                         help="shaped-link contrast runs: powersgd, fp32, diloco200, none")
-    parser.add_argument("--add", default="", help="run only these contrast runs (comma-separated, as --contrast) and "
-                                                  "add them to the saved results")
+    parser.add_argument("--add", default="", help="run only these on the shaped link (comma-separated: as --contrast, "
+                                                  "or bench/compression.py's short names) and add them to the saved "
+                                                  "results")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md, the JSON and the PNG")
     parser.add_argument("--report", action="store_true", help="only print (and with --write, write) the saved results")
     parser.add_argument("--seeds-only", action="store_true",
@@ -144,23 +173,28 @@ def main() -> None:
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
-    saved = RESULTS if args.write else Path(tempfile.gettempdir()) / "dstrain-slow-links-bench.json"
+    results, plot_path, title = outputs(args.corpus)
+    saved = results if args.write else Path(tempfile.gettempdir()) / f"dstrain-{results.stem}.json"
     state = json.loads(saved.read_text()) if saved.exists() else {}
     if args.report:
         a = state["args"]
         if args.write:
             plot(state["runs"], (loss_at(state["runs"][0], a["target_step"]), loss_at(state["runs"][0], a["steps"])),
-                 PLOT)
-        return _print(report(state), args.write)
+                 plot_path)
+        return _print(report(state), args.write, title)
     adding = args.seeds_only or bool(args.add)
+    unknown = [c for c in args.add.split(",") if c and c not in CONTRAST]
+    if unknown:
+        parser.error(f"--add {','.join(unknown)}: not one of {', '.join(CONTRAST)}")
     if adding and state.get("args", {}).get("steps") != args.steps:
         parser.error(f"--seeds-only and --add add to saved results of {args.steps} steps; {saved} has none")
     work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
     try:
         state["params"] = make_model(work / "model")
+        args.data = make_corpus(work / "corpus") if args.corpus == "once" else None
         if not adding:
             state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
-                             "delay": args.delay, "seed": args.seed}
+                             "delay": args.delay, "seed": args.seed, "corpus": args.corpus}
         added = [c for c in args.add.split(",") if c]
         if added:
             plan = [(CONTRAST[c], True, args.target_step if c == "fp32" else args.steps) for c in added]
@@ -193,25 +227,29 @@ def main() -> None:
                 print(f"  seed {seed}, {name}: eval loss {r['evals'][-1][1]:.4f}", file=sys.stderr)
                 saved.write_text(json.dumps(state, indent=1))
         plot(runs, (loss_at(runs[0], args.target_step), loss_at(runs[0], args.steps)),
-             PLOT if args.write else work / "slow_links.png")
+             plot_path if args.write else work / plot_path.name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _print(report(state), args.write)
+    _print(report(state), args.write, title)
 
 
-def _print(text: str, write: bool) -> None:
+def _print(text: str, write: bool, title: str) -> None:
     print(text)
     if write:
-        write_section("bench/slow_links.py", "Training across a slow link", text)
+        write_section("bench/slow_links.py" + (" --corpus once" if "once" in title else ""), title, text)
 
 
 def report(state: dict) -> str:
     a = argparse.Namespace(**state["args"])
+    figure = outputs(state["args"].get("corpus", "tiny"))[1]
     runs = state["runs"]
     ref = runs[0]
     targets = (loss_at(ref, a.target_step), loss_at(ref, a.steps))
     shaping = next((r["shaping"] for r in runs if r["shaped"]), "")
-    text = (f"{state['params'] / 1e6:.2f}M-parameter Llama (bench/compression.py's), data/tiny, ZeRO-0, fp32, "
+    corpus = ("data/tiny" if state["args"].get("corpus", "tiny") == "tiny" else
+              f"a corpus seen once ({ONCE_STORIES:,} stories from data/tiny's generator with another seed, 0.74 of it "
+              f"read in 1,000 steps; evaluated on data/tiny/val.jsonl)")
+    text = (f"{state['params'] / 1e6:.2f}M-parameter Llama (bench/compression.py's), {corpus}, ZeRO-0, fp32, "
             f"micro batch 8 x 128 tokens, {a.steps} steps of the cosine schedule (a run stopped sooner is marked), "
             f"one CPU rank in each of two network namespaces joined by a veth pair (two \"nodes\"); shaped: "
             f"{shaping}; unshaped: the veth's own speed. {platform.machine()}, {os.cpu_count()} cores. Data order seed "
@@ -240,7 +278,7 @@ def report(state: dict) -> str:
         worst = max(abs(a / b - 1) for a, b in zip(r["losses"], ref["losses"][:n]))
         text += (f"\nThe synchronous run on the shaped link against the reference, its {n} steps: losses "
                  f"{'identical' if worst == 0 else f'within {worst:.1e} (relative)'}.\n")
-    text += "\nEval loss against wall time: [slow_links.png](slow_links.png)\n"
+    text += f"\nEval loss against wall time: [{figure.name}]({figure.name})\n"
     seeds = state.get("loss_seeds", {})
     if seeds:
         diloco = next((r for r in runs if r["name"] == DILOCO), None)

@@ -549,13 +549,16 @@ def compression_sample(work: Workload, limit: int = 32 * 2**20) -> tuple[list, i
 
 
 BENCH = Path(__file__).resolve().parents[2] / "docs" / "compression_bench.json"
+ONCE = BENCH.with_name("slow_links_once_bench.json")
 
 
 def convergence_price(candidate: Candidate, recipe) -> float | None:
-    """What the candidate costs in eval loss, measured (bench/compression.py: the tiny recipe, 300 steps, 2 ranks):
-    its mean eval loss over the measured data orders relative to the fp32 all-reduce's, minus 1. 0.0 for the
+    """What the candidate costs in eval loss, measured: for DiLoCo, bench/slow_links.py --corpus once (a corpus
+    seen once, 1,000 steps: its gap at the last step) where it ran that setting; otherwise bench/compression.py
+    (the tiny recipe, 300 steps, 2 ranks: the mean eval loss over the measured data orders relative to the fp32
+    all-reduce's, minus 1; its repeated corpus flattered DiLoCo, -8% there against +27% seen once). 0.0 for the
     strategies that compute the same update (ZeRO, offload, tensor and pipeline parallelism); None where not
-    measured (another setting, or no docs/compression_bench.json beside the code)."""
+    measured (another setting, or no bench results beside the code)."""
     if candidate.compression == "none" and not candidate.diloco_every:
         return 0.0
     method, fraction = candidate.compression, recipe.compression.topk_fraction
@@ -567,10 +570,24 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
                (50, "bf16", (0.7, 0.9)): "DiLoCo H=50 bf16",
                (50, "int8", (1.0, 0.0)): "DiLoCo H=50 int8, outer lr 1, no momentum"}.get(
             (candidate.diloco_every, candidate.diloco_dtype, tuple(float(x) for x in outer)))
+    once = _once_finals()
+    if row in once and "fp32 all-reduce" in once:
+        return once[row] / once["fp32 all-reduce"] - 1
     by_seed = _bench_finals()
     ratios = [finals[row] / finals["fp32 all-reduce"] for finals in by_seed.values()
               if row in finals and "fp32 all-reduce" in finals]
     return sum(ratios) / len(ratios) - 1 if ratios else None
+
+
+@functools.cache
+def _once_finals() -> dict:
+    """Each run's eval loss at the last step of bench/slow_links.py --corpus once (runs stopped early left out)."""
+    try:
+        state = json.loads(ONCE.read_text())
+        steps = state["args"]["steps"]
+        return {r["name"]: r["evals"][-1][1] for r in state["runs"] if r["evals"][-1][0] == steps}
+    except (OSError, ValueError, KeyError, IndexError):
+        return {}
 
 
 @functools.cache
