@@ -194,18 +194,20 @@ def _same(fastest: dict, first: tuple) -> str:
 
 
 READING = """
-Reading it (the shaped link rerun 2026-11-26 with the TopK and DiLoCo candidates, --trial 14; the unshaped link is
-the 2026-11-24 run). On the 100 Mbit/s link the top 14 are now DiLoCo (every H = 50 setting, then H = 10) and
-PowerSGD: the model ranks them first because one model's worth crosses the link every H steps, and they are the
-measured fastest (0.41-0.72 s against 1.6 s for the synchronous all-reduce in bench/slow_links.py). Their step times
-are not predicted within 25% here: 5 of 14 (median error 30%, predicted too fast by 9-35%). The same bench a few
-minutes earlier, its probe sharing the cores with a plot for its first seconds, predicted the same candidates too
-slow by up to 38% (9 of 14 within 25%). Within one run, candidates that compute the same thing (ZeRO-1 and ZeRO-2
-inside a replica of one rank, where neither partitions anything) measured 0.41 to 0.57 s and 0.39 to 0.62 s: a
-6-step trial of a compute-bound step on this shared 2-core machine varies by a quarter on its own, so these rows
-test the machine more than the model. DiLoCo's sync is now in the measured figure (the trial's last step, 1/H of
-its excess). The 2026-11-24 shaped-link run, before these candidates (synchronous, compressed, pipeline and TP
-candidates): 22 of 22 within 20% (median 4%), its first choice, PowerSGD on ZeRO-0, the measured fastest.
+Reading it (both links rerun 2026-11-26, second session, after two fixes: the benches no longer run with
+MALLOC_MMAP_THRESHOLD_=131072, which made whole steps 1.5-1.7x slower through page faults that the probe's
+forward and backward felt less; and DeepSpeed's own cost per micro-batch, measured by the probe, now counts with
+one rank per replica, as in DiLoCo's replicas here, where it was left out). On the 100 Mbit/s link the top 14 are
+PowerSGD, TopK and DiLoCo (H = 50, then H = 10): 10 of 14 within 25% (median 18%); the compressed candidates within
+5%, the DiLoCo ones predicted 11-38% too slow. The same code's run an hour earlier (--trial 14, not written here):
+13 of 14 within 25%, DiLoCo predicted 0-24% too fast. Before the fixes, that day: 5 of 14, then 7 of 14 with the
+allocator fixed. Between the two runs with both fixes one candidate's prediction moved from 0.288 s to 0.457 s while
+its measured step moved from 0.31 s to 0.36 s: what varies is the probe's compute figure (the fastest of a few
+rounds of forward and backward, while the other rank's probe runs) on this shared 2-core machine, so the DiLoCo rows,
+which are nothing but compute, test the machine as much as the model. The first choice, PowerSGD (0.404 s
+predicted, 0.425 s measured), is within 20% of the measured fastest, DiLoCo with int8 (0.359 s). On the unshaped link
+all 30 trials are within 25% (median 6%), the 19 DiLoCo rows among them within 11%, and AutoTP's -31% / -41% of
+2026-11-24 is now -19%.
 
 On the unshaped link the first choice is plain ZeRO-0, the measured fastest: the choice changes with the link, as
 it should. The two misses there are AutoTP (-31% and -41%): its per-linear all-reduce hooks cost CPU time that the
