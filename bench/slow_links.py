@@ -49,14 +49,27 @@ from common import free_port, write_section
 from compression import METHODS, SHORT, SlowLink, environment, make_model, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "slow_links_bench.json"
+PLOT = ROOT / "docs" / "slow_links.png"
+EVERY = 50  # eval.every: DiLoCo's H, so every run evaluates at the same steps
+REFERENCE = "fp32 all-reduce"
+DILOCO = "DiLoCo H=50 int8, outer lr 1, no momentum"
+POWERSGD = "PowerSGD rank 4"
+DILOCO200 = "DiLoCo H=200 int8, outer lr 1, no momentum"
+OWN = {DILOCO200: ["--diloco.every=200", "--diloco.replicas=2", "--diloco.dtype=int8", "--diloco.outer_lr=1",
+                   "--diloco.outer_momentum=0"]}  # evaluates every 200 steps (at its syncs)
+CONTRAST = {**SHORT, "powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOCO200}  # --add also takes
+# bench/compression.py's short names (diloco50int8: the paper's outer Nesterov step, topk01, ...)
+
 ONCE_STORIES = 60_000  # ~2.8M tokens: 1,000 steps of 16 x 128 tokens read 0.74 of it
 
 
-def outputs(corpus: str) -> tuple[Path, Path, str]:
-    """The saved results, the plot and the docs section of a corpus."""
-    tail = "" if corpus == "tiny" else f"_{corpus}"
-    title = "Training across a slow link" + ("" if corpus == "tiny" else ", a corpus seen once")
-    return ROOT / "docs" / f"slow_links{tail}_bench.json", ROOT / "docs" / f"slow_links{tail}.png", title
+def outputs(corpus: str) -> tuple[Path, Path, str, str]:
+    """A corpus's saved results, plot, and docs/benchmarks.md section (its marker and its title)."""
+    if corpus == "tiny":
+        return RESULTS, PLOT, "bench/slow_links.py", "Training across a slow link"
+    return (RESULTS.with_name(f"slow_links_{corpus}_bench.json"), PLOT.with_name(f"slow_links_{corpus}.png"),
+            f"bench/slow_links.py --corpus {corpus}", "Training across a slow link, a corpus seen once")
 
 
 def make_corpus(folder: Path) -> Path:
@@ -68,15 +81,6 @@ def make_corpus(folder: Path) -> Path:
     assets._write_jsonl(folder / "train.jsonl", [{"text": assets._story(rng)} for _ in range(ONCE_STORIES)])
     shutil.copy(ROOT / "data/tiny/val.jsonl", folder / "val.jsonl")
     return folder
-EVERY = 50  # eval.every: DiLoCo's H, so every run evaluates at the same steps
-REFERENCE = "fp32 all-reduce"
-DILOCO = "DiLoCo H=50 int8, outer lr 1, no momentum"
-POWERSGD = "PowerSGD rank 4"
-DILOCO200 = "DiLoCo H=200 int8, outer lr 1, no momentum"
-OWN = {DILOCO200: ["--diloco.every=200", "--diloco.replicas=2", "--diloco.dtype=int8", "--diloco.outer_lr=1",
-                   "--diloco.outer_momentum=0"]}  # evaluates every 200 steps (at its syncs)
-CONTRAST = {**SHORT, "powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOCO200}  # --add also takes
-# bench/compression.py's short names (diloco50int8: the paper's outer Nesterov step, topk01, ...)
 
 
 def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work: Path, args) -> dict:
@@ -173,7 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
-    results, plot_path, title = outputs(args.corpus)
+    results, plot_path, *section = outputs(args.corpus)
     saved = results if args.write else Path(tempfile.gettempdir()) / f"dstrain-{results.stem}.json"
     state = json.loads(saved.read_text()) if saved.exists() else {}
     if args.report:
@@ -181,7 +185,7 @@ def main() -> None:
         if args.write:
             plot(state["runs"], (loss_at(state["runs"][0], a["target_step"]), loss_at(state["runs"][0], a["steps"])),
                  plot_path)
-        return _print(report(state), args.write, title)
+        return _print(report(state), args.write, *section)
     adding = args.seeds_only or bool(args.add)
     unknown = [c for c in args.add.split(",") if c and c not in CONTRAST]
     if unknown:
@@ -230,13 +234,13 @@ def main() -> None:
              plot_path if args.write else work / plot_path.name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _print(report(state), args.write, title)
+    _print(report(state), args.write, *section)
 
 
-def _print(text: str, write: bool, title: str) -> None:
+def _print(text: str, write: bool, marker: str, title: str) -> None:
     print(text)
     if write:
-        write_section("bench/slow_links.py" + (" --corpus once" if "once" in title else ""), title, text)
+        write_section(marker, title, text)
 
 
 def report(state: dict) -> str:
