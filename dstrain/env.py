@@ -38,6 +38,9 @@ DOCUMENTED = {
                             "visible GPUs'); a Hopper/Blackwell suffix (9.0a, 10.0f) is dropped for those builds, "
                             "which DeepSpeed 0.19 cannot parse",
     "CXX": "the C++ compiler DeepSpeed's JIT-built ops are compiled with (part of their build directory's key)",
+    "MALLOC_MMAP_THRESHOLD_": "glibc's, read only to label memory.json on CPU ranks: set (e.g. 131072), freed tensors "
+                              "leave RSS at once and the peak is the live memory, at 1.5x slower steps; unset (the "
+                              "launch scripts' default) the peak includes glibc's reusable heap (docs/planning.md)",
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
     "SLURM_ARRAY_TASK_MIN": "prepare_data in a SLURM array job: the first task id (0 when absent)",
@@ -130,6 +133,10 @@ def omp_threads() -> str:
 
 def compiler() -> str:
     return _get("CXX", "c++")
+
+
+def malloc_mmap_threshold() -> str:
+    return _get("MALLOC_MMAP_THRESHOLD_")
 
 
 def export(name: str, value: str) -> None:

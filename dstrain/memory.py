@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from . import env
 from .layout import Layout
 
 GiB = 1024 ** 3
@@ -378,6 +379,11 @@ def record(path: Path, ctx, baseline: int, setup_peak: int, estimate: Estimate) 
         extra = {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
                  "setup_peak_above_baseline_bytes": setup_peak - baseline,
                  "measured_over_estimated": round(ratio, 3) if ratio else None}
+        if not torch.cuda.is_available():  # what a CPU rank's RSS peak holds depends on glibc's setting
+            threshold = env.malloc_mmap_threshold()
+            extra["allocator"] = (f"MALLOC_MMAP_THRESHOLD_={threshold}: freed tensors leave RSS at once" if threshold
+                                  else "glibc's default: the peak includes freed tensors kept in its heap for reuse "
+                                       "(set MALLOC_MMAP_THRESHOLD_=131072 to measure live memory; docs/planning.md)")
         if not torch.cuda.is_available() and estimate.device_total < SMALL_ESTIMATE:
             # measured on the tiny recipe: 201 MB above the baseline against 68 MB estimated (2.9x); the gap is
             # the process's own fixed cost of training, not the model's (see SMALL_ESTIMATE)

@@ -180,3 +180,20 @@ def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
     assert "background checkpoints" not in memory.preflight(off, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)[1]
     assert "background checkpoints" not in memory.preflight(r, dsc.load("zero3_nvme.json"), "zero3_nvme.json", 32,
                                                             8, GPU)[1]
+
+
+def test_memory_json_says_what_a_cpu_ranks_peak_holds(tmp_path, monkeypatch):
+    """The launch scripts no longer set MALLOC_MMAP_THRESHOLD_ (1.5x slower CPU steps): a CPU rank's RSS peak then
+    includes glibc's reusable heap, and memory.json says which of the two it measured."""
+    import json
+    from types import SimpleNamespace
+    estimate = memory.Estimate(parameters=1, params_per_rank=1, device={"params": 1 << 20})
+    for value in ("131072", None):
+        if value:
+            monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", value)
+        else:
+            monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+        memory.record(tmp_path / "memory.json", SimpleNamespace(is_main=True), 0, 0, estimate)
+        said = json.loads((tmp_path / "memory.json").read_text())["allocator"]
+        assert ("MALLOC_MMAP_THRESHOLD_=131072: freed tensors leave RSS" in said) if value else \
+            said.startswith("glibc's default: the peak includes freed tensors"), said
