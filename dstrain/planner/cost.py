@@ -554,9 +554,9 @@ ONCE = BENCH.with_name("slow_links_once_bench.json")
 
 def convergence_price(candidate: Candidate, recipe) -> float | None:
     """What the candidate costs in eval loss, measured: for DiLoCo, bench/slow_links.py --corpus once (a corpus
-    seen once, 1,000 steps: its gap at the last step) where it ran that setting; otherwise bench/compression.py
-    (the tiny recipe, 300 steps, 2 ranks: the mean eval loss over the measured data orders relative to the fp32
-    all-reduce's, minus 1; its repeated corpus flattered DiLoCo, -8% there against +27% seen once). 0.0 for the
+    seen once, 1,000 steps: the mean over its data orders of the gap at the last step) where it ran that setting;
+    otherwise bench/compression.py (the tiny recipe, 300 steps, 2 ranks: the mean eval loss over the measured data
+    orders relative to the fp32 all-reduce's, minus 1; -8% there for DiLoCo H=50 int8, +8% seen once). 0.0 for the
     strategies that compute the same update (ZeRO, offload, tensor and pipeline parallelism); None where not
     measured (another setting, or no bench results beside the code)."""
     if candidate.compression == "none" and not candidate.diloco_every:
@@ -570,9 +570,9 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
                (50, "bf16", (0.7, 0.9)): "DiLoCo H=50 bf16",
                (50, "int8", (1.0, 0.0)): "DiLoCo H=50 int8, outer lr 1, no momentum"}.get(
             (candidate.diloco_every, candidate.diloco_dtype, tuple(float(x) for x in outer)))
-    once = _once_finals()
-    if row in once and "fp32 all-reduce" in once:
-        return once[row] / once["fp32 all-reduce"] - 1
+    once = _once_ratios().get(row)
+    if once:
+        return sum(once) / len(once) - 1
     by_seed = _bench_finals()
     ratios = [finals[row] / finals["fp32 all-reduce"] for finals in by_seed.values()
               if row in finals and "fp32 all-reduce" in finals]
@@ -580,12 +580,21 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
 
 
 @functools.cache
-def _once_finals() -> dict:
-    """Each run's eval loss at the last step of bench/slow_links.py --corpus once (runs stopped early left out)."""
+def _once_ratios() -> dict:
+    """bench/slow_links.py --corpus once: each setting's eval loss at the last step over the synchronous run's, one
+    ratio per data order measured (the timed runs, then --loss-seeds; runs stopped early left out)."""
     try:
         state = json.loads(ONCE.read_text())
-        steps = state["args"]["steps"]
-        return {r["name"]: r["evals"][-1][1] for r in state["runs"] if r["evals"][-1][0] == steps}
+        steps, ref = state["args"]["steps"], "fp32 all-reduce"
+        orders = [{r["name"]: r["evals"][-1][1] for r in state["runs"] if r["evals"][-1][0] == steps}]
+        orders += [{name: evals[str(steps)] for name, evals in by_name.items() if str(steps) in evals}
+                   for by_name in state.get("loss_seeds", {}).values()]
+        out: dict = {}
+        for finals in orders:
+            for name, loss in finals.items():
+                if ref in finals:
+                    out.setdefault(name, []).append(loss / finals[ref])
+        return out
     except (OSError, ValueError, KeyError, IndexError):
         return {}
 
