@@ -50,24 +50,27 @@ stop_ranks() {
   # no rank below the launcher (pdsh: they run under sshd on each node): the launcher's own handler passes it on
   if [[ -n "$LAUNCHER_PID" ]]; then "$PYTHON" -m dstrain.preempt "$LAUNCHER_PID" || kill -TERM "$LAUNCHER_PID" || true; fi
 }
+# Bash runs a trap only between commands, so a launcher or a job step runs in the background and is waited for
+# here, through the trap's interruptions (wait returns 128+signal early); sets STATUS to its exit status.
+wait_step() {
+  while true; do
+    wait "$1" && STATUS=0 || STATUS=$?
+    if kill -0 "$1" 2>/dev/null; then continue; fi  # a trap interrupted wait; the step still runs
+    wait "$1" 2>/dev/null && STATUS=0 || STATUS=$?
+    break
+  done
+}
 # Run a launcher in the background (so a trapped signal is handled while it runs) and return its exit status.
 # Its own session: Ctrl-C in a terminal reaches only this script, which passes one SIGTERM to each rank
 # (the terminal's SIGINT to every process would also kill DeepSpeed's runner and make launch.py kill the ranks).
 run_launcher() {
-  local status
   setsid "$@" &
   LAUNCHER_PID=$!
   trap stop_ranks TERM INT
-  while true; do
-    wait "$LAUNCHER_PID" && status=0 || status=$?
-    # wait returns early (128+signal) when a trapped signal arrives; wait again until the launcher is gone
-    if kill -0 "$LAUNCHER_PID" 2>/dev/null; then continue; fi
-    wait "$LAUNCHER_PID" 2>/dev/null && status=0 || status=$?
-    break
-  done
+  wait_step "$LAUNCHER_PID"
   trap - TERM INT
   LAUNCHER_PID=
-  return "$status"
+  return "$STATUS"
 }
 run_with_retries() {
   local attempt=0 status extra=()
@@ -96,23 +99,13 @@ stage_data() {
 
 # SLURM batch scripts (slurm.sbatch, slurm_elastic.sbatch). USR1 (SLURM's warning before the time limit, a
 # preemption, `scancel --signal=USR1 --batch`) or TERM asks train.py to checkpoint and stop through the run
-# directory's STOP file: `PREEMPTED=0; trap slurm_on_signal USR1 TERM`.
+# directory's STOP file: `trap slurm_on_signal USR1 TERM`.
 PREEMPTED=0
 # shellcheck disable=SC2317  # called by the batch scripts' trap
 slurm_on_signal() {
   echo "job $SLURM_JOB_ID: signalled; asking train.py to checkpoint and stop"
   PREEMPTED=1
   touch "$OUTPUT_DIR/STOP"
-}
-# Bash runs a trap only between commands, so a job step runs in the background and is waited for here, through
-# the trap's interruptions; sets STATUS to the step's exit status.
-wait_step() {
-  while true; do
-    wait "$1" && STATUS=0 || STATUS=$?
-    if kill -0 "$1" 2>/dev/null; then continue; fi  # a trap interrupted wait; the step still runs
-    wait "$1" 2>/dev/null && STATUS=0 || STATUS=$?
-    break
-  done
 }
 # The job's end: a checkpointed stop (75), or a signalled step that did not finish, requeues the job, which
 # resumes from that checkpoint; anything else exits with the step's status.
