@@ -173,8 +173,9 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
     out.mkdir(parents=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
                DSTRAIN_CACHE=str(out / "cache"), HF_DATASETS_CACHE=str(out / "hf_datasets"),  # cold caches,
-               TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"),  # compiled kernels too: each run pays a first launch
-               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+               TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"))  # compiled kernels too: each run pays a first launch
+    # no MALLOC_MMAP_THRESHOLD_ default: on CPU ranks it makes steps ~1.5x slower (docs/planning.md); both sides
+    # get whatever the caller set
     if ranks > 1 and "OMP_NUM_THREADS" not in os.environ and not gpu_count():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))
     launched = time.time()

@@ -6,7 +6,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -80,11 +79,8 @@ def init() -> DistContext:
     else:
         share_cores(ctx)
     from .ds_internals import announce_jit_builds  # every rank: they must agree on the op's build directory
-    if ctx.is_local_main:
-        clear_stale_build_locks()
-        announce_jit_builds(lambda text: print(text, file=sys.stderr, flush=True))
-    else:  # the other ranks wait on the build lock, quietly
-        announce_jit_builds(lambda text: None)
+    # every rank: ranks take turns (build_turn), so only the one that builds says so, once per node
+    announce_jit_builds(lambda text: print(text, file=sys.stderr, flush=True))
     try:
         deepspeed.init_distributed(dist_init_required=True, verbose=False)
     except Exception as error:  # DistNetworkError's traceback told users nothing they could act on
@@ -140,20 +136,6 @@ def leave(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
-
-
-def clear_stale_build_locks(max_age_s: float = 1800) -> None:
-    """torch's JIT builder (DeepSpeed's ops) waits forever on a `lock` file that a killed build left
-    behind: every later run hangs at start. No build of ours takes half an hour, so older locks go."""
-    root = env.torch_extensions_dir()
-    now = time.time()
-    for lock in list(root.glob("*/lock")) + list(root.glob("*/*/lock")):
-        try:
-            if now - lock.stat().st_mtime > max_age_s:
-                lock.unlink()
-                print(f"removed {lock}: a stale lock from an interrupted DeepSpeed op build", file=sys.stderr)
-        except OSError:
-            pass
 
 
 def shm_buffer_path(rank: int) -> str:

@@ -219,7 +219,8 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     """Every JIT load of a DeepSpeed op (OpBuilder.jit_load) builds in a directory keyed by its build inputs
     (jit_build_key), and one line is said before it compiles: the first run on a machine otherwise sat silent
     for 1-3 minutes of gcc (shm_comm at process-group start, cpu_adam with offload). Install it on every rank
-    (they must agree on the directory); `say` does nothing on all but one rank per node."""
+    (they must agree on the directory). Ranks take turns (build_turn): the one that builds says so, the others
+    find the op built; whichever finds a dead build's lock file says it removed it."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     if getattr(OpBuilder.jit_load, "dstrain_announces", False):
@@ -229,17 +230,52 @@ def announce_jit_builds(say: Callable[[str], None]) -> None:
     said = [say]
 
     def jit_load(self, verbose=True):
+        from torch.utils.cpp_extension import _get_build_directory
+
         settle_flags(self)
         with cuda_arch_list_deepspeed_parses():
             root = jit_build_dir_root(self)
             with env.overridden("TORCH_EXTENSIONS_DIR", str(root)):  # torch builds in <root>/<op name>
-                if jit_build_needed(self):
-                    said[0](f"building DeepSpeed's {self.name} op with the compiler into {root}: once per machine "
-                            f"and build setting, 1-3 minutes (`make setup` builds them ahead)")
-                return original(self, verbose)
+                with build_turn(Path(_get_build_directory(self.name, False))) as stale:
+                    if stale:
+                        said[0](f"removed {stale}: a build or load of DeepSpeed's {self.name} op was cut short "
+                                f"there (its process is gone), and torch would have waited for it forever")
+                    if jit_build_needed(self):
+                        said[0](f"building DeepSpeed's {self.name} op with the compiler into {root}: once per "
+                                f"machine and build setting, 1-3 minutes (`make setup` builds them ahead)")
+                    return original(self, verbose)
     jit_load.dstrain_announces = True
     jit_load.dstrain_say = said
     OpBuilder.jit_load = jit_load
+
+
+@contextmanager
+def build_turn(build_dir: Path) -> Iterator[Path | None]:
+    """This process's turn at torch's JIT build (and load) of one op in build_dir; yields the path of a dead
+    process's lock file it removed, else None.
+
+    torch's cpp_extension guards every JIT build *and* load with a lock file (FileBaton: <build_dir>/lock, made on
+    entry, removed on exit) and, while one exists, waits for it forever without a word. A process killed inside
+    (SIGKILL, or a launcher's SIGTERM before train.py's handler is installed: `kill` or Ctrl-C during a first run's
+    1-3 minute build) leaves it, and every later run on the machine hung at start: seen on an H100, where ZeRO++'s
+    quantizer build was cut short and the next launch sat silent until its 230 s limit. The file names no owner,
+    so every process of ours takes a kernel lock (flock) on a file beside it first. The kernel drops a flock when
+    its holder dies, however it died: a lock file found while holding the flock is a dead process's. Written by
+    hand: torch has no owner-aware lock for its extension builds (its FileBaton is the lock-file protocol above)."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir.parent / f".{build_dir.name}.dstrain-turn", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # other ranks of this node wait here while one builds, as on torch's file
+        lock = build_dir / "lock"
+        stale = None
+        if lock.exists():
+            lock.unlink(missing_ok=True)
+            stale = lock
+        yield stale
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def settle_flags(builder) -> None:

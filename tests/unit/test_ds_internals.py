@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import deepspeed
@@ -251,6 +252,63 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     assert build_dirs == [str(keyed)] and os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)  # restored after
     (built[0] / f"{builder.name}.so").unlink()
     assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
+
+
+def test_a_build_lock_left_by_a_killed_process_is_removed_not_waited_for(tmp_path, monkeypatch):
+    """On an H100, a run killed during ZeRO++'s quantizer build left torch's lock file, and the next launch hung
+    silently until its limit: torch waits forever while <build dir>/lock exists, for a build *or* a load. A real
+    process takes its turn, makes torch's lock file as torch's build does, and is SIGKILLed inside; the next load
+    through dstrain's jit_load must remove the file, say so, and go on (under the old code it waited forever)."""
+    import signal
+    import threading
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from torch.utils.cpp_extension import _get_build_directory, _jit_compile
+    from torch.utils.file_baton import FileBaton
+
+    assert "FileBaton(os.path.join(build_directory, 'lock'))" in inspect.getsource(_jit_compile), \
+        moved("torch.utils.cpp_extension._jit_compile's lock file")
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    root = ds_internals.jit_build_dir_root(builder)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
+    build_dir = Path(_get_build_directory(builder.name, False))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from dstrain import ds_internals\n"
+        "with ds_internals.build_turn(Path(sys.argv[1])):\n"
+        "    open(Path(sys.argv[1]) / 'lock', 'x').close()\n"  # FileBaton.try_acquire
+        "    print('building', flush=True); time.sleep(120)\n"), str(build_dir)],
+        cwd=ROOT, env=env(tmp_path / "cache"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "building"
+
+        def torch_load(self, verbose=True):  # torch's protocol around its build and load (_jit_compile)
+            baton = FileBaton(str(build_dir / "lock"))
+            if baton.try_acquire():
+                baton.release()
+            else:
+                baton.wait()
+            return "loaded"
+
+        monkeypatch.setattr(OpBuilder, "jit_load", torch_load)
+        said, result = [], []
+        ds_internals.announce_jit_builds(said.append)
+        loader = threading.Thread(target=lambda: result.append(builder.jit_load()), daemon=True)
+        loader.start()
+        loader.join(timeout=1.0)
+        assert loader.is_alive() and (build_dir / "lock").exists(), "a live build's lock must be waited for"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        loader.join(timeout=30)
+        assert result == ["loaded"], "the load waited on a dead process's lock file"
+        assert not (build_dir / "lock").exists()
+        assert any(line.startswith(f"removed {build_dir / 'lock'}: a build or load of DeepSpeed's cpu_adam op was "
+                                   "cut short") for line in said), said
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_cuda_arch_suffixes_are_dropped_for_jit_builds(monkeypatch):

@@ -63,22 +63,6 @@ def test_shipped_example_hostfile_parses():
     assert [h.slots for h in parse_hostfile(ROOT / "launch/hostfile.example")] == [8, 8]
 
 
-def test_stale_op_build_locks_are_removed_fresh_ones_kept(tmp_path, monkeypatch):
-    import os
-    import time
-
-    from dstrain.dist import clear_stale_build_locks
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    stale, fresh = tmp_path / "py311_cpu/async_io/lock", tmp_path / "py311_cpu/cpu_adam/lock"
-    for lock in (stale, fresh):
-        lock.parent.mkdir(parents=True)
-        lock.write_text("")
-    hour_ago = time.time() - 3600
-    os.utime(stale, (hour_ago, hour_ago))
-    clear_stale_build_locks()
-    assert not stale.exists() and fresh.exists()
-
-
 @pytest.mark.parametrize("codes,want_status,want_calls", [
     ([1, 0], 0, 2),        # a crash, then the resumed attempt finishes
     ([137, 1, 0], 0, 3),   # killed twice: both restarts used
