@@ -399,18 +399,24 @@ def _duration(seconds: float) -> str:
 
 # ----------------------------------------------------------------------------- background or not
 
-def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None) -> int:
+def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None,
+                          pinned: bool = False) -> int:
     """Host memory a background checkpoint takes on the rank that writes the most (dstrain/background_save.py),
     kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
-    Adam moments (12 bytes a trained parameter) and, on data-parallel rank 0 of ZeRO-0/1/2, the module's trained
-    weights whole (ZeRO-3 writes its weights inside the optimizer shares). Pinned memory on GPU hosts."""
+    Adam moments (12 bytes a trained parameter, three flat buffers) and, on data-parallel rank 0 of ZeRO-0/1/2,
+    the module's trained weights whole (one flat buffer; ZeRO-3 writes its weights inside the optimizer shares).
+    pinned (GPU hosts): PyTorch's pinned host allocator hands out blocks of a power of two, so each buffer takes
+    its size rounded up: 28.0 GiB instead of 17.3 GB for gpu-1b's 1.24B on one GPU, which is what the host's peak
+    RSS showed on an H200 and an H100 (30,825 and 30,850 MiB with the process's own, docs/benchmarks.md)."""
     from .ds_config import precision, zero_stage
 
     stage, sixteen_bit = zero_stage(ds_cfg), precision(ds_cfg) != "fp32"
     split = layout.pipeline_stages * layout.tensor_parallel
     share = layout.zero_shards if stage >= 1 or sixteen_bit else 1
     trained = trained or parameters
-    return 12 * trained // (split * share) + ((2 if sixteen_bit else 4) * trained // split if stage < 3 else 0)
+    buffers = [4 * trained // (split * share)] * 3 + ([(2 if sixteen_bit else 4) * trained // split]
+                                                      if stage < 3 else [])
+    return sum(1 << (n - 1).bit_length() if pinned and n > 1 else n for n in buffers)
 
 
 def uses_nvme(ds_cfg: dict) -> bool:
@@ -441,7 +447,7 @@ def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, par
         return False, "checkpoints: written before the step goes on (NVMe offload: DeepSpeed copies its swap files)"
     import psutil
 
-    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained)
+    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained, pinned=torch.cuda.is_available())
     free = psutil.virtual_memory().available // max(1, ranks_per_node)
     size = f"a {copy / 2**20:,.0f} MiB host copy per rank"
     if cfg.background == "auto" and copy > free // 2:
