@@ -172,6 +172,9 @@ def main() -> None:
                                                   "results")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md, the JSON and the PNG")
     parser.add_argument("--report", action="store_true", help="only print (and with --write, write) the saved results")
+    parser.add_argument("--methods", default="", help="with --loss-seeds: run these instead of the reference and "
+                                                      "DiLoCo H=50 (short names, as --add; a seed's reference is run "
+                                                      "when missing)")
     parser.add_argument("--seeds-only", action="store_true",
                         help="run only --loss-seeds, adding them to the saved results (the timed runs are kept)")
     args = parser.parse_args()
@@ -187,9 +190,9 @@ def main() -> None:
                  plot_path)
         return _print(report(state), args.write, *section)
     adding = args.seeds_only or bool(args.add)
-    unknown = [c for c in args.add.split(",") if c and c not in CONTRAST]
+    unknown = [c for c in (args.add + "," + args.methods).split(",") if c and c not in CONTRAST]
     if unknown:
-        parser.error(f"--add {','.join(unknown)}: not one of {', '.join(CONTRAST)}")
+        parser.error(f"--add/--methods {','.join(unknown)}: not one of {', '.join(CONTRAST)}")
     if adding and state.get("args", {}).get("steps") != args.steps:
         parser.error(f"--seeds-only and --add add to saved results of {args.steps} steps; {saved} has none")
     work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
@@ -224,8 +227,10 @@ def main() -> None:
             state["runs"] = runs
             saved.write_text(json.dumps(state, indent=1))  # a failure later keeps what ran
         seeds = state.setdefault("loss_seeds", {})
+        methods = [CONTRAST[m] for m in args.methods.split(",") if m]
         for seed in [int(s) for s in args.loss_seeds.split(",") if s]:
-            for name in (REFERENCE, DILOCO):
+            have = set(seeds.get(str(seed), {})) | ({REFERENCE} if seed == state["args"]["seed"] else set())
+            for name in [REFERENCE] * (REFERENCE not in have) + methods if methods else (REFERENCE, DILOCO):
                 r = run_on_link(name, False, args.steps, seed, work / "model", work, args)
                 seeds.setdefault(str(seed), {})[name] = {str(s): loss for s, loss, _ in r["evals"]}
                 print(f"  seed {seed}, {name}: eval loss {r['evals'][-1][1]:.4f}", file=sys.stderr)
@@ -287,8 +292,12 @@ def report(state: dict) -> str:
     if seeds:
         diloco = next((r for r in runs if r["name"] == DILOCO), None)
         orders = {str(a.seed): {REFERENCE: {str(s): loss for s, loss, _ in ref["evals"]},
-                                DILOCO: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}},
-                  **seeds}
+                                DILOCO: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}}}
+        for seed, by_name in seeds.items():  # --methods' runs of the timed order join its reference
+            orders[seed] = {**orders.get(seed, {}), **by_name}
+        others = list(dict.fromkeys(n for by_name in seeds.values() for n in by_name if n not in (REFERENCE, DILOCO)))
+        orders_all = orders
+        orders = {seed: by_name for seed, by_name in orders.items() if DILOCO in by_name}
         text += (f"\nEvery data order (train.seed; {a.seed} is the timed runs above, the others ran on the unshaped "
                  f"link for their eval loss only). Time to the synchronous run's step-{a.target_step} loss for the "
                  f"other orders is projected: the step at which each run reaches it (interpolated between "
@@ -319,7 +328,37 @@ def report(state: dict) -> str:
         mean = {step: sum(v) / len(v) for step, v in gaps.items()}
         text += (f"| mean of {len(orders)} | | | **{mean[a.target_step]:+.2%}** | | | **{mean[a.steps]:+.2%}** | "
                  f"{sum(r <= 1.3 for r in ratios if r)} of {len(ratios)} within 1.3x |\n")
+        if others:
+            text += ("\nOther settings over the same orders (`--methods`, eval loss only, on the unshaped link): the gap "
+                     "to each order's synchronous run, and the bytes each sends less than fp32 (from its settings).\n\n"
+                     "| method | less than fp32 | " + " | ".join(f"seed {seed}: at {a.target_step}, at {a.steps}"
+                                                           for seed in sorted(orders_all, key=int)) +
+                     f" | mean at {a.target_step} | mean at {a.steps} |\n|---|---|" + "---|" * (len(orders_all) + 2)
+                     + "\n")
+            for name in [DILOCO] + others:
+                row, per = [], {a.target_step: [], a.steps: []}
+                for seed in sorted(orders_all, key=int):
+                    by_name = orders_all[seed]
+                    if name not in by_name:
+                        row.append("")
+                        continue
+                    cell = []
+                    for step in (a.target_step, a.steps):
+                        gap = by_name[name][str(step)] / by_name[REFERENCE][str(step)] - 1
+                        per[step].append(gap)
+                        cell.append(f"{gap:+.1%}")
+                    row.append(", ".join(cell))
+                text += (f"| {name} | {fewer_bytes(name):.0f}x | " + " | ".join(row) + " | " +
+                         " | ".join(f"**{sum(v) / len(v):+.2%}** ({len(v)})" if v else "" for v in per.values()) +
+                         " |\n")
     return text
+
+
+def fewer_bytes(name: str) -> float:
+    """How many times fewer bytes than fp32 a DiLoCo setting sends, from its H and its wire type."""
+    from dstrain.components.diloco import WIRE_BYTES
+    flags = dict(f.removeprefix("--").split("=", 1) for f in (OWN.get(name) or METHODS[name]))
+    return int(flags["diloco.every"]) * 4 / WIRE_BYTES[flags.get("diloco.dtype", "fp32")]
 
 
 def _gap(loss: float | None, ref: float | None) -> str:

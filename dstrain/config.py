@@ -334,12 +334,12 @@ class DilocoSection:
     replicas: int = 0  # how many replicas (each world size / replicas ranks); 0: one per node
     outer_lr: float = 0.7  # the outer SGD's learning rate (the paper's 0.7)
     outer_momentum: float = 0.9  # the outer SGD's Nesterov momentum (the paper's 0.9); 0: plain SGD
-    # the pseudo-gradients' type on the wire: `fp32`; `bf16` (half the bytes) or `int8` (a scale per 128 elements:
-    # 3.9x fewer); the rounding is carried to the next sync (error feedback)
+    # the pseudo-gradients' type on the wire: `fp32`; `bf16` (half the bytes), `int8` or `int4` (a scale per 128
+    # elements: 3.9x or 7.5x fewer); the rounding is carried to the next sync (error feedback)
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        _one_of("diloco.dtype", self.dtype, ("fp32", "bf16", "int8"))
+        _one_of("diloco.dtype", self.dtype, ("fp32", "bf16", "int8", "int4"))
         for key in ("every", "replicas"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

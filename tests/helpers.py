@@ -485,7 +485,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                     delta = torch.cat([(p - q).reshape(-1) for p, q in zip(params, model.parameters())])
                     if dtype != "fp32":
                         delta = delta + carry[k]
-                        sent = delta.to(torch.bfloat16).float() if dtype == "bf16" else _int8_round(delta)
+                        sent = delta.to(torch.bfloat16).float() if dtype == "bf16" else \
+                            _int_round(delta, 127 if dtype == "int8" else 7)
                         carry[k] = delta - sent
                         delta = sent
                     deltas.append(delta)
@@ -507,10 +508,10 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     return losses
 
 
-def _int8_round(values: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """values as int8 codes with one scale per block of `block` elements bring them back: round(v / m x 127) x m /
-    127, m the block's largest magnitude."""
+def _int_round(values: torch.Tensor, levels: int = 127, block: int = 128) -> torch.Tensor:
+    """values as integer codes with one scale per block of `block` elements bring them back: round(v / m x L) x m /
+    L, m the block's largest magnitude (L = 127: int8, 7: int4)."""
     n = values.numel()
     padded = torch.cat([values, values.new_zeros(-n % block)]).view(-1, block)
     top = padded.abs().max(1, keepdim=True).values.clamp_min(1e-30)
-    return (torch.round(padded / top * 127) * (top / 127)).reshape(-1)[:n]
+    return (torch.round(padded / top * levels) * (top / levels)).reshape(-1)[:n]

@@ -55,7 +55,7 @@ class Diloco(Component):
         # flat fp32 vectors over the trained parameters, in the module's order
         self.anchor: torch.Tensor | None = None  # the shared weights of the last sync
         self.momentum: torch.Tensor | None = None  # the outer SGD's buffer
-        self.carry: torch.Tensor | None = None  # bf16/int8: what rounding the pseudo-gradient dropped
+        self.carry: torch.Tensor | None = None  # bf16/int8/int4: what rounding the pseudo-gradient dropped
         self.max_steps = self.replicas = 0
 
     def validate(self, setup: Setup) -> None:
@@ -109,7 +109,7 @@ class Diloco(Component):
 
     def sync(self) -> None:
         """Each rank of a replica sends one slice of the pseudo-gradient across the replicas (slice i of S,
-        INT8_BLOCK-aligned so that int8's blocks are the whole vector's), and the replica's ranks then share the
+        INT8_BLOCK-aligned so that int8/int4's blocks are the whole vector's), and the replica's ranks then share the
         averaged slices over their own link: one model's worth crosses the slow link per replica and sync, not one
         per rank. Memory beside the anchor and momentum (memory.py counts it): one full fp32 vector, reused from the
         read of the weights to the gathered average, and a few slices."""
@@ -204,8 +204,10 @@ class Diloco(Component):
         self.carry = state["carry"] if same_world else None
 
 
-INT8_BLOCK = 128  # int8: elements sharing one fp32 scale (1 + 4/128 bytes per element: 3.9x fewer than fp32)
-WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK}  # per pseudo-gradient element sent
+INT8_BLOCK = 128  # int8/int4: elements sharing one fp32 scale (int8: 1 + 4/128 bytes per element, 3.9x fewer than
+# fp32; int4: 0.5 + 4/128, 7.5x fewer)
+LEVELS = {"int8": 127, "int4": 7}  # codes -LEVELS..LEVELS, the block's largest magnitude at the ends
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK, "int4": 0.5 + 4 / INT8_BLOCK}  # per element sent
 
 
 def slice_length(n: int, size: int) -> int:
@@ -214,20 +216,26 @@ def slice_length(n: int, size: int) -> int:
 
 
 def encode(values: torch.Tensor, dtype: str) -> list[torch.Tensor]:
-    """What one replica sends of its pseudo-gradient: bf16 values, or int8 values with one fp32 scale (the block's
-    largest magnitude) per INT8_BLOCK elements."""
+    """What one replica sends of its pseudo-gradient: bf16 values, or int8/int4 codes with one fp32 scale (the
+    block's largest magnitude) per INT8_BLOCK elements; int4's codes two to a byte (code + 8 in each half)."""
     if dtype == "bf16":
         return [values.to(torch.bfloat16)]
     padded = torch.nn.functional.pad(values, (0, -values.numel() % INT8_BLOCK)).view(-1, INT8_BLOCK)
     scales = padded.abs().amax(1).clamp_min(1e-30)
-    return [torch.round(padded / scales[:, None] * 127).to(torch.int8), scales]
+    codes = torch.round(padded / scales[:, None] * LEVELS[dtype]).to(torch.int8)
+    if dtype == "int4":
+        halves = (codes + 8).to(torch.uint8).view(-1, INT8_BLOCK // 2, 2)
+        codes = halves[..., 0] | (halves[..., 1] << 4)
+    return [codes, scales]
 
 
 def decode(payload: list[torch.Tensor], dtype: str, numel: int) -> torch.Tensor:
     if dtype == "bf16":
         return payload[0].float()
     codes, scales = payload
-    return (codes.float() * (scales[:, None] / 127)).reshape(-1)[:numel]
+    if dtype == "int4":
+        codes = torch.stack([codes & 15, codes >> 4], -1).view(-1, INT8_BLOCK).to(torch.int8) - 8
+    return (codes.float() * (scales[:, None] / LEVELS[dtype])).reshape(-1)[:numel]
 
 
 def _has_master(p) -> bool:

@@ -582,15 +582,17 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
 @functools.cache
 def _once_ratios() -> dict:
     """bench/slow_links.py --corpus once: each setting's eval loss at the last step over the synchronous run's, one
-    ratio per data order measured (the timed runs, then --loss-seeds; runs stopped early left out)."""
+    ratio per data order measured (the timed runs' order, then --loss-seeds' others; runs stopped early left out)."""
     try:
         state = json.loads(ONCE.read_text())
         steps, ref = state["args"]["steps"], "fp32 all-reduce"
-        orders = [{r["name"]: r["evals"][-1][1] for r in state["runs"] if r["evals"][-1][0] == steps}]
-        orders += [{name: evals[str(steps)] for name, evals in by_name.items() if str(steps) in evals}
-                   for by_name in state.get("loss_seeds", {}).values()]
+        orders = {str(state["args"]["seed"]): {r["name"]: r["evals"][-1][1] for r in state["runs"]
+                                               if r["evals"][-1][0] == steps}}
+        for seed, by_name in state.get("loss_seeds", {}).items():  # an order's runs join its timed ones
+            orders[seed] = {**orders.get(seed, {}),
+                            **{name: evals[str(steps)] for name, evals in by_name.items() if str(steps) in evals}}
         out: dict = {}
-        for finals in orders:
+        for finals in orders.values():
             for name, loss in finals.items():
                 if ref in finals:
                     out.setdefault(name, []).append(loss / finals[ref])

@@ -66,13 +66,15 @@ def test_deepspeed_sees_one_replicas_share_of_the_global_batch():
     assert cfg["train_batch_size"] == 8 * 1 * 2  # micro 8 x accumulation 1 x the replica's 2 ranks
 
 
-@pytest.mark.parametrize("dtype,bound", [("bf16", 2 ** -8), ("int8", 1 / 127)])
+@pytest.mark.parametrize("dtype,bound", [("bf16", 2 ** -8), ("int8", 1 / 127), ("int4", 1 / 7)])
 def test_what_is_sent_plus_what_is_carried_is_the_pseudo_gradient(dtype, bound):
     """Error feedback: the decoded payload and the carry add up to what was to be sent, and the payload is
-    within the format's rounding of it (int8: half a step of the block's scale / 127)."""
+    within the format's rounding of it (int8/int4: half a step of the block's scale / 127 or / 7), and equal to
+    the reference loop's own rounding (tests/helpers.py)."""
     import torch
 
     from dstrain.components.diloco import INT8_BLOCK, decode, encode
+    from tests.helpers import _int_round
 
     values = torch.randn(1000) * torch.logspace(-6, 0, 1000)
     payload = encode(values, dtype)
@@ -80,11 +82,13 @@ def test_what_is_sent_plus_what_is_carried_is_the_pseudo_gradient(dtype, bound):
     carry = values - sent
     assert torch.equal(sent + carry, values)
     blocks = torch.nn.functional.pad(values.abs(), (0, -1000 % INT8_BLOCK)).view(-1, INT8_BLOCK).amax(1)
-    worst = (carry.abs() / blocks.repeat_interleave(INT8_BLOCK)[:1000]).max() if dtype == "int8" else \
+    worst = (carry.abs() / blocks.repeat_interleave(INT8_BLOCK)[:1000]).max() if dtype != "bf16" else \
         (carry.abs() / values.abs()).max()
-    assert 0 < worst <= bound
+    assert 0 < worst <= bound / 2 if dtype != "bf16" else 0 < worst <= bound
+    if dtype != "bf16":
+        assert torch.allclose(sent, _int_round(values, round(1 / bound)), rtol=0, atol=1e-7 * float(blocks.max()))
     sizes = sum(t.numel() * t.element_size() for t in payload)
-    assert sizes == (2000 if dtype == "bf16" else 1024 + 8 * 4)
+    assert sizes == {"bf16": 2000, "int8": 1024 + 8 * 4, "int4": 512 + 8 * 4}[dtype]
 
 
 def _diloco_checkpoint(tmp_path, world=2, replicas=2, global_batch=24):

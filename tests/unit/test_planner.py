@@ -310,8 +310,8 @@ def test_diloco_ranks_first_across_a_slow_link_and_shows_its_measured_price(tiny
     row, steps = "DiLoCo H=50 int8, outer lr 1, no momentum", once["args"]["steps"]
     last = {r["name"]: r["evals"][-1][1] for r in once["runs"] if r["evals"][-1][0] == steps}
     gaps = [last[row] / last["fp32 all-reduce"]] + [o[row][str(steps)] / o["fp32 all-reduce"][str(steps)]
-                                                    for o in once["loss_seeds"].values()]
-    assert len(gaps) >= 2 and avg.price == pytest.approx(statistics.mean(gaps) - 1) and avg.price > 0
+                                                    for o in once["loss_seeds"].values() if row in o]
+    assert len(gaps) >= 3 and avg.price == pytest.approx(statistics.mean(gaps) - 1)
     finals = json.loads(cost.BENCH.read_text())["by_seed"].values()
     assert statistics.mean(f[row] / f["fp32 all-reduce"] for f in finals) - 1 < 0  # what the tiny corpus said
     assert preds[("zero1_diloco10", 4)].price == pytest.approx(last["DiLoCo H=10"] / last["fp32 all-reduce"] - 1)
