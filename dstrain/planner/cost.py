@@ -49,8 +49,10 @@ ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_o
 COMPRESSED = (("zero0.json", "powersgd"), ("zero1.json", "powersgd"), ("zero1.json", "sign"), ("zero0.json", "topk"),
               ("zero1.json", "topk"))
 # DiLoCo (H, pseudo-gradient dtype, outer (lr, momentum) or None for the recipe's) on these configs, one replica per
-# node: the settings bench/compression.py measured (the last: plain averaging, measured best for short runs)
-DILOCO = ((10, "fp32", None), (50, "fp32", None), (50, "bf16", None), (50, "int8", (1.0, 0.0)))
+# node: the settings bench/compression.py and bench/slow_links.py measured (the last two: plain averaging, measured
+# best for short runs; H=25 int4 sends what H=50 int8 does, twice as often)
+DILOCO = ((10, "fp32", None), (50, "fp32", None), (50, "bf16", None), (50, "int8", (1.0, 0.0)),
+          (25, "int4", (1.0, 0.0)))
 DILOCO_CONFIGS = ("zero1.json", "zero2.json")
 
 
@@ -568,7 +570,8 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
         outer = candidate.diloco_outer or (recipe.diloco.outer_lr, recipe.diloco.outer_momentum)
         row = {(10, "fp32", (0.7, 0.9)): "DiLoCo H=10", (50, "fp32", (0.7, 0.9)): "DiLoCo H=50",
                (50, "bf16", (0.7, 0.9)): "DiLoCo H=50 bf16",
-               (50, "int8", (1.0, 0.0)): "DiLoCo H=50 int8, outer lr 1, no momentum"}.get(
+               (50, "int8", (1.0, 0.0)): "DiLoCo H=50 int8, outer lr 1, no momentum",
+               (25, "int4", (1.0, 0.0)): "DiLoCo H=25 int4, outer lr 1, no momentum"}.get(
             (candidate.diloco_every, candidate.diloco_dtype, tuple(float(x) for x in outer)))
     once = _once_ratios().get(row)
     if once:

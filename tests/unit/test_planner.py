@@ -284,7 +284,8 @@ def test_diloco_ranks_first_across_a_slow_link_and_shows_its_measured_price(tiny
     work = cost.workload(recipe, raw, 4, config)
     assert not [c for c in cost.candidates(recipe, raw, 4, config) if c.diloco_every]  # one node: no replicas
     found = [c for c in cost.candidates(recipe, raw, 4, config, ranks_per_node=2) if not c.checkpointing]
-    assert {"zero1_diloco10", "zero2_diloco50", "zero1_diloco50_bf16", "zero2_diloco50_int8_avg"} <= \
+    assert {"zero1_diloco10", "zero2_diloco50", "zero1_diloco50_bf16", "zero2_diloco50_int8_avg",
+            "zero2_diloco25_int4_avg"} <= \
         {c.name for c in found}
 
     def curve(op, ranks, busbw):
@@ -312,6 +313,11 @@ def test_diloco_ranks_first_across_a_slow_link_and_shows_its_measured_price(tiny
     gaps = [last[row] / last["fp32 all-reduce"]] + [o[row][str(steps)] / o["fp32 all-reduce"][str(steps)]
                                                     for o in once["loss_seeds"].values() if row in o]
     assert len(gaps) >= 3 and avg.price == pytest.approx(statistics.mean(gaps) - 1)
+    int4 = "DiLoCo H=25 int4, outer lr 1, no momentum"  # its orders' runs are all --methods runs (loss_seeds)
+    refs = {seed: o["fp32 all-reduce"][str(steps)] for seed, o in once["loss_seeds"].items() if "fp32 all-reduce" in o}
+    refs[str(once["args"]["seed"])] = last["fp32 all-reduce"]
+    gaps = [o[int4][str(steps)] / refs[seed] for seed, o in once["loss_seeds"].items() if int4 in o]
+    assert len(gaps) >= 3 and preds[("zero2_diloco25_int4_avg", 4)].price == pytest.approx(statistics.mean(gaps) - 1)
     finals = json.loads(cost.BENCH.read_text())["by_seed"].values()
     assert statistics.mean(f[row] / f["fp32 all-reduce"] for f in finals) - 1 < 0  # what the tiny corpus said
     assert preds[("zero1_diloco10", 4)].price == pytest.approx(last["DiLoCo H=10"] / last["fp32 all-reduce"] - 1)
