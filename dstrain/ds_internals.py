@@ -267,10 +267,13 @@ def build_turn(build_dir: Path) -> Iterator[Path | None]:
     build_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(build_dir.parent / f".{build_dir.name}.dstrain-turn", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # other ranks of this node wait here while one builds, as on torch's file
-        lock = build_dir / "lock"
-        stale = None
-        if lock.exists():
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # other ranks of this node wait here while one builds, as on torch's file
+            locked = True
+        except OSError:  # a file system without locks (NFS mounted nolock: ENOLCK): torch's own protocol alone
+            locked = False
+        lock, stale = build_dir / "lock", None
+        if locked and lock.exists():
             lock.unlink(missing_ok=True)
             stale = lock
         yield stale

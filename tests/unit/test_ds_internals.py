@@ -311,6 +311,23 @@ def test_a_build_lock_left_by_a_killed_process_is_removed_not_waited_for(tmp_pat
         child.wait()
 
 
+def test_a_build_turn_without_file_locks_leaves_torchs_lock_alone(tmp_path, monkeypatch):
+    """Where the file system has no locks (NFS mounted nolock: flock fails with ENOLCK) no lock file can be told a
+    dead process's: the turn says nothing and removes nothing, and torch's own protocol applies, as before."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    (tmp_path / "op").mkdir()
+    (tmp_path / "op" / "lock").write_text("")
+    with ds_internals.build_turn(tmp_path / "op") as stale:
+        assert stale is None
+    assert (tmp_path / "op" / "lock").exists()
+
+
 def test_cuda_arch_suffixes_are_dropped_for_jit_builds(monkeypatch):
     """The H200 image sets TORCH_CUDA_ARCH_LIST=9.0a: DeepSpeed's CUDA op builders parse entries as digits, and
     every run with FusedAdam (any GPU run with a shipped config) or ZeRO++'s quantizer failed at start with
