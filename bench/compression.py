@@ -49,7 +49,8 @@ SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "Powe
          "diloco50m7": "DiLoCo H=50 bf16, outer lr 0.7, momentum 0.5",
          "diloco25int8avg": "DiLoCo H=25 int8, outer lr 1, no momentum",
          "diloco50int8avg": "DiLoCo H=50 int8, outer lr 1, no momentum",
-         "diloco25int4avg": "DiLoCo H=25 int4, outer lr 1, no momentum"}
+         "diloco25int4avg": "DiLoCo H=25 int4, outer lr 1, no momentum",
+         "diloco50int4avg": "DiLoCo H=50 int4, outer lr 1, no momentum"}
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
@@ -75,6 +76,8 @@ METHODS = {  # name: train.py arguments on top of zero0.json
     "DiLoCo H=50 int8, outer lr 1, no momentum": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=int8",
                                                   "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
     "DiLoCo H=25 int4, outer lr 1, no momentum": ["--diloco.every=25", "--diloco.replicas=2", "--diloco.dtype=int4",
+                                                  "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
+    "DiLoCo H=50 int4, outer lr 1, no momentum": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=int4",
                                                   "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
 }
 
