@@ -236,7 +236,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
                              metrics.message)  # checkpoint.every=auto, once the first save's stall is known
         if ckpt.due(step, last):
-            ckpt.save(engine, step, saved(step), wait=False, say=metrics.message)
+            ckpt.save(engine, step, saved(step), wait=step == last, say=metrics.message)  # the last: no copy
             watchdog.progress()
         if stop.agreed(step, engine.device):
             last = step

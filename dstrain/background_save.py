@@ -43,6 +43,40 @@ def _new_storage(nbytes: int, pinned: bool):
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
 
 
+class HostPages:
+    """Page-locked host buffers of exactly the size asked, for the copies off a GPU.
+
+    Written by hand because PyTorch's pinned allocator (pin_memory=True) rounds every block up to a power of two
+    and caches it: gpu-1b's copy, four flat buffers of 17.3 GB together, took 28.0 GiB of host memory on an H200
+    and on an H100 (docs/benchmarks.md). Here the buffer is ordinary host memory, allocated at its size, and
+    registered with CUDA (cudaHostRegister, which PyTorch's allocator itself uses under
+    PYTORCH_ALLOC_CONF=pinned_use_cuda_host_register) so that the copies into it are asynchronous DMA. A registered
+    buffer must be unregistered before its memory is freed: this object holds every buffer it registered until
+    release(), which unregisters it first. Where registration fails, the buffer stays pageable (the copy into it
+    is then synchronous, the bytes the same)."""
+
+    def __init__(self, register=None, unregister=None) -> None:
+        if register is None:
+            cudart = torch.cuda.cudart()
+            register = lambda ptr, n: int(cudart.cudaHostRegister(ptr, n, 0)) == 0  # noqa: E731
+            unregister = lambda ptr: cudart.cudaHostUnregister(ptr)  # noqa: E731
+        self.register, self.unregister = register, unregister
+        self.held: dict[int, object] = {}  # data_ptr -> storage, registered
+
+    def new(self, nbytes: int):
+        storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        if nbytes and self.register(storage.data_ptr(), nbytes):
+            self.held[storage.data_ptr()] = storage
+        return storage
+
+    def release(self, storage) -> None:
+        """storage is no longer needed: unregistered while this object still keeps its memory alive."""
+        held = self.held.pop(storage.data_ptr(), None)
+        if held is not None:
+            self.unregister(storage.data_ptr())
+        del held  # the memory may be freed from here on
+
+
 def host_copy(obj, memo: dict | None = None, alloc=_new_storage, later: list | None = None):
     """A copy of obj whose tensors live in host memory and share nothing with the training state (which the next
     optimizer step changes in place). Views keep sharing: each storage is copied once and the views rebuilt on
@@ -100,8 +134,9 @@ class Writer:
     (400 MB: 0.39-3.2 s into new memory, 0.09-0.11 s into memory used before, measured here), so a save's stall
     falls to the copy itself from the second save on. The price: that host memory stays taken between saves."""
 
-    def __init__(self, rank: int, record) -> None:
+    def __init__(self, rank: int, record, pages: HostPages | None = None) -> None:
         self.rank, self.record = rank, record  # record(path) -> {"size", "crc32"} (checkpoint._file_record)
+        self.pages = pages  # for the copies off a GPU; made at the first one
         self.items: queue.Queue = queue.Queue()
         self.job: Job | None = None
         self.spare: dict[tuple[int, bool], list] = {}  # (nbytes, pinned) -> host storages of the last written save
@@ -133,7 +168,10 @@ class Writer:
         with self.lock:
             spare = self.spare.get((nbytes, pinned))
             storage = spare.pop() if spare else None
-        storage = storage if storage is not None else _new_storage(nbytes, pinned)
+        if storage is None and pinned:
+            self.pages = self.pages or HostPages()
+            storage = self.pages.new(nbytes)
+        storage = storage if storage is not None else _new_storage(nbytes, False)
         self.job.storages.append((nbytes, pinned, storage))
         return storage
 
@@ -185,10 +223,14 @@ class Writer:
             job, obj, path = self.items.get()
             if obj is _SEAL:
                 with self.lock:  # the next save reuses these buffers; the last save's unused ones are let go
+                    unused = [storage for group in self.spare.values() for storage in group]
                     self.spare = {}
                     for nbytes, pinned, storage in job.storages:
                         self.spare.setdefault((nbytes, pinned), []).append(storage)
                     job.storages = []
+                for storage in unused:
+                    if self.pages is not None:
+                        self.pages.release(storage)
                 job.done.set()
                 continue
             if job.error is not None:  # an earlier file failed: the checkpoint is lost, skip the rest

@@ -208,9 +208,11 @@ class Checkpointer:
     def save(self, engine, step: int, client_state: dict, wait: bool = True,
              say: Callable[[str], None] | None = None) -> Path:
         """Save step's state as checkpoints/step_N. In the background (checkpoint.background) with wait=False,
-        return once the state is copied off the device; poll() publishes it later. A failed save raises
-        SaveError; a failed background save is reported through say and the next save tries again, unless
-        wait=True (the last save of a run), which raises."""
+        return once the state is copied off the device; poll() publishes it later. wait=True (the last save of a
+        run) writes before it returns, without a host copy: nothing would run while the copy is written, and the
+        copy would take host memory the size of the state (28 GiB for a 1.24B model on one GPU, with PyTorch's
+        pinned allocator) in a run that had none taken before. A failed save raises SaveError; a failed
+        background save is reported through say and the next save tries again."""
         final = self.root / tag_for(step)
         if self.in_flight is not None and self.in_flight.step == step:  # saved at the step, now waited for
             self.finish(step, say, last=wait)
@@ -225,15 +227,13 @@ class Checkpointer:
                 self.root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
             barrier()
-            if self.writer is not None:
+            if self.writer is not None and not wait:
                 self.in_flight = _InFlight(step, tmp, final, client_state, self.writer.begin(step, tmp))
                 with ds_internals.using_checkpoint_engine(engine, self.host_engine):
                     self._write(engine, step, tmp, client_state, self.writer.put)
                 self.writer.seal()
                 self.stalls.append(time.perf_counter() - began)
                 self.stall_final = False
-                if wait:
-                    self.finish(step, say, last=True)
                 return final
             self._write(engine, step, tmp, client_state, torch.save)
             os.sync()  # this node's shards reach the disk before any rank lists them as complete
@@ -399,24 +399,20 @@ def _duration(seconds: float) -> str:
 
 # ----------------------------------------------------------------------------- background or not
 
-def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None,
-                          pinned: bool = False) -> int:
+def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None) -> int:
     """Host memory a background checkpoint takes on the rank that writes the most (dstrain/background_save.py),
     kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
     Adam moments (12 bytes a trained parameter, three flat buffers) and, on data-parallel rank 0 of ZeRO-0/1/2,
     the module's trained weights whole (one flat buffer; ZeRO-3 writes its weights inside the optimizer shares).
-    pinned (GPU hosts): PyTorch's pinned host allocator hands out blocks of a power of two, so each buffer takes
-    its size rounded up: 28.0 GiB instead of 17.3 GB for gpu-1b's 1.24B on one GPU, which is what the host's peak
-    RSS showed on an H200 and an H100 (30,825 and 30,850 MiB with the process's own, docs/benchmarks.md)."""
+    On GPU hosts the buffers are page-locked at their own size (background_save.HostPages), not by PyTorch's
+    pinned allocator, which rounds each up to a power of two (28.0 GiB for gpu-1b's 17.3 GB)."""
     from .ds_config import precision, zero_stage
 
     stage, sixteen_bit = zero_stage(ds_cfg), precision(ds_cfg) != "fp32"
     split = layout.pipeline_stages * layout.tensor_parallel
     share = layout.zero_shards if stage >= 1 or sixteen_bit else 1
     trained = trained or parameters
-    buffers = [4 * trained // (split * share)] * 3 + ([(2 if sixteen_bit else 4) * trained // split]
-                                                      if stage < 3 else [])
-    return sum(1 << (n - 1).bit_length() if pinned and n > 1 else n for n in buffers)
+    return 3 * (4 * trained // (split * share)) + ((2 if sixteen_bit else 4) * trained // split if stage < 3 else 0)
 
 
 def uses_nvme(ds_cfg: dict) -> bool:
@@ -447,7 +443,7 @@ def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, par
         return False, "checkpoints: written before the step goes on (NVMe offload: DeepSpeed copies its swap files)"
     import psutil
 
-    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained, pinned=torch.cuda.is_available())
+    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained)
     free = psutil.virtual_memory().available // max(1, ranks_per_node)
     size = f"a {copy / 2**20:,.0f} MiB host copy per rank"
     if cfg.background == "auto" and copy > free // 2:

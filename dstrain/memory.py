@@ -274,9 +274,10 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
     from .checkpoint import background_saves, checkpoint_copy_bytes
     if background_saves(recipe.checkpoint, resolved):
-        copy = checkpoint_copy_bytes(resolved, layout, parameters, trained, pinned=caps.name == "cuda")
+        copy = checkpoint_copy_bytes(resolved, layout, parameters, trained)
+        locked = ", page-locked" if caps.name == "cuda" else ""
         text += (f"\nhost memory for background checkpoints (checkpoint.background): up to {copy / GiB:,.1f} GiB a "
-                 f"rank, {copy * ranks_per_node / GiB:,.1f} GiB per node{', pinned' if caps.name == 'cuda' else ''}, "
+                 f"rank, {copy * ranks_per_node / GiB:,.1f} GiB per node{locked}, "
                  f"kept between saves (checkpoint.background=false saves without it, the step waiting for the write)")
     longest = longest_seq_len(config, parameters, recipe, resolved, layout, trained, quantized or 0, capacity)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)

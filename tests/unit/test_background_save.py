@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dstrain import checkpoint
-from dstrain.background_save import Writer, host_copy
+from dstrain.background_save import HostPages, Writer, host_copy
 from dstrain.config import CheckpointConfig
 from dstrain.errors import UserError
 from dstrain.layout import Layout
@@ -63,6 +63,34 @@ def test_the_next_save_reuses_the_host_buffers_and_writes_its_own_values(tmp_pat
         saved = torch.load(tmp_path / f"s{step}.pt")
         assert saved["w"].tolist() == [value] * 1000 and saved["m"].tolist() == [value] * 10
     assert [len(u) for u in used] == [1, 1, 1]  # one storage copied once per save (the view shares it)
+
+
+def test_page_locked_buffers_have_their_own_size_and_are_unregistered_before_they_are_let_go(tmp_path):
+    """Copies off a GPU go to page-locked host buffers of exactly their size (PyTorch's pinned allocator rounds up
+    to a power of two: 28.0 GiB for 17.3 GB on gpu-1b). A buffer the next save does not reuse is unregistered
+    while the writer still holds it: memory freed while registered stays locked, and its address range cannot be
+    registered again. cudaHostRegister itself is exercised on a GPU (tests/gpu/test_background_save_gpu.py)."""
+    calls = []
+    pages = HostPages(register=lambda ptr, n: calls.append(("register", ptr, n)) or True,
+                      unregister=lambda ptr: calls.append(("unregister", ptr)))
+    writer = Writer(0, checkpoint._file_record, pages)
+    job = writer.begin(4, tmp_path)
+    big, small = writer._alloc(3_000_001, True), writer._alloc(5_000, True)
+    plain = writer._alloc(7, False)  # a copy of host memory: never registered
+    writer.seal()
+    assert job.done.wait(30) and job.error is None
+    assert calls == [("register", big.data_ptr(), 3_000_001), ("register", small.data_ptr(), 5_000)]
+    assert big.nbytes() == 3_000_001 and plain.data_ptr() not in pages.held
+    job = writer.begin(8, tmp_path)
+    assert writer._alloc(3_000_001, True) is big  # reused: not registered again
+    writer.seal()
+    assert job.done.wait(30)
+    assert calls[2:] == [("unregister", small.data_ptr())]  # the unused one, once
+    assert list(pages.held) == [big.data_ptr()]
+    refused = HostPages(register=lambda ptr, n: False, unregister=lambda ptr: pytest.fail("never registered"))
+    storage = refused.new(100)  # registration failed: pageable memory, the copy into it synchronous
+    assert storage.nbytes() == 100 and not refused.held
+    refused.release(storage)
 
 
 NVME = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}

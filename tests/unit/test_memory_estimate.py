@@ -1,5 +1,4 @@
 """Preflight arithmetic on an 8B-shaped Llama (built on the meta device, nothing downloaded)."""
-import math
 import re
 
 import pytest
@@ -166,22 +165,21 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
 def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
     """The host copy a background save keeps per rank: 12 bytes a parameter of the optimizer share, plus the
     16-bit weights whole on rank 0 under ZeRO-1/2 (14 bytes a parameter); none of it with NVMe offload or
-    checkpoint.background=false. On GPU hosts the copy is pinned, and PyTorch's pinned allocator rounds each
-    buffer up to a power of two: for gpu-1b's 1.24B on one GPU 28.0 GiB, not 17.3 GB. The host's peak RSS was
-    30,825 MiB on an H200 and 30,850 MiB on an H100 (docs/benchmarks.md), which 17.3 GB did not explain."""
+    checkpoint.background=false. On GPU hosts the copy is page-locked at its own size (background_save.HostPages):
+    PyTorch's pinned allocator, used before 2026-11-28, rounded each buffer up to a power of two, 28.0 GiB for
+    gpu-1b's 1.24B on one GPU, which the preflight did not say (30.8 GB peak RSS on an H200 and an H100)."""
     monkeypatch.setattr(memory, "device_memory", lambda name, ranks: (80 * GiB, "H100 80GB"))
     r = recipe(llama8b)
     cfg = dsc.resolve(dsc.load("zero2.json"), r, 1, GPU, hidden_size=4096)
     one = Layout.from_ds_config(cfg, 1)
     assert checkpoint.checkpoint_copy_bytes(cfg, one, 1_240_000_000) == 14 * 1_240_000_000
-    assert checkpoint.checkpoint_copy_bytes(cfg, one, 1_240_000_000, pinned=True) == 3 * 2**33 + 2**32  # 28 GiB
     cfg = dsc.resolve(dsc.load("zero3.json"), r, 32, GPU, hidden_size=4096)
     assert checkpoint.checkpoint_copy_bytes(cfg, Layout.from_ds_config(cfg, 32), 32 * 10**9) == 12 * 10**9
     text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)[1]
     psi = float(re.search(r"preflight: ([\d,.]+)M parameters", text).group(1).replace(",", "")) * 1e6
     line = next(line for line in text.splitlines() if "background checkpoints" in line)
-    per_rank = 3 * 2 ** math.ceil(math.log2(4 * psi / 32))  # the three fp32 buffers of a rank's share, pinned
-    assert f"up to {per_rank / GiB:,.1f} GiB a rank, {8 * per_rank / GiB:,.1f} GiB per node, pinned" in line
+    per_rank = 12 * psi / 32  # the three fp32 buffers of a rank's share, exactly
+    assert f"up to {per_rank / GiB:,.1f} GiB a rank, {8 * per_rank / GiB:,.1f} GiB per node, page-locked" in line
     off = recipe(llama8b, "--checkpoint.background=false")
     assert "background checkpoints" not in memory.preflight(off, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)[1]
     assert "background checkpoints" not in memory.preflight(r, dsc.load("zero3_nvme.json"), "zero3_nvme.json", 32,
