@@ -166,7 +166,7 @@ def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
     """The host copy a background save keeps per rank: 12 bytes a parameter of the optimizer share, plus the
     16-bit weights whole on rank 0 under ZeRO-1/2 (14 bytes a parameter); none of it with NVMe offload or
     checkpoint.background=false. On GPU hosts the copy is page-locked at its own size (background_save.HostPages):
-    PyTorch's pinned allocator, used before 2026-11-28, rounded each buffer up to a power of two, 28.0 GiB for
+    PyTorch's pinned allocator, used before 2026-11-27 (e5c2e33), rounded each buffer up to a power of two, 28.0 GiB for
     gpu-1b's 1.24B on one GPU, which the preflight did not say (30.8 GB peak RSS on an H200 and an H100)."""
     monkeypatch.setattr(memory, "device_memory", lambda name, ranks: (80 * GiB, "H100 80GB"))
     r = recipe(llama8b)
