@@ -50,7 +50,8 @@ SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "Powe
          "diloco25int8avg": "DiLoCo H=25 int8, outer lr 1, no momentum",
          "diloco50int8avg": "DiLoCo H=50 int8, outer lr 1, no momentum",
          "diloco25int4avg": "DiLoCo H=25 int4, outer lr 1, no momentum",
-         "diloco50int4avg": "DiLoCo H=50 int4, outer lr 1, no momentum"}
+         "diloco50int4avg": "DiLoCo H=50 int4, outer lr 1, no momentum",
+         "diloco25int4avgw8": "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)"}
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
@@ -79,6 +80,11 @@ METHODS = {  # name: train.py arguments on top of zero0.json
                                                   "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
     "DiLoCo H=50 int4, outer lr 1, no momentum": ["--diloco.every=50", "--diloco.replicas=2", "--diloco.dtype=int4",
                                                   "--diloco.outer_lr=1", "--diloco.outer_momentum=0"],
+    # a synchronous-like start: the replicas' weights averaged after each of the first 8 steps, sent in bf16
+    # (diloco.warmup_wire; in int4 they cost H = 25 int4 6 points at step 300 on order 42, docs/benchmarks.md)
+    "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)": [
+        "--diloco.every=25", "--diloco.replicas=2", "--diloco.dtype=int4", "--diloco.outer_lr=1",
+        "--diloco.outer_momentum=0", "--diloco.warmup_steps=8"],
 }
 
 

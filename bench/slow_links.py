@@ -348,17 +348,28 @@ def report(state: dict) -> str:
                         per[step].append(gap)
                         cell.append(f"{gap:+.1%}")
                     row.append(", ".join(cell))
-                text += (f"| {name} | {fewer_bytes(name):.0f}x | " + " | ".join(row) + " | " +
+                text += (f"| {name} | {_fewer_cell(name, a)} | " + " | ".join(row) + " | " +
                          " | ".join(f"**{sum(v) / len(v):+.2%}** ({len(v)})" if v else "" for v in per.values()) +
                          " |\n")
     return text
 
 
-def fewer_bytes(name: str) -> float:
-    """How many times fewer bytes than fp32 a DiLoCo setting sends, from its H and its wire type."""
-    from dstrain.components.diloco import WIRE_BYTES
+def fewer_bytes(name: str, steps: int, ends: bool = True) -> float:
+    """How many times fewer bytes than fp32 a DiLoCo setting sends over its first `steps` steps, from its H, its
+    averaged first steps (diloco.warmup_steps) and its wire type; ends: the run ends at `steps` (a last sync)."""
+    from dstrain.components.diloco import WIRE_BYTES, warmup_wire
     flags = dict(f.removeprefix("--").split("=", 1) for f in (OWN.get(name) or METHODS[name]))
-    return int(flags["diloco.every"]) * 4 / WIRE_BYTES[flags.get("diloco.dtype", "fp32")]
+    every, first = int(flags["diloco.every"]), int(flags.get("diloco.warmup_steps", 0))
+    dtype = flags.get("diloco.dtype", "fp32")
+    sent = sum(WIRE_BYTES[warmup_wire(dtype)] if s <= first else WIRE_BYTES[dtype]
+               for s in range(1, steps + 1) if s <= first or s % every == 0 or (ends and s == steps))
+    return steps * 4 / sent
+
+
+def _fewer_cell(name: str, a) -> str:
+    """The bytes column: over the run, and over the first target_step steps where that differs."""
+    whole, early = fewer_bytes(name, a.steps), fewer_bytes(name, a.target_step, ends=False)
+    return f"{whole:.0f}x" + (f" ({early:.0f}x to step {a.target_step})" if abs(early - whole) / whole > 0.05 else "")
 
 
 def _gap(loss: float | None, ref: float | None) -> str:

@@ -337,10 +337,14 @@ class DilocoSection:
     # the pseudo-gradients' type on the wire: `fp32`; `bf16` (half the bytes), `int8` or `int4` (a scale per 128
     # elements: 3.9x or 7.5x fewer); the rounding is carried to the next sync (error feedback)
     dtype: str = "fp32"
+    # the run's first N steps sync after every step, by plain averaging (the outer step and its momentum start
+    # after them; bf16 on the wire where dtype is int8/int4): a synchronous-like start for a model trained from
+    # scratch; each costs one sync's bytes
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         _one_of("diloco.dtype", self.dtype, ("fp32", "bf16", "int8", "int4"))
-        for key in ("every", "replicas"):
+        for key in ("every", "replicas", "warmup_steps"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise UserError(f"diloco.{key}={value!r} must be a non-negative integer (diloco.every=0: off)")

@@ -409,7 +409,7 @@ def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config:
 def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                             weight_decay: float, world: int, replicas: int, micro: int, every: int, outer_lr: float,
                             outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
-                            max_grad_norm=1.0, seed=42, regroups: tuple = ()) -> list[float]:
+                            max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -422,6 +422,9 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     laid end to end in model order. `regroups`, (after_step, world, replicas) each: after that many steps (a sync)
     the ranks form that many replicas of the same size; copy k goes on as copy k mod (replicas before) left it
     (its weights and AdamW state; a copy past the new count is dropped), the carried rounding starts from zero.
+    `averaged_first` (diloco.warmup_steps): after each of that many first steps the shared weights become the
+    copies' average (the pseudo-gradients rounded to bf16 where dtype is int8/int4, subtracted whole), the outer
+    SGD untouched.
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -477,23 +480,29 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
             tokens = int((target != -100).sum())
             total, count = total + loss.item() * tokens, count + tokens
         losses.append(total / count)
-        if (step + 1) % every == 0 or step + 1 == steps:
+        averaged = step + 1 <= averaged_first
+        if averaged or (step + 1) % every == 0 or step + 1 == steps:
             with torch.no_grad():
                 params = list(shared.parameters())
                 deltas = []
                 for k, model in enumerate(copies):
                     delta = torch.cat([(p - q).reshape(-1) for p, q in zip(params, model.parameters())])
-                    if dtype != "fp32":
+                    wire = "bf16" if averaged and dtype in ("int8", "int4") else dtype
+                    if wire != "fp32":
                         delta = delta + carry[k]
-                        sent = delta.to(torch.bfloat16).float() if dtype == "bf16" else \
-                            _int_round(delta, 127 if dtype == "int8" else 7)
+                        sent = delta.to(torch.bfloat16).float() if wire == "bf16" else \
+                            _int_round(delta, 127 if wire == "int8" else 7)
                         carry[k] = delta - sent
                         delta = sent
                     deltas.append(delta)
                 mean = sum(deltas) / replicas
                 for p, g in zip(params, torch.split(mean, [p.numel() for p in params])):
-                    p.grad = g.view_as(p).clone()
-            outer.step()
+                    if averaged:
+                        p.sub_(g.view_as(p))
+                    else:
+                        p.grad = g.view_as(p).clone()
+            if not averaged:
+                outer.step()
             for model in copies:
                 model.load_state_dict(shared.state_dict())
         if step + 1 in regroup_at:

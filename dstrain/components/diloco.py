@@ -8,7 +8,10 @@ gradient clipping stay inside it, and every replica keeps its own inner optimize
 `diloco.every` (H) optimizer steps, and at the run's last step, each replica's pseudo-gradient (the shared weights
 of the last sync minus its own weights now) is averaged over the replicas, and an outer SGD with Nesterov momentum
 moves the shared weights by it; every replica continues from them. Bytes across replicas: one model's worth per
-H steps instead of one per step.
+H steps instead of one per step. With `diloco.warmup_steps` W, the first W steps each end with a sync that
+averages the replicas' weights (outer lr 1, no momentum: the outer SGD and its momentum start after them; sent in
+bf16 where the run sends int8/int4, see warmup_wire), which tracks synchronous training while the weights move
+fastest, for W more syncs' bytes.
 
 What a step means: a step still consumes one global batch (micro x accumulation x every data-parallel rank of
 every replica), read in the same order as without DiLoCo, each replica its ranks' shares; each replica's gradient
@@ -65,6 +68,9 @@ class Diloco(Component):
             raise UserError(f"diloco.every={cfg.every} needs at least 2 replicas, but the {layout.world_size} ranks "
                             f"form {layout.replicas} (diloco.replicas=0 makes one per node); set diloco.replicas=N "
                             f"with N dividing the world size, or diloco.every=0")
+        if cfg.warmup_steps >= train.max_steps:
+            raise UserError(f"diloco.warmup_steps={cfg.warmup_steps} is not less than train.max_steps="
+                            f"{train.max_steps}: every step would sync; choose fewer, or diloco.every=1")
         if cfg.every > train.max_steps:
             raise UserError(f"diloco.every={cfg.every} is more than train.max_steps={train.max_steps}: the replicas "
                             f"would never sync; choose diloco.every <= {train.max_steps}")
@@ -104,15 +110,18 @@ class Diloco(Component):
 
     # ---------------------------------------------------------------- the outer step
     def after_step(self, step: int, say: Callable[[str], None]) -> None:
-        if step % self.cfg.every == 0 or step == self.max_steps:
+        if step <= self.cfg.warmup_steps:
+            self.sync(average=True)
+        elif step % self.cfg.every == 0 or step == self.max_steps:
             self.sync()
 
-    def sync(self) -> None:
+    def sync(self, average: bool = False) -> None:
         """Each rank of a replica sends one slice of the pseudo-gradient across the replicas (slice i of S,
         INT8_BLOCK-aligned so that int8/int4's blocks are the whole vector's), and the replica's ranks then share the
         averaged slices over their own link: one model's worth crosses the slow link per replica and sync, not one
         per rank. Memory beside the anchor and momentum (memory.py counts it): one full fp32 vector, reused from the
-        read of the weights to the gathered average, and a few slices."""
+        read of the weights to the gathered average, and a few slices. average: the plain average of the replicas
+        (diloco.warmup_steps), not the outer step; its momentum is left as it is."""
         cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
         size, index, n = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank(), self.anchor.numel()
         chunk = slice_length(n, size)
@@ -120,17 +129,18 @@ class Diloco(Component):
         torch.sub(self.anchor, full[:n], out=full[:n])  # the pseudo-gradient, in place
         pseudo = full[min(n, index * chunk):min(n, (index + 1) * chunk)]
         pseudo = pseudo.clone() if size > 1 else pseudo  # `full` takes the gathered average below
-        if cfg.dtype != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
+        wire = warmup_wire(cfg.dtype) if average else cfg.dtype
+        if wire != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
                 pseudo += self.carry
-            payload = encode(pseudo, cfg.dtype)
-            self.carry = pseudo - decode(payload, cfg.dtype, pseudo.numel())
+            payload = encode(pseudo, wire)
+            self.carry = pseudo - decode(payload, wire, pseudo.numel())
             gathered = [[torch.empty_like(t) for _ in range(replicas)] for t in payload]
             for parts, t in zip(gathered, payload):
                 tdist.all_gather(parts, t, group=unit.across)  # summed in fp32 below, not on the wire
-            pseudo = decode([parts[0] for parts in gathered], cfg.dtype, pseudo.numel())
+            pseudo = decode([parts[0] for parts in gathered], wire, pseudo.numel())
             for k in range(1, replicas):  # one replica's at a time, in replica order
-                pseudo += decode([parts[k] for parts in gathered], cfg.dtype, pseudo.numel())
+                pseudo += decode([parts[k] for parts in gathered], wire, pseudo.numel())
             del gathered
         else:
             tdist.all_reduce(pseudo, group=unit.across)
@@ -141,11 +151,11 @@ class Diloco(Component):
                              torch.nn.functional.pad(pseudo, (0, chunk - pseudo.numel())),
                              group=unit.get_data_parallel_group())
             pseudo = full[:n]
-        mu = cfg.outer_momentum
+        mu = 0.0 if average else cfg.outer_momentum
         if mu > 0:  # torch.optim.SGD's Nesterov: buf = mu buf + g (g itself at first), step g + mu buf
             self.momentum = pseudo.clone() if self.momentum is None else self.momentum.mul_(mu).add_(pseudo)
             pseudo.add_(self.momentum, alpha=mu)
-        self.anchor.add_(pseudo, alpha=-cfg.outer_lr)
+        self.anchor.add_(pseudo, alpha=-(1.0 if average else cfg.outer_lr))
         del full, pseudo
         self._write(self.anchor)
 
@@ -192,7 +202,8 @@ class Diloco(Component):
     # ---------------------------------------------------------------- record
     def describe(self) -> dict:
         return {"every": self.cfg.every, "replicas": self.replicas,
-                "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum, "dtype": self.cfg.dtype}
+                "outer_lr": self.cfg.outer_lr, "outer_momentum": self.cfg.outer_momentum, "dtype": self.cfg.dtype,
+                "warmup_steps": self.cfg.warmup_steps}
 
     def state_dict(self) -> dict:
         return {"anchor": self.anchor, "momentum": self.momentum, "carry": self.carry}
@@ -208,6 +219,14 @@ INT8_BLOCK = 128  # int8/int4: elements sharing one fp32 scale (int8: 1 + 4/128 
 # fp32; int4: 0.5 + 4/128, 7.5x fewer)
 LEVELS = {"int8": 127, "int4": 7}  # codes -LEVELS..LEVELS, the block's largest magnitude at the ends
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK, "int4": 0.5 + 4 / INT8_BLOCK}  # per element sent
+
+
+def warmup_wire(dtype: str) -> str:
+    """The wire type of diloco.warmup_steps' syncs: bf16 where the run sends int8/int4. One step's change of the
+    weights is small against its block's largest, so int4 codes round most of it to zero; the replicas restart from
+    the rounded average each step and the carried remainder arrives steps late (bench/slow_links.py, data order 42:
+    10 averaged int4 steps put H = 25 int4 8.6% above the synchronous run at step 300, against 2.2% without them)."""
+    return "bf16" if dtype in LEVELS else dtype
 
 
 def slice_length(n: int, size: int) -> int:

@@ -25,9 +25,9 @@ def _rows(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-def reference(model_dir, run_dir, world, replicas, every, outer_lr, outer_momentum, dtype="fp32"):
+def reference(model_dir, run_dir, world, replicas, every, outer_lr, outer_momentum, dtype="fp32", averaged_first=0):
     return diloco_reference_losses(model_dir, run_dir, STEPS, LR, WARMUP, MIN_LR, 0.1, world, replicas, MICRO, every,
-                                   outer_lr, outer_momentum, dtype)
+                                   outer_lr, outer_momentum, dtype, averaged_first=averaged_first)
 
 
 def test_h1_two_replicas_of_one_rank_zero2(tmp_path, cache, tiny_llama):
@@ -53,22 +53,26 @@ def test_h3_nesterov_int4_replicas_of_two_ranks_zero3_stopped_and_resumed(tmp_pa
     """4 ranks in 2 replicas of 2 (ZeRO-3 partitions every parameter within a replica: persistence threshold 0),
     H = 3 with the paper's outer Nesterov SGD (lr 0.7, momentum 0.9), pseudo-gradients sent as int4 with a scale
     per 128 elements, two codes to a byte, and the rounding carried (int8 and bf16 take the same path with another
-    codec, each checked against the simulation's rounding in tests/unit; int8 ran here until int4 came).
-    Stopped at step 4 (between syncs: the replicas hold different weights and AdamW states) and
+    codec, each checked against the simulation's rounding in tests/unit; int8 ran here until int4 came). The first
+    2 steps each end with a plain average of the replicas (diloco.warmup_steps=2), the outer step and its momentum
+    starting at step 3. Stopped at step 4 (between syncs: the replicas hold different weights and AdamW states) and
     resumed from that checkpoint: the joined losses are the simulation's, and the export holds the shared weights."""
     run = tmp_path / "run"
     args = COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero3.json", "--output_dir", str(run),
                      "--ds.zero_optimization.stage3_param_persistence_threshold=0", "--diloco.every=3",
-                     "--diloco.replicas=2", "--diloco.dtype=int4", "--checkpoint.export_hf=true"]
+                     "--diloco.replicas=2", "--diloco.dtype=int4", "--diloco.warmup_steps=2",
+                     "--checkpoint.export_hf=true"]
     launch(args + ["--train.exit_at_step=4"], cache, nproc=4)
     assert sorted(p.name for p in (run / "checkpoints" / "step_00000004").glob("replica_*")) == \
         ["replica_0", "replica_1"]
     proc = launch(args, cache, nproc=4)
     assert "resumed from" in proc.stderr
     got = metrics(run)[0]
-    want = reference(tiny_llama, run, 4, 2, 3, 0.7, 0.9, "int4")
+    want = reference(tiny_llama, run, 4, 2, 3, 0.7, 0.9, "int4", averaged_first=2)
     assert len(got) == STEPS and got[-1] < got[0] - 0.3
     assert got == pytest.approx(want, rel=RTOL)
+    # the bound sees the averaged start: without it (syncs at steps 3, 6 and 8 only) the losses differ
+    assert got != pytest.approx(reference(tiny_llama, run, 4, 2, 3, 0.7, 0.9, "int4", averaged_first=0), rel=RTOL)
     info = json.loads((run / "run_info.json").read_text())
     assert info["components"]["diloco"]["replicas"] == 2
     assert (run / "hf" / "model.safetensors").exists()

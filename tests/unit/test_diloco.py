@@ -27,6 +27,8 @@ def validate(overrides: list[str], ds: str = "zero2.json", world: int = 4, ranks
 
 @pytest.mark.parametrize("overrides,ds,world,message", [
     (["--diloco.every=500"], "zero2.json", 4, "diloco.every=500 is more than train.max_steps=150"),
+    (["--diloco.every=50", "--diloco.warmup_steps=150"], "zero2.json", 4,
+     "diloco.warmup_steps=150 is not less than train.max_steps=150"),
     (["--diloco.every=5", "--diloco.replicas=3"], "zero2.json", 4, "diloco.replicas=3 does not divide the 4"),
     (["--diloco.every=5"], "zero2.json", 2, "needs at least 2 replicas, but the 2 ranks form 1"),
     (["--diloco.every=5", "--compression.method=powersgd"], "zero1.json", 4,
@@ -43,7 +45,7 @@ def test_bad_settings_are_one_line_before_anything_is_built(overrides, ds, world
 
 
 @pytest.mark.parametrize("key,value", [("dtype", "int3"), ("every", "-1"), ("outer_lr", "0"),
-                                       ("outer_momentum", "1")])
+                                       ("outer_momentum", "1"), ("warmup_steps", "-5")])
 def test_bad_values_are_refused_when_the_recipe_loads(key, value):
     with pytest.raises(UserError, match=f"diloco.{key}"):
         load_recipe("tiny/pretrain", parse_overrides([f"--diloco.{key}={value}"]))
