@@ -228,9 +228,8 @@ class Writer:
                     for nbytes, pinned, storage in job.storages:
                         self.spare.setdefault((nbytes, pinned), []).append(storage)
                     job.storages = []
-                for storage in unused:
-                    if self.pages is not None:
-                        self.pages.release(storage)
+                for storage in unused if self.pages is not None else ():
+                    self.pages.release(storage)
                 job.done.set()
                 continue
             if job.error is not None:  # an earlier file failed: the checkpoint is lost, skip the rest

@@ -211,8 +211,8 @@ class Checkpointer:
         return once the state is copied off the device; poll() publishes it later. wait=True (the last save of a
         run) writes before it returns, without a host copy: nothing would run while the copy is written, and the
         copy would take host memory the size of the state (16.2 GiB for a 1.24B model on one GPU) in a run that
-        had none taken before. A failed save raises SaveError; a failed
-        background save is reported through say and the next save tries again."""
+        had none taken before. A failed save raises SaveError; a failed background save is reported through say
+        and the next save tries again."""
         final = self.root / tag_for(step)
         if self.in_flight is not None and self.in_flight.step == step:  # saved at the step, now waited for
             self.finish(step, say, last=wait)
