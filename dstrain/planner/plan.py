@@ -129,16 +129,18 @@ def report_predictions(preds, meas, top: int = 15) -> str:
     fitting = [p for p in preds if p.fits]
     lines = [f"plan: {len(preds)} candidates, {len(fitting)} fit; best first (step = compute + exposed comm + "
              f"update: optimizer, offload copies, compression)",
-             f"  {'#':>3} {'strategy':<26}{'micro x acc':>12}{'AC':>4}{'memory':>10}{'compute':>10}{'comm':>10}"
+             f"  {'#':>3} {'strategy':<28}{'micro x acc':>12}{'AC':>4}{'memory':>10}{'compute':>10}{'comm':>10}"
              f"{'update':>10}{'step':>10}{'tokens/s':>11}{'comm %':>8}{'MB sent':>9}{'eval loss':>10}"]
     for i, p in enumerate(fitting[:top], 1):
         c = p.candidate
-        lines.append(f"  {i:>3} {c.name:<26}{f'{c.micro} x {c.accum}':>12}{'on' if c.checkpointing else '':>4}"
+        lines.append(f"  {i:>3} {c.name:<28}{f'{c.micro} x {c.accum}':>12}{'on' if c.checkpointing else '':>4}"
                      f"{p.memory_bytes / 2**30:>8.2f}Gi{p.compute_s:>9.3f}s{p.exposed_comm_s:>9.3f}s"
                      f"{p.optimizer_s:>9.3f}s{p.step_s:>9.3f}s{p.tokens_per_s:>11,.0f}{p.comm_fraction:>8.0%}"
                      f"{p.comm_bytes / 1e6:>9.1f}{_price(p.price):>10}")
     lines.append("  eval loss: against exact training, measured at 300 steps (bench/compression.py, the tiny recipe, "
-                 "mean over its data orders; ? not measured); DiLoCo: one replica per node")
+                 "mean over its data orders; ? not measured); DiLoCo: one replica per node, its eval loss at 1,000 "
+                 "steps on a corpus seen once (bench/slow_links.py --corpus once) where measured; _wN: N averaged "
+                 "steps first (diloco.warmup_steps)")
     if len(fitting) > top:
         lines.append(f"  ... {len(fitting) - top} more fitting candidates in plan.json")
     refused = {}

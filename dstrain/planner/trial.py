@@ -65,24 +65,32 @@ def trial_overrides(candidate, steps: int = TRIAL_STEPS) -> list[str]:
     """The candidate's recipe overrides, with gradient compression's uncompressed warm-up cut to one step (a
     trial of a few steps would otherwise time the plain all-reduce). DiLoCo syncs at the trial's last step only
     (diloco.every may not exceed the run): the median step times the inner steps, and the prediction's 1/H share
-    of a sync is measured from the last step (measured_step_s)."""
+    of a sync is measured from the last step (measured_step_s). With diloco.warmup_steps the trial averages up to
+    its first timed step (TRIAL_SKIP + 1), whose sync is the averaged steps' (measured_step_s weighs it by their
+    share of the run)."""
     out = candidate.overrides() + (["--compression.warmup_steps=1"] if candidate.compression != "none" else [])
+    if candidate.diloco_warmup:
+        out.append(f"--diloco.warmup_steps={TRIAL_SKIP + 1 if candidate.diloco_every >= steps else 0}")
     return out + ([f"--diloco.every={steps}"] if candidate.diloco_every > steps else [])
 
 
-def measured_step_s(rows: list[dict], diloco_every: int, steps: int) -> float | None:
+def measured_step_s(rows: list[dict], diloco_every: int, steps: int, averaged: float = 0.0) -> float | None:
     """The trial's step time from its metrics rows: the median after TRIAL_SKIP steps. With DiLoCo the last step
-    holds the trial's one sync: the inner steps' median plus 1/H of the sync step's excess over it."""
+    holds the trial's one sync: the inner steps' median plus 1/H of the sync step's excess over it. averaged: the
+    share of the run's steps that diloco.warmup_steps syncs (Prediction.detail's averaged_share); the trial's
+    first timed step is one of them (trial_overrides), and its excess over the median counts in that share."""
     timed = {r["step"]: r["step_s"] for r in rows if r["step"] > TRIAL_SKIP}
     if not diloco_every:
         return statistics.median(timed.values()) if timed else None
     if diloco_every < steps:  # syncs inside the trial: the mean holds them in their share
         return statistics.mean(timed.values()) if timed else None
-    inner = [s for step, s in timed.items() if step < steps]
-    if not inner or steps not in timed:
+    first = TRIAL_SKIP + 1 if averaged else 0
+    inner = [s for step, s in timed.items() if first < step < steps]
+    if not inner or steps not in timed or (averaged and first not in timed):
         return None
     median = statistics.median(inner)
-    return median + max(timed[steps] - median, 0.0) / diloco_every
+    out = median + (1 - averaged) * max(timed[steps] - median, 0.0) / diloco_every
+    return out + (averaged * max(timed[first] - median, 0.0) if averaged else 0.0)
 
 
 def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = TRIAL_STEPS):
@@ -116,7 +124,8 @@ def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = 
         measured = None
         if ctx.is_main:
             rows = [r for r in read_metrics(folder / "run" / "metrics.jsonl") if "step_s" in r]
-            measured = measured_step_s(rows, pred.candidate.diloco_every, steps) if codes.item() == 0 else None
+            measured = measured_step_s(rows, pred.candidate.diloco_every, steps,
+                                       pred.detail.get("averaged_share", 0.0)) if codes.item() == 0 else None
             comm = [r.get("comm_s") for r in rows if r["step"] > TRIAL_SKIP and r.get("comm_s") is not None]
             results.append((pred, measured, statistics.median(comm) if comm else None))
             if measured is None:

@@ -191,6 +191,14 @@ def test_trial_times_diloco_with_its_sync_amortised_over_h():
     assert trial.measured_step_s(rows, 0, 6) == pytest.approx(1.15)
     assert trial.measured_step_s(rows, 3, 6) == pytest.approx((1.0 + 1.2 + 1.1 + 11.1) / 4)
     assert trial.measured_step_s(rows[:5], 50, 6) is None  # the sync step missing: no figure, not a wrong one
+    # diloco.warmup_steps: the trial's first timed step (3) is an averaged step's sync, weighed by their share of
+    # the run (8 of 1,000 steps); the inner steps' median is then steps 4-5's
+    share = 8 / 1000
+    assert trial.measured_step_s(rows, 25, 6, share) == pytest.approx(
+        1.15 + (1 - share) * (11.1 - 1.15) / 25 + share * max(1.0 - 1.15, 0.0))
+    slow = [dict(r, step_s=3.15) if r["step"] == 3 else r for r in rows]
+    assert trial.measured_step_s(slow, 25, 6, share) == pytest.approx(
+        1.15 + (1 - share) * (11.1 - 1.15) / 25 + share * 2.0)
 
 
 def test_trial_command_drops_the_planners_options():
@@ -329,6 +337,49 @@ def test_diloco_ranks_first_across_a_slow_link_and_shows_its_measured_price(tiny
     lined_up = tiny_recipe(*[f for f in flags if f.startswith(("--eval.every", "--checkpoint.every"))])
     assert lined_up.eval.every % 50 == 0 and lined_up.checkpoint.every % 50 == 0
     assert trial.trial_overrides(avg.candidate, 6)[-1] == "--diloco.every=6"
+    assert "--diloco.warmup_steps=0" in flags  # a recipe's own averaged steps do not leak into another setting
+
+
+def test_diloco_with_averaged_steps_first_is_a_candidate_with_their_bytes_and_its_measured_price(tiny):
+    """diloco.warmup_steps=8 (H=25 int4, the setting that met issue 33's loss target): the planner offers it, counts
+    its 8 averaged syncs in bf16 as 8/max_steps of the run's steps and the int4 syncs every 25 steps in the rest, shows
+    the price bench/slow_links.py --corpus once measured for it, and its trial averages up to its first timed step."""
+    import statistics
+
+    from dstrain.components.diloco import INT8_BLOCK, WIRE_BYTES
+    recipe, raw, config, _ = tiny
+    work = cost.workload(recipe, raw, 4, config)
+    found = {c.name: c for c in cost.candidates(recipe, raw, 4, config, ranks_per_node=2)
+             if not c.checkpointing and c.micro == 4}
+    warm, plain = found["zero2_diloco25_int4_avg_w8"], found["zero2_diloco25_int4_avg"]
+    meas = measurements(12.5e6, world=4)
+    meas = Measurements("cpu", "fp32", 4, 2, meas.compute, meas.links, 8 << 30, 16 << 30)
+    p_warm, p_plain = (cost.predict(c, work, meas, recipe, CPU, config.hidden_size) for c in (warm, plain))
+    share = 8 / recipe.train.max_steps
+    chunk = -(-work.parameters // 2 // INT8_BLOCK) * INT8_BLOCK
+    across = [c for c in p_warm.detail["calls"] if c[1] == "across"]
+    assert across == [["all_gather", "across", pytest.approx(2 * chunk * WIRE_BYTES["int4"]), (1 - share) / 25,
+                       "boundary"],
+                      ["all_gather", "across", pytest.approx(2 * chunk * WIRE_BYTES["bf16"]), share, "boundary"]]
+    # sent by each rank: ring all-gather of 2 ranks, half the gathered size, over the steps' shares
+    extra = share * (WIRE_BYTES["bf16"] - WIRE_BYTES["int4"] / 25) * chunk
+    assert p_warm.comm_bytes - p_plain.comm_bytes == pytest.approx(extra + share * (1 - 1 / 25) * 4 * chunk, rel=1e-6)
+    assert p_warm.step_s > p_plain.step_s
+    once = json.loads(cost.ONCE.read_text())
+    row, steps = "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)", once["args"]["steps"]
+    refs = {seed: o["fp32 all-reduce"][str(steps)] for seed, o in once["loss_seeds"].items() if "fp32 all-reduce" in o}
+    refs[str(once["args"]["seed"])] = next(r["evals"][-1][1] for r in once["runs"] if r["name"] == "fp32 all-reduce"
+                                           and not r["shaped"])
+    gaps = [o[row][str(steps)] / refs[seed] for seed, o in once["loss_seeds"].items() if row in o]
+    assert len(gaps) >= 3 and p_warm.price == pytest.approx(statistics.mean(gaps) - 1)
+    assert p_plain.price != p_warm.price
+    flags = warm.overrides()
+    assert {"--diloco.every=25", "--diloco.dtype=int4", "--diloco.warmup_steps=8"} <= set(flags)
+    assert tiny_recipe(*flags).diloco.warmup_steps == 8
+    trial_flags = trial.trial_overrides(warm, 6)
+    assert trial_flags[-2:] == [f"--diloco.warmup_steps={trial.TRIAL_SKIP + 1}", "--diloco.every=6"]
+    short = tiny_recipe(*trial_flags, "--train.max_steps=6")  # the trial's run is a valid one
+    assert (short.diloco.warmup_steps, short.diloco.every) == (trial.TRIAL_SKIP + 1, 6)
 
 
 def test_the_engines_own_cost_counts_with_one_rank_per_replica(tiny):
