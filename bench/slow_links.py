@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import free_port, write_section
+from common import free_port, make_llama, write_section
 from compression import METHODS, SHORT, SlowLink, environment, make_model, train_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,12 +64,21 @@ CONTRAST = {**SHORT, "powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOC
 ONCE_STORIES = 60_000  # ~2.8M tokens: 1,000 steps of 16 x 128 tokens read 0.74 of it
 
 
-def outputs(corpus: str) -> tuple[Path, Path, str, str]:
-    """A corpus's saved results, plot, and docs/benchmarks.md section (its marker and its title)."""
-    if corpus == "tiny":
+# --model: bench/compression.py's ~3M Llama, or one of ~30M (the issue's second size) of the same family
+MODELS = {"3m": None, "30m": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 10,
+                              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}}
+
+
+def outputs(corpus: str, model: str = "3m") -> tuple[Path, Path, str, str]:
+    """A corpus's (and model's) saved results, plot, and docs/benchmarks.md section (its marker and its title)."""
+    if corpus == "tiny" and model == "3m":
         return RESULTS, PLOT, "bench/slow_links.py", "Training across a slow link"
-    return (RESULTS.with_name(f"slow_links_{corpus}_bench.json"), PLOT.with_name(f"slow_links_{corpus}.png"),
-            f"bench/slow_links.py --corpus {corpus}", "Training across a slow link, a corpus seen once")
+    key = corpus if model == "3m" else f"{corpus}_{model}"
+    flags = (f" --corpus {corpus}" if corpus != "tiny" else "") + (f" --model {model}" if model != "3m" else "")
+    title = "Training across a slow link" + (", a corpus seen once" if corpus == "once" else "") + \
+        (f", a ~{model.upper()} model" if model != "3m" else "")
+    return (RESULTS.with_name(f"slow_links_{key}_bench.json"), PLOT.with_name(f"slow_links_{key}.png"),
+            f"bench/slow_links.py{flags}", title)
 
 
 def make_corpus(folder: Path) -> Path:
@@ -164,6 +173,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--corpus", choices=("tiny", "once"), default="tiny",
                         help="data/tiny (repeated ~7 times in 1,000 steps) or a corpus of its kind seen once")
+    parser.add_argument("--model", choices=tuple(MODELS), default="3m",
+                        help="bench/compression.py's ~3M Llama or a ~30M one (hidden 512, 10 layers)")
+    parser.add_argument("--diloco", default="diloco50int8avg",
+                        help="the timed DiLoCo run's setting (a short name, as --add), the one the orders table shows")
     parser.add_argument("--loss-seeds", default="", help="more data orders, eval loss only (comma-separated)")
     parser.add_argument("--contrast", default="powersgd,fp32",
                         help="shaped-link contrast runs: powersgd, fp32, diloco200, none")
@@ -180,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
-    results, plot_path, *section = outputs(args.corpus)
+    results, plot_path, *section = outputs(args.corpus, args.model)
     saved = results if args.write else Path(tempfile.gettempdir()) / f"dstrain-{results.stem}.json"
     state = json.loads(saved.read_text()) if saved.exists() else {}
     if args.report:
@@ -190,25 +203,28 @@ def main() -> None:
                  plot_path)
         return _print(report(state), args.write, *section)
     adding = args.seeds_only or bool(args.add)
-    unknown = [c for c in (args.add + "," + args.methods).split(",") if c and c not in CONTRAST]
+    unknown = [c for c in (args.add + "," + args.methods + "," + args.diloco).split(",") if c and c not in CONTRAST]
     if unknown:
         parser.error(f"--add/--methods {','.join(unknown)}: not one of {', '.join(CONTRAST)}")
     if adding and state.get("args", {}).get("steps") != args.steps:
         parser.error(f"--seeds-only and --add add to saved results of {args.steps} steps; {saved} has none")
     work = Path(tempfile.mkdtemp(prefix="dstrain-slow-links-"))
     try:
-        state["params"] = make_model(work / "model")
+        state["params"] = make_llama(work / "model", **MODELS[args.model]) if MODELS[args.model] else \
+            make_model(work / "model")
         args.data = make_corpus(work / "corpus") if args.corpus == "once" else None
         if not adding:
             state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
-                             "delay": args.delay, "seed": args.seed, "corpus": args.corpus}
+                             "delay": args.delay, "seed": args.seed, "corpus": args.corpus, "model": args.model,
+                             "diloco": CONTRAST[args.diloco]}
+        diloco = state["args"].get("diloco", DILOCO)
         added = [c for c in args.add.split(",") if c]
         if added:
             plan = [(CONTRAST[c], True, args.target_step if c == "fp32" else args.steps) for c in added]
         elif args.seeds_only:
             plan = []
         else:
-            plan = [(REFERENCE, False, args.steps), (DILOCO, True, args.steps)]
+            plan = [(REFERENCE, False, args.steps), (diloco, True, args.steps)]
             contrast = [c for c in args.contrast.split(",") if c and c != "none"]
             if "powersgd" in contrast:
                 plan.append((POWERSGD, True, min(args.steps, args.target_step * 3 // 2 // EVERY * EVERY)))
@@ -230,7 +246,7 @@ def main() -> None:
         methods = [CONTRAST[m] for m in args.methods.split(",") if m]
         for seed in [int(s) for s in args.loss_seeds.split(",") if s]:
             have = set(seeds.get(str(seed), {})) | ({REFERENCE} if seed == state["args"]["seed"] else set())
-            for name in [REFERENCE] * (REFERENCE not in have) + methods if methods else (REFERENCE, DILOCO):
+            for name in [REFERENCE] * (REFERENCE not in have) + methods if methods else (REFERENCE, diloco):
                 r = run_on_link(name, False, args.steps, seed, work / "model", work, args)
                 seeds.setdefault(str(seed), {})[name] = {str(s): loss for s, loss, _ in r["evals"]}
                 print(f"  seed {seed}, {name}: eval loss {r['evals'][-1][1]:.4f}", file=sys.stderr)
@@ -250,7 +266,8 @@ def _print(text: str, write: bool, marker: str, title: str) -> None:
 
 def report(state: dict) -> str:
     a = argparse.Namespace(**state["args"])
-    figure = outputs(state["args"].get("corpus", "tiny"))[1]
+    figure = outputs(state["args"].get("corpus", "tiny"), state["args"].get("model", "3m"))[1]
+    timed = state["args"].get("diloco", DILOCO)  # the timed DiLoCo setting, the orders table's
     runs = state["runs"]
     ref = runs[0]
     targets = (loss_at(ref, a.target_step), loss_at(ref, a.steps))
@@ -258,7 +275,10 @@ def report(state: dict) -> str:
     corpus = ("data/tiny" if state["args"].get("corpus", "tiny") == "tiny" else
               f"a corpus seen once ({ONCE_STORIES:,} stories from data/tiny's generator with another seed, 0.74 of it "
               f"read in 1,000 steps; evaluated on data/tiny/val.jsonl)")
-    text = (f"{state['params'] / 1e6:.2f}M-parameter Llama (bench/compression.py's), {corpus}, ZeRO-0, fp32, "
+    shape = ("bench/compression.py's" if state["args"].get("model", "3m") == "3m" else
+             ", ".join(f"{k.removesuffix('_size').replace('num_', '').replace('_', ' ')} {v}"
+                       for k, v in MODELS[state["args"]["model"]].items()))
+    text = (f"{state['params'] / 1e6:.2f}M-parameter Llama ({shape}), {corpus}, ZeRO-0, fp32, "
             f"micro batch 8 x 128 tokens, {a.steps} steps of the cosine schedule (a run stopped sooner is marked), "
             f"one CPU rank in each of two network namespaces joined by a veth pair (two \"nodes\"); shaped: "
             f"{shaping}; unshaped: the veth's own speed. {platform.machine()}, {os.cpu_count()} cores. Data order seed "
@@ -290,14 +310,14 @@ def report(state: dict) -> str:
     text += f"\nEval loss against wall time: [{figure.name}]({figure.name})\n"
     seeds = state.get("loss_seeds", {})
     if seeds:
-        diloco = next((r for r in runs if r["name"] == DILOCO), None)
+        diloco = next((r for r in runs if r["name"] == timed), None)
         orders = {str(a.seed): {REFERENCE: {str(s): loss for s, loss, _ in ref["evals"]},
-                                DILOCO: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}}}
+                                timed: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}}}
         for seed, by_name in seeds.items():  # --methods' runs of the timed order join its reference
             orders[seed] = {**orders.get(seed, {}), **by_name}
-        others = list(dict.fromkeys(n for by_name in seeds.values() for n in by_name if n not in (REFERENCE, DILOCO)))
+        others = list(dict.fromkeys(n for by_name in seeds.values() for n in by_name if n not in (REFERENCE, timed)))
         orders_all = orders
-        orders = {seed: by_name for seed, by_name in orders.items() if DILOCO in by_name}
+        orders = {seed: by_name for seed, by_name in orders.items() if timed in by_name}
         text += (f"\nEvery data order (train.seed; {a.seed} is the timed runs above, the others ran on the unshaped "
                  f"link for their eval loss only). Time to the synchronous run's step-{a.target_step} loss for the "
                  f"other orders is projected: the step at which each run reaches it (interpolated between "
@@ -311,7 +331,7 @@ def report(state: dict) -> str:
         for seed, by_name in sorted(orders.items(), key=lambda kv: int(kv[0])):
             cells = []
             for step in (a.target_step, a.steps):
-                ref_loss, loss = by_name[REFERENCE].get(str(step)), by_name[DILOCO].get(str(step))
+                ref_loss, loss = by_name[REFERENCE].get(str(step)), by_name[timed].get(str(step))
                 gaps.setdefault(step, []).append(loss / ref_loss - 1)
                 cells.append(f"{ref_loss:.4f} | {loss:.4f} | {loss / ref_loss - 1:+.2%}")
             if seed == str(a.seed) and diloco:
@@ -320,7 +340,7 @@ def report(state: dict) -> str:
             else:
                 target = by_name[REFERENCE][str(a.target_step)]
                 took = time_to([(int(k), v, int(k)) for k, v in  # in steps: the step stands in for the time
-                                sorted(by_name[DILOCO].items(), key=lambda kv: int(kv[0]))], target)
+                                sorted(by_name[timed].items(), key=lambda kv: int(kv[0]))], target)
                 ratio = took * diloco["step_s"] / (a.target_step * ref["step_s"]) if took and diloco else None
                 when = f"{ratio:.2f}x (step {took:.0f}, projected)" if ratio else "not reached"
             ratios.append(ratio)
@@ -335,7 +355,7 @@ def report(state: dict) -> str:
                                                            for seed in sorted(orders_all, key=int)) +
                      f" | mean at {a.target_step} | mean at {a.steps} |\n|---|---|" + "---|" * (len(orders_all) + 2)
                      + "\n")
-            for name in [DILOCO] + others:
+            for name in [timed] + others:
                 row, per = [], {a.target_step: [], a.steps: []}
                 for seed in sorted(orders_all, key=int):
                     by_name = orders_all[seed]
