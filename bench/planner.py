@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -65,7 +66,14 @@ def plan_on_link(model: Path, work: Path, rate: str | None, delay: str, trials: 
     for i, t in enumerate(json.loads((out / "plan" / "trials.json").read_text()), 1):
         metrics = [json.loads(line) for line in (out / "plan" / f"trial-{i}" / "run" / "metrics.jsonl")
                    .read_text().splitlines() if '"step_s"' in line]
-        late = [r for r in metrics if r["step"] > 2]
+        # past the trial's warm-up, and past its averaged step for DiLoCo with averaged steps first (_wN: step 3 syncs
+        # in bf16, trial.trial_overrides): the medians describe the inner steps and the last sync, as for other DiLoCo
+        late = [r for r in metrics if r["step"] > (3 if re.search(r"_w\d+$", t["name"]) else 2)]
+        if not late:  # a failed trial: its log's end, for the report
+            log = (out / "plan" / f"trial-{i}" / "rank0.log").read_text(errors="replace")[-3000:]
+            rows.append(dict(t, comm_bytes=None, comm_fraction=None, error=log))
+            print(f"trial {i} ({t['name']}) failed:\n{log}", file=sys.stderr)
+            continue
         rows.append(dict(t, comm_bytes=statistics.median(r["comm_bytes"] for r in late),
                          comm_fraction=statistics.median(r["comm_fraction"] for r in late)))
     ranked = [(p["name"], p["micro_batch_size"], p["activation_checkpointing"]) for p in plan["predictions"]]
@@ -159,6 +167,11 @@ def report(state: dict) -> str:
         for t in trials:
             m = t["measured_step_s"]
             check = ""
+            if t["comm_bytes"] is None:  # failed: no metrics past the warm-up
+                text += (f"| {t['name']} | {t['micro_batch_size']} x {t['grad_accum_steps']} | "
+                         f"{'on' if t['activation_checkpointing'] else ''} | {t['predicted_step_s']:.3f} s | failed | "
+                         f"- | - | - |" + (" - |" if key == rate else "") + "\n")
+                continue
             if key == rate:
                 expected = t["comm_bytes"] / rate_bytes(rate)
                 t_comm = t["measured_comm_s"]

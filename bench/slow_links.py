@@ -61,6 +61,7 @@ OWN = {DILOCO200: ["--diloco.every=200", "--diloco.replicas=2", "--diloco.dtype=
 CONTRAST = {**SHORT, "powersgd": POWERSGD, "fp32": REFERENCE, "diloco200": DILOCO200}  # --add also takes
 # bench/compression.py's short names (diloco50int8: the paper's outer Nesterov step, topk01, ...)
 
+WARMUP = 20  # compression.warmup_steps: gradient compression's uncompressed first steps
 ONCE_STORIES = 60_000  # ~2.8M tokens: 1,000 steps of 16 x 128 tokens read 0.74 of it
 
 
@@ -97,7 +98,7 @@ def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work
     namespace; its evaluations with their wall time, losses, bytes and step time."""
     out = work / f"run-{len(list(work.glob('run-*')))}"
     every = 200 if name == DILOCO200 else EVERY
-    cmd = train_args(model, out, args.steps, 20, (OWN.get(name) or METHODS[name]) + [f"--train.seed={seed}",
+    cmd = train_args(model, out, args.steps, WARMUP, (OWN.get(name) or METHODS[name]) + [f"--train.seed={seed}",
                                                                                      f"--eval.every={every}"] +
                      ([f"--train.exit_at_step={stop}"] if stop < args.steps else []) +
                      ([f"--data.path={args.data}"] if args.data else []))
@@ -376,9 +377,15 @@ def report(state: dict) -> str:
 
 def fewer_bytes(name: str, steps: int, ends: bool = True) -> float:
     """How many times fewer bytes than fp32 a DiLoCo setting sends over its first `steps` steps, from its H, its
-    averaged first steps (diloco.warmup_steps) and its wire type; ends: the run ends at `steps` (a last sync)."""
+    averaged first steps (diloco.warmup_steps) and its wire type; ends: the run ends at `steps` (a last sync).
+    Gradient compression (TopK, ...): its bytes a step as bench/compression.py counted them on the same 3M model,
+    uncompressed for its first WARMUP steps."""
     from dstrain.components.diloco import WIRE_BYTES, warmup_wire
     flags = dict(f.removeprefix("--").split("=", 1) for f in (OWN.get(name) or METHODS[name]))
+    if "diloco.every" not in flags:
+        counted = json.loads((ROOT / "docs" / "compression_bench.json").read_text())["part1"]
+        plain, ours = counted[REFERENCE]["bytes"], counted[name]
+        return steps * plain / (min(WARMUP, steps) * ours["warmup_bytes"] + max(steps - WARMUP, 0) * ours["bytes"])
     every, first = int(flags["diloco.every"]), int(flags.get("diloco.warmup_steps", 0))
     dtype = flags.get("diloco.dtype", "fp32")
     sent = sum(WIRE_BYTES[warmup_wire(dtype)] if s <= first else WIRE_BYTES[dtype]

@@ -569,12 +569,12 @@ ONCE = BENCH.with_name("slow_links_once_bench.json")
 
 
 def convergence_price(candidate: Candidate, recipe) -> float | None:
-    """What the candidate costs in eval loss, measured: for DiLoCo, bench/slow_links.py --corpus once (a corpus
-    seen once, 1,000 steps: the mean over its data orders of the gap at the last step) where it ran that setting;
-    otherwise bench/compression.py (the tiny recipe, 300 steps, 2 ranks: the mean eval loss over the measured data
-    orders relative to the fp32 all-reduce's, minus 1; for DiLoCo H=50 int8 -8% there, -3.9% seen once). 0.0 for the
-    strategies that compute the same update (ZeRO, offload, tensor and pipeline parallelism); None where not
-    measured (another setting, or no bench results beside the code)."""
+    """What the candidate costs in eval loss, measured: bench/slow_links.py --corpus once (a corpus seen once,
+    1,000 steps: the mean over its data orders of the gap at the last step) where it ran that setting (DiLoCo's,
+    TopK's); otherwise bench/compression.py (the tiny recipe, 300 steps, 2 ranks: the mean eval loss over the
+    measured data orders relative to the fp32 all-reduce's, minus 1; for DiLoCo H=50 int8 -8% there, -3.9% seen
+    once). 0.0 for the strategies that compute the same update (ZeRO, offload, tensor and pipeline parallelism);
+    None where not measured (another setting, or no bench results beside the code)."""
     if candidate.compression == "none" and not candidate.diloco_every:
         return 0.0
     method, fraction = candidate.compression, recipe.compression.topk_fraction

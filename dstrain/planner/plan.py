@@ -138,9 +138,9 @@ def report_predictions(preds, meas, top: int = 15) -> str:
                      f"{p.optimizer_s:>9.3f}s{p.step_s:>9.3f}s{p.tokens_per_s:>11,.0f}{p.comm_fraction:>8.0%}"
                      f"{p.comm_bytes / 1e6:>9.1f}{_price(p.price):>10}")
     lines.append("  eval loss: against exact training, measured at 300 steps (bench/compression.py, the tiny recipe, "
-                 "mean over its data orders; ? not measured); DiLoCo: one replica per node, its eval loss at 1,000 "
-                 "steps on a corpus seen once (bench/slow_links.py --corpus once) where measured; _wN: N averaged "
-                 "steps first (diloco.warmup_steps)")
+                 "mean over its data orders; ? not measured), or at 1,000 steps on a corpus seen once where that ran "
+                 "the setting (bench/slow_links.py --corpus once: DiLoCo, TopK); DiLoCo: one replica per node; _wN: N "
+                 "averaged steps first (diloco.warmup_steps)")
     if len(fitting) > top:
         lines.append(f"  ... {len(fitting) - top} more fitting candidates in plan.json")
     refused = {}

@@ -126,7 +126,9 @@ def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = 
             rows = [r for r in read_metrics(folder / "run" / "metrics.jsonl") if "step_s" in r]
             measured = measured_step_s(rows, pred.candidate.diloco_every, steps,
                                        pred.detail.get("averaged_share", 0.0)) if codes.item() == 0 else None
-            comm = [r.get("comm_s") for r in rows if r["step"] > TRIAL_SKIP and r.get("comm_s") is not None]
+            # the inner steps' and the last sync's waits: the averaged step's (diloco.warmup_steps) is left out
+            first = TRIAL_SKIP + (1 if pred.detail.get("averaged_share") else 0)
+            comm = [r.get("comm_s") for r in rows if r["step"] > first and r.get("comm_s") is not None]
             results.append((pred, measured, statistics.median(comm) if comm else None))
             if measured is None:
                 log(f"plan: trial {i} failed (exit {codes.item()}); see {folder}/rank0.log")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import pytest
 from transformers import LlamaConfig
@@ -106,6 +107,13 @@ def test_topk_is_a_candidate_sized_by_its_fraction(tiny):
     assert topk.optimizer_s >= 0.003  # the compressor's measured arithmetic
     slow = cost.rank(list(preds.values()))
     assert "topk" in slow[0].candidate.name
+    # its price: the gap at 1,000 steps on the corpus seen once (bench/slow_links.py), every order it ran
+    once = json.loads(cost.ONCE.read_text())
+    steps, row = str(once["args"]["steps"]), "TopK 1% + EF"
+    refs = {seed: o["fp32 all-reduce"][steps] for seed, o in once["loss_seeds"].items() if "fp32 all-reduce" in o}
+    refs[str(once["args"]["seed"])] = next(r["evals"][-1][1] for r in once["runs"] if r["name"] == "fp32 all-reduce")
+    gaps = [o[row][steps] / refs[seed] for seed, o in once["loss_seeds"].items() if row in o]
+    assert len(gaps) >= 3 and topk.price == pytest.approx(statistics.mean(gaps) - 1)
 
 
 def test_the_fastest_strategy_depends_on_the_link(tiny):
