@@ -274,8 +274,8 @@ def report(state: dict) -> str:
     targets = (loss_at(ref, a.target_step), loss_at(ref, a.steps))
     shaping = next((r["shaping"] for r in runs if r["shaped"]), "")
     corpus = ("data/tiny" if state["args"].get("corpus", "tiny") == "tiny" else
-              f"a corpus seen once ({ONCE_STORIES:,} stories from data/tiny's generator with another seed, 0.74 of it "
-              f"read in 1,000 steps; evaluated on data/tiny/val.jsonl)")
+              f"a corpus seen once ({ONCE_STORIES:,} stories from data/tiny's generator with another seed, "
+              f"{0.74 * a.steps / 1000:.2f} of it read in {a.steps:,} steps; evaluated on data/tiny/val.jsonl)")
     shape = ("bench/compression.py's" if state["args"].get("model", "3m") == "3m" else
              ", ".join(f"{k.removesuffix('_size').replace('num_', '').replace('_', ' ')} {v}"
                        for k, v in MODELS[state["args"]["model"]].items()))
