@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ from pathlib import Path
 
 from common import free_port, write_section
 from compression import SlowLink, environment, make_model
+
+from dstrain.planner.trial import TRIAL_SKIP
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "planner_bench.json"
@@ -66,9 +67,9 @@ def plan_on_link(model: Path, work: Path, rate: str | None, delay: str, trials: 
     for i, t in enumerate(json.loads((out / "plan" / "trials.json").read_text()), 1):
         metrics = [json.loads(line) for line in (out / "plan" / f"trial-{i}" / "run" / "metrics.jsonl")
                    .read_text().splitlines() if '"step_s"' in line]
-        # past the trial's warm-up, and past its averaged step for DiLoCo with averaged steps first (_wN: step 3 syncs
-        # in bf16, trial.trial_overrides): the medians describe the inner steps and the last sync, as for other DiLoCo
-        late = [r for r in metrics if r["step"] > (3 if re.search(r"_w\d+$", t["name"]) else 2)]
+        # past the trial's warm-up, and past its averaged step for DiLoCo with averaged steps first (the first timed
+        # step syncs in bf16, trial.trial_overrides): the medians describe the inner steps and the last sync
+        late = [r for r in metrics if r["step"] > TRIAL_SKIP + (1 if t.get("diloco_warmup_steps") else 0)]
         if not late:  # a failed trial: its log's end, for the report
             log = (out / "plan" / f"trial-{i}" / "rank0.log").read_text(errors="replace")[-3000:]
             rows.append(dict(t, comm_bytes=None, comm_fraction=None, error=log))

@@ -142,7 +142,8 @@ def run(preds: list, k: int, argv: list[str], out: Path, ctx, log, steps: int = 
     best = min(done, key=lambda pm: pm[1])[0]
     (out / "trials.json").write_text(json.dumps([
         {"name": p.candidate.name, "micro_batch_size": p.candidate.micro, "grad_accum_steps": p.candidate.accum,
-         "activation_checkpointing": p.candidate.checkpointing, "predicted_step_s": p.step_s,
+         "activation_checkpointing": p.candidate.checkpointing, "diloco_warmup_steps": p.candidate.diloco_warmup,
+         "predicted_step_s": p.step_s,
          "predicted_comm_s": p.exposed_comm_s, "measured_step_s": m, "measured_comm_s": c}
         for p, m, c in results], indent=1))
     return best
