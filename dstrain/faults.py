@@ -10,7 +10,8 @@ points   validate (before the validation pass, step 0), step (before a training 
 actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
          "No space left on device", like a full disk), slow (sleep `seconds=N`, default 30, then go on:
          a slow data loader or file system; with `until=EVENT` only until the code calls release(EVENT):
-         `step:slow:seconds=10:until=compiled` slows the steps while train.compile works in the background)
+         `step:slow:seconds=10:until=compiled` slows the steps while train.compile works in the background;
+         `until=signalled`: until a signal asks the rank to stop, dstrain/preempt.py)
 
 Real failures are used where a test can make them (kill -9 from outside, a full tmpfs); injection covers
 the points in between that no outside timing can hit reliably.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from . import env
+from . import env, faults
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:  # dist imports torch (seconds): this module is imported first, to see the launchers early
@@ -54,6 +54,7 @@ class StopRequest:
 
     def _on_signal(self, signum, frame) -> None:
         self.reason = self.reason or signal.Signals(signum).name
+        faults.release("signalled")  # tests: `step:slow:until=signalled` holds a step until a signal asks to stop
         if signum != signal.SIGUSR1:  # asked once politely; a second SIGTERM or SIGINT kills
             signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
 
