@@ -70,14 +70,17 @@ MODELS = {"3m": None, "30m": {"hidden_size": 512, "intermediate_size": 1536, "nu
                               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}}
 
 
-def outputs(corpus: str, model: str = "3m") -> tuple[Path, Path, str, str]:
-    """A corpus's (and model's) saved results, plot, and docs/benchmarks.md section (its marker and its title)."""
-    if corpus == "tiny" and model == "3m":
+def outputs(corpus: str, model: str = "3m", steps: int = 1000) -> tuple[Path, Path, str, str]:
+    """A corpus's (and model's, and horizon's) saved results, plot, and docs/benchmarks.md section (its marker and
+    its title). A horizon other than 1,000 steps keeps its own files: a 300-step look is not overwritten by the
+    1,000-step measurement."""
+    if corpus == "tiny" and model == "3m" and steps == 1000:
         return RESULTS, PLOT, "bench/slow_links.py", "Training across a slow link"
-    key = corpus if model == "3m" else f"{corpus}_{model}"
-    flags = (f" --corpus {corpus}" if corpus != "tiny" else "") + (f" --model {model}" if model != "3m" else "")
+    key = corpus + (f"_{model}" if model != "3m" else "") + (f"_{steps}" if steps != 1000 else "")
+    flags = (f" --corpus {corpus}" if corpus != "tiny" else "") + (f" --model {model}" if model != "3m" else "") + \
+        (f" --steps {steps}" if steps != 1000 else "")
     title = "Training across a slow link" + (", a corpus seen once" if corpus == "once" else "") + \
-        (f", a ~{model.upper()} model" if model != "3m" else "")
+        (f", a ~{model.upper()} model" if model != "3m" else "") + (f", {steps} steps" if steps != 1000 else "")
     return (RESULTS.with_name(f"slow_links_{key}_bench.json"), PLOT.with_name(f"slow_links_{key}.png"),
             f"bench/slow_links.py{flags}", title)
 
@@ -194,7 +197,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
-    results, plot_path, *section = outputs(args.corpus, args.model)
+    results, plot_path, *section = outputs(args.corpus, args.model, args.steps)
     saved = results if args.write else Path(tempfile.gettempdir()) / f"dstrain-{results.stem}.json"
     state = json.loads(saved.read_text()) if saved.exists() else {}
     if args.report:
@@ -267,7 +270,7 @@ def _print(text: str, write: bool, marker: str, title: str) -> None:
 
 def report(state: dict) -> str:
     a = argparse.Namespace(**state["args"])
-    figure = outputs(state["args"].get("corpus", "tiny"), state["args"].get("model", "3m"))[1]
+    figure = outputs(state["args"].get("corpus", "tiny"), state["args"].get("model", "3m"), state["args"]["steps"])[1]
     timed = state["args"].get("diloco", DILOCO)  # the timed DiLoCo setting, the orders table's
     runs = state["runs"]
     ref = runs[0]
