@@ -71,7 +71,7 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
     run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}"]
     port = free_port()
-    # the lone world holds step 40 until its agent stops it for b2 (SIGTERM): without it, a lone world faster than
+    # the lone world holds step HELD until its agent stops it for b2 (SIGTERM): without it, a lone world faster than
     # b2's start trained on to step 70 and the world of 2 had nothing left (CI, stop 46)
     agent_env = env(cache, RDZV_ENDPOINT=f"127.0.0.1:{port}", NNODES="1:2", NPROC_PER_NODE="1",
                     MAX_RESTARTS="3", PYTHON=sys.executable, OUTPUT_DIR=str(run),

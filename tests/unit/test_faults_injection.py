@@ -1,8 +1,11 @@
 """dstrain/faults.py: the injection the fault tests rely on."""
+import os
+import signal
 import threading
 import time
+from types import SimpleNamespace
 
-from dstrain import faults
+from dstrain import faults, preempt
 
 
 def test_slow_until_an_event_stops_slowing_when_the_code_releases_it(monkeypatch):
@@ -26,19 +29,15 @@ def test_plain_slow_sleeps_its_seconds(monkeypatch):
 
 def test_slow_until_signalled_holds_the_step_until_a_signal_asks_the_rank_to_stop(monkeypatch, tmp_path):
     """The elastic lost-and-back test holds the lone world's step this way until its agent stops it (SIGTERM)."""
-    import os
-    import signal
-    from types import SimpleNamespace
-
-    from dstrain import preempt
-
     monkeypatch.setattr(faults, "_RULES", faults._parse("step:slow:seconds=30:until=signalled:step=4"))
     monkeypatch.setattr(faults, "_RELEASED", {})
     monkeypatch.setattr(preempt, "LAUNCHERS", [])
     kept = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
     try:
         stop = preempt.StopRequest(tmp_path, SimpleNamespace(is_main=True))
-        faults.point("step", 0, 3)  # not the held step
+        began = time.monotonic()
+        faults.point("step", 0, 3)  # not the held step: no wait
+        assert time.monotonic() - began < 0.5
         threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGUSR1)).start()
         began = time.monotonic()
         faults.point("step", 0, 4)  # would sleep 30 s without the signal
