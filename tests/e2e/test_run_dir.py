@@ -84,7 +84,10 @@ def test_a_recipe_written_for_more_ranks_keeps_its_global_batch(tmp_path, cache,
 def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, tiny_llama):
     """Issue 29 item 3: two launches into one directory (different master ports) both trained to the end, their
     metrics and checkpoints interleaved. The second is now refused in one line naming the live run; the first
-    trains on untouched. After the first ends (the kernel drops its lock), the directory takes a run again."""
+    trains on untouched. After the first ends (the kernel drops its lock), the directory takes a run again.
+
+    The first run holds before step HELD until the test's Ctrl-C: in CI it once trained all its 400 steps and
+    released the lock while the second launch was still starting (15 s), and the second then found a finished run."""
     import json
     import os
     import signal
@@ -93,15 +96,17 @@ def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, t
 
     from tests.helpers import BIN, ROOT, env, free_port, kill_tree
 
+    held = 5
     run = tmp_path / "run"
     args = COMMON + [f"--model.name_or_path={tiny_llama}", "--train.max_steps=400", "--checkpoint.every=0",
                      "--output_dir", str(run)]
     first = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                              "train.py", *args], cwd=ROOT, env=env(cache), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+                              "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env(cache, DSTRAIN_FAULT=f"step:slow:seconds=300:until=signalled:step={held}"),
+                             start_new_session=True)
     try:
         deadline = time.time() + 300
-        while not ((run / "metrics.jsonl").exists() and metrics(run)[0]):
+        while not ((run / "metrics.jsonl").exists() and len(metrics(run)[0]) >= held - 1):
             assert first.poll() is None and time.time() < deadline, first.communicate()
             time.sleep(0.2)
         holder = json.loads((run / ".lock").read_text())
@@ -112,11 +117,12 @@ def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, t
         assert "another --output_dir" in errors[0] and "Traceback" not in second.stderr
         assert first.poll() is None, "the refused launch must not disturb the live run"
         assert json.loads((run / ".lock").read_text()) == holder
-        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: checkpoint and stop
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: releases the hold; step HELD trains, is saved, the run stops
         first.communicate(timeout=300)
     finally:
         kill_tree(first.pid)
     losses = metrics(run)[0]
+    assert len(losses) == held, "the first run was held before step HELD while the second launch was refused"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == list(range(1, len(losses) + 1)), "one writer: every step once, in order"
