@@ -274,7 +274,8 @@ def report(state: dict) -> str:
     timed = state["args"].get("diloco", DILOCO)  # the timed DiLoCo setting, the orders table's
     runs = state["runs"]
     ref = runs[0]
-    targets = (loss_at(ref, a.target_step), loss_at(ref, a.steps))
+    horizons = sorted({a.target_step, a.steps})  # one target where the run is only as long as the first
+    targets = tuple(loss_at(ref, step) for step in horizons)
     shaping = next((r["shaping"] for r in runs if r["shaped"]), "")
     corpus = ("data/tiny" if state["args"].get("corpus", "tiny") == "tiny" else
               f"a corpus seen once ({ONCE_STORIES:,} stories from data/tiny's generator with another seed, "
@@ -286,14 +287,16 @@ def report(state: dict) -> str:
             f"micro batch 8 x 128 tokens, {a.steps} steps of the cosine schedule (a run stopped sooner is marked), "
             f"one CPU rank in each of two network namespaces joined by a veth pair (two \"nodes\"); shaped: "
             f"{shaping}; unshaped: the veth's own speed. {platform.machine()}, {os.cpu_count()} cores. Data order seed "
-            f"{a.seed}. The reference is the synchronous fp32 run on the unshaped link; two targets: its eval loss "
-            f"at step {a.target_step} ({targets[0]:.4f}) and at step {a.steps} ({targets[1]:.4f}). Time to a "
+            f"{a.seed}. The reference is the synchronous fp32 run on the unshaped link; "
+            + ("two targets: its eval loss " if len(horizons) > 1 else "the target: its eval loss ")
+            + " and ".join(f"at step {step} ({t:.4f})" for step, t in zip(horizons, targets)) + ". Time to a "
             f"target: from the start of step 1 to the first evaluation at or below it (every {EVERY} steps), "
             f"interpolated in time from the one before; in brackets, against the reference's own time to it. "
             f"Bytes: what each rank sends, counted at the collectives, mean over all steps.\n\n"
-            f"| method | link | bytes/step | less than fp32 | s/step (median) | eval loss at {a.target_step} | "
-            f"eval loss at {a.steps} | time to the step-{a.target_step} loss | time to the step-{a.steps} loss |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+            "| method | link | bytes/step | less than fp32 | s/step (median) | "
+            + "".join(f"eval loss at {step} | " for step in horizons)
+            + "".join(f"time to the step-{step} loss | " for step in horizons).rstrip()
+            + "\n" + "|---" * (5 + 2 * len(horizons)) + "|\n")
     for r in runs:
         last = r["evals"][-1][0]
         cells = []
@@ -303,8 +306,8 @@ def report(state: dict) -> str:
                          f"not reached by step {last}" + (" (stopped)" if last < a.steps else ""))
         text += (f"| {r['name']} | {'shaped' if r['shaped'] else 'unshaped'} | {r['bytes_per_step'] / 1e6:.3f} MB | "
                  f"{ref['bytes_per_step'] / r['bytes_per_step']:.1f}x | {r['step_s']:.3f} | "
-                 f"{_gap(loss_at(r, a.target_step), targets[0])} | {_gap(loss_at(r, a.steps), targets[1])} | "
-                 f"{cells[0]} | {cells[1]} |\n")
+                 + "".join(f"{_gap(loss_at(r, step), t)} | " for step, t in zip(horizons, targets))
+                 + " | ".join(cells) + " |\n")
     same = [r for r in runs[1:] if r["name"] == ref["name"]]
     for r in same:  # the link changes the time, not the arithmetic
         n = len(r["losses"])
