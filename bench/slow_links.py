@@ -121,7 +121,8 @@ def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps_rows = {r["step"]: r for r in rows if "loss" in r}
     start = steps_rows[1]["time"] - steps_rows[1]["step_s"]  # the start of step 1: start-up is not counted
-    return {"name": name, "shaped": shaped, "seed": seed, "shaping": shaping,
+    from dstrain.flops import cpu_name
+    return {"name": name, "shaped": shaped, "seed": seed, "shaping": shaping, "cpu": cpu_name(),
             "evals": [(r["step"], r["eval_loss"], steps_rows[r["step"]]["time"] - start if r["step"] else 0.0)
                       for r in rows if "eval_loss" in r],
             "losses": [steps_rows[s]["loss"] for s in sorted(steps_rows)],
@@ -308,6 +309,11 @@ def report(state: dict) -> str:
                  f"{ref['bytes_per_step'] / r['bytes_per_step']:.1f}x | {r['step_s']:.3f} | "
                  + "".join(f"{_gap(loss_at(r, step), t)} | " for step, t in zip(horizons, targets))
                  + " | ".join(cells) + " |\n")
+    cpus = {r.get("cpu", "not recorded") for r in runs}
+    if len(cpus) > 1:  # a later --add ran on another machine: its times are not side by side with the reference's
+        text += ("\nTimed on different machines, so the time ratios are not side by side: "
+                 + "; ".join(f"{r['name']} ({'shaped' if r['shaped'] else 'unshaped'}) on "
+                             f"{r.get('cpu', 'a CPU not recorded')}" for r in runs) + ".\n")
     same = [r for r in runs[1:] if r["name"] == ref["name"]]
     for r in same:  # the link changes the time, not the arithmetic
         n = len(r["losses"])

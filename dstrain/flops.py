@@ -92,7 +92,7 @@ def measure_matmul_peak(precision: str, device: torch.device, seconds: float = 0
     return best
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -104,7 +104,7 @@ def _cpu_name() -> str:
 
 def peak_key(device: torch.device, precision: str) -> str:
     """What the measured peak depends on: the device model, threads per rank (CPU), precision, torch."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     threads = f"{torch.get_num_threads()} threads" if device.type != "cuda" else "gpu"
     return f"{name} | {threads} | {precision} | torch {torch.__version__.split('+')[0]}"
 

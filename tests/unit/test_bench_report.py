@@ -1,0 +1,48 @@
+"""bench/slow_links.py's report: what its tables say must match the runs it was given."""
+from tests.helpers import ROOT
+
+
+def _slow_links(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import slow_links
+    return slow_links
+
+
+def _run(name, shaped, losses, seconds_per_step, cpu=None):
+    evals = [(step, loss, step * seconds_per_step) for step, loss in losses]
+    run = {"name": name, "shaped": shaped, "seed": 42, "shaping": "tbf rate 100mbit" if shaped else "",
+           "evals": evals, "losses": [1.0] * evals[-1][0], "bytes_per_step": 1e6 if shaped else 1e8,
+           "step_s": seconds_per_step}
+    if cpu:
+        run["cpu"] = cpu
+    return run
+
+
+def _state(steps, runs):
+    return {"params": 31.76e6, "runs": runs,
+            "args": {"steps": steps, "target_step": 300, "seed": 42, "corpus": "once", "model": "30m"}}
+
+
+def test_a_run_as_long_as_its_target_shows_one_target(monkeypatch):
+    sl = _slow_links(monkeypatch)
+    ref = _run(sl.REFERENCE, False, [(0, 6.0), (150, 1.2), (300, 1.0)], 3.0, cpu="A")
+    diloco = _run("DiLoCo H=25", True, [(0, 6.0), (150, 1.1), (300, 0.9)], 2.0, cpu="A")
+    text = sl.report(_state(300, [ref, diloco]))
+    header = next(line for line in text.splitlines() if line.startswith("| method"))
+    assert header.count("eval loss at 300") == 1 and header.count("time to the step-300 loss") == 1, header
+    rows = [line for line in text.splitlines() if line.startswith("| DiLoCo")]
+    assert len(rows) == 1 and rows[0].count("|") == header.count("|"), (header, rows)
+    assert "the target: its eval loss at step 300 (1.0000)" in text and "two targets" not in text
+    # DiLoCo reaches 1.0 between its evaluations at 150 (1.1, 300 s) and 300 (0.9, 600 s): 450 s against 900 s
+    assert "450 s (0.50x)" in rows[0], rows[0]
+    assert "different machines" not in text
+
+
+def test_runs_timed_on_different_machines_are_marked(monkeypatch):
+    sl = _slow_links(monkeypatch)
+    ref = _run(sl.REFERENCE, False, [(0, 6.0), (300, 1.0), (1000, 0.7)], 3.0)  # an older run: no CPU recorded
+    diloco = _run("DiLoCo H=25", True, [(0, 6.0), (300, 0.9), (1000, 0.69)], 2.0, cpu="AMD EPYC")
+    text = sl.report(_state(1000, [ref, diloco]))
+    header = next(line for line in text.splitlines() if line.startswith("| method"))
+    assert header.count("eval loss at") == 2 and "two targets" in text
+    assert "Timed on different machines" in text and "on AMD EPYC" in text and "a CPU not recorded" in text
