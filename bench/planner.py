@@ -208,6 +208,19 @@ def _same(fastest: dict, first: tuple) -> str:
 
 
 READING = """
+Reading the shaped link's rerun (2026-11-27, `--links shaped`, on an AMD EPYC with nothing else running; the
+unshaped table is 2026-11-26's), with DiLoCo H = 25 int4 and its 8 averaged bf16 steps first (`_w8`,
+`diloco.warmup_steps=8`) among the candidates:
+- 29 of 30 trials within 25% (median 8%). The one miss is pipe2_zero1 at 2 x 8, predicted 32% too slow (gloo's
+  point-to-point, below).
+- The `_w8` rows: predicted 0.461 to 0.504 s, measured 0.460 to 0.617 s (-24% to +3%). Their "MB sent" is now
+  0.00, as for every DiLoCo row: the trial's timed steps (3-6) leave out its averaged step and its bf16 sync. The
+  run before this one (2026-11-27, first session) counted that step, so its `_w8` cells were not the run's figures.
+- The model's first choice, zero1_diloco50_int8_avg at micro 8, measured 0.484 s; the measured fastest,
+  zero2_diloco25_int4_avg at micro 4, 0.381 s. The DiLoCo rows are all compute (predicted 0.420 to 0.476 s), and
+  the same candidate's two micro batches differ by more than the candidates do (zero2_diloco50: 0.464 s at 8 x 1,
+  0.381 s at 4 x 2), so which DiLoCo row is fastest here is this machine's noise, not the model's error.
+
 Reading it (both links rerun 2026-11-26, second session, after two fixes: the benches no longer run with
 MALLOC_MMAP_THRESHOLD_=131072, which made whole steps 1.5-1.7x slower through page faults that the probe's
 forward and backward felt less; and DeepSpeed's own cost per micro-batch, measured by the probe, now counts with
