@@ -86,7 +86,7 @@ def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, t
     metrics and checkpoints interleaved. The second is now refused in one line naming the live run; the first
     trains on untouched. After the first ends (the kernel drops its lock), the directory takes a run again.
 
-    The first run holds before step HELD until the test's Ctrl-C: in CI it once trained all its 400 steps and
+    The first run holds before step `held` until the test's Ctrl-C: in CI it once trained all its 400 steps and
     released the lock while the second launch was still starting (15 s), and the second then found a finished run."""
     import json
     import os
@@ -117,12 +117,12 @@ def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, t
         assert "another --output_dir" in errors[0] and "Traceback" not in second.stderr
         assert first.poll() is None, "the refused launch must not disturb the live run"
         assert json.loads((run / ".lock").read_text()) == holder
-        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: releases the hold; step HELD trains, is saved, the run stops
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: releases the hold; step `held` trains, is saved, the run stops
         first.communicate(timeout=300)
     finally:
         kill_tree(first.pid)
     losses = metrics(run)[0]
-    assert len(losses) == held, "the first run was held before step HELD while the second launch was refused"
+    assert len(losses) == held, "the first run was held before step `held` while the second launch was refused"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == list(range(1, len(losses) + 1)), "one writer: every step once, in order"
