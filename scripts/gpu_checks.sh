@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks only a CUDA GPU can run, in one go (docs/testing.md, "On a GPU"): tests/gpu (QLoRA, bf16/fp16 against
-# the fp32 loop), the gpu-1b speed bench against the Hugging Face Trainer, and the GPU-only configs (ZeRO++).
+# the fp32 loop, issue 33's compressors and DiLoCo encodings against the CPU's), the gpu-1b speed bench against the
+# Hugging Face Trainer, and the GPU-only configs (ZeRO++).
 # Each step has its own time limit and log (together under 11 minutes: a lent GPU comes with 15 minutes, its start
 # included); a failing step does not stop the next. `make bench-gpu` runs it with
 # the project's venv; elsewhere: PY=python3 OUT=/some/dir bash scripts/gpu_checks.sh [step ...]
@@ -38,7 +39,7 @@ for s in $steps; do
     # 2026-11-27 this step built fused Adam into torch's default directory, which no run reads
     ops) step ops 200 "$PY" scripts/prebuild_ops.py FusedAdamBuilder QuantizerBuilder ;;
     adam) step adam 150 "$PY" scripts/prebuild_ops.py FusedAdamBuilder ;;  # ops without ZeRO++'s quantizer
-    gpu_tests) step gpu_tests 220 "$PY" -m pytest tests/gpu -q -s -p no:cacheprovider -o addopts="" ;;
+    gpu_tests) step gpu_tests 280 "$PY" -m pytest tests/gpu -q -s -p no:cacheprovider -o addopts="" ;;
     speed) step speed 170 "$PY" bench/speed.py --preset gpu-1b --repeats 1 --systems dstrain hf_trainer --results "$OUT/speed.json" ;;
     zeropp) step zeropp 50 "$PY" train.py --ds_config zero3_zeropp.json --train.max_steps=20 --train.precision=bf16 \
         --eval.every=0 --log.wandb=false --log.progress_bar=false --checkpoint.every=0 --output_dir "$(mktemp -d)/run" ;;
