@@ -12,7 +12,7 @@ Transient, in two phases that do not overlap (the peak is the persistent part pl
   step        the fp32 partition's gradient 4*psi/N, torch AdamW's foreach temporary (one fp32 element
               per updated element), ZeRO-1/2's all-gather bucket
   DiLoCo sync (after the step) one fp32 vector of the whole model and a few slices (_diloco); its persistent
-              state, the shared weights and the outer momentum, is 8*psi on every rank
+              state, the shared weights and the outer momentum, is 8*psi/S on each rank of a replica of S
 Buckets count at most psi elements: on CPU only written pages are resident.
 Offloaded parameters / optimizer states move from the device to host memory.
 LoRA (psi_a adapter parameters on a frozen base of psi): parameters are w*(psi + psi_a) (ZeRO-3: /N), while
@@ -152,21 +152,21 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
 
 
 def _diloco(cfg, psi_t: int, layout, gathered_w: int) -> dict:
-    """DiLoCo's outer state on every rank (components/diloco.py): the shared weights of the last sync (fp32, the
-    whole model), the outer momentum (fp32, when outer_momentum > 0) and the rounding carried over (fp32, this
-    rank's slice of the model, when the pseudo-gradient is sent in bf16/int8). At a sync, after the optimizer
-    step: the weights read into one full fp32 vector (padded to the replica's S slices), a copy of this rank's
-    slice, what goes on the wire from each replica and two decoded slices; under ZeRO-3 writing the new weights
-    back gathers the whole model (w bytes each) once that vector is gone."""
+    """DiLoCo's outer state on each rank (components/diloco.py), all of it for this rank's slice of the model (one of
+    the replica's S): the shared weights of the last sync (fp32), the outer momentum (fp32, when outer_momentum >
+    0) and the rounding carried over (fp32, when the pseudo-gradient is sent in bf16/int8/int4). At a sync, after
+    the optimizer step: the weights read into one full fp32 vector (padded to the replica's S slices; this rank's
+    slice of the pseudo-gradient is formed in it), what goes on the wire from each replica and two decoded slices,
+    and under ZeRO-3
+    writing the new weights back gathers the whole model (w bytes each)."""
     from .components.diloco import WIRE_BYTES, slice_length
 
     size = layout.replica_data_parallel
     chunk = slice_length(psi_t, size)
     compressed = cfg.dtype != "fp32"
-    persistent = 4 * psi_t * (2 if cfg.outer_momentum > 0 else 1) + (4 * chunk if compressed else 0)
+    persistent = 4 * chunk * (2 if cfg.outer_momentum > 0 else 1) + (4 * chunk if compressed else 0)
     wire = WIRE_BYTES[cfg.dtype] * chunk
-    sync = 4 * size * chunk + (4 * chunk if size > 1 else 0) + \
-        (int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0)
+    sync = 4 * size * chunk + (int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0)
     return {"diloco_state": persistent, "diloco_sync": max(sync, gathered_w * psi_t)}
 
 

@@ -18,7 +18,8 @@ every replica), read in the same order as without DiLoCo, each replica its ranks
 is the mean over its own share (normalised by its own token count). The logged loss is the global batch's mean;
 evaluations and checkpoints happen at syncs (eval.every and checkpoint.every are multiples of H), where every
 replica holds the shared weights. A checkpoint holds each replica's DeepSpeed state (checkpoints/step_N/replica_K/)
-and each rank's outer state (the shared weights, the momentum, the rounding carried over); it resumes exactly
+and each rank's slice of the outer state (the shared weights, the momentum, the rounding carried over: a rank of
+a replica of S ranks keeps 1/S of the model's); it resumes exactly
 on the same world and replicas, and on more or fewer replicas of the same size (resume.adapt_to_world says what
 is kept and what starts afresh).
 
@@ -55,11 +56,13 @@ class Diloco(Component):
     def __init__(self, cfg: DilocoSection):
         self.cfg = cfg
         self.params: list[torch.nn.Parameter] = []
-        # flat fp32 vectors over the trained parameters, in the module's order
+        # flat fp32 vectors over this rank's slice of the trained parameters (in the module's order, cut into a
+        # replica's S slices: slice_length), the slice this rank sends across and updates
         self.anchor: torch.Tensor | None = None  # the shared weights of the last sync
         self.momentum: torch.Tensor | None = None  # the outer SGD's buffer
         self.carry: torch.Tensor | None = None  # bf16/int8/int4: what rounding the pseudo-gradient dropped
-        self.max_steps = self.replicas = 0
+        self.max_steps = self.replicas = self.numel = 0
+        self.mine = slice(0, 0)  # this rank's slice of the flat model
 
     def validate(self, setup: Setup) -> None:
         cfg, recipe, layout = self.cfg, setup.recipe, setup.layout
@@ -106,7 +109,13 @@ class Diloco(Component):
         if not isinstance(self.unit, ds_internals.ReplicaUnit):
             raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
-        self.anchor = self._read()  # a resumed run's comes with the checkpoint (load_state_dict, after this)
+        size, index = self.unit.get_data_parallel_world_size(), self.unit.get_data_parallel_rank()
+        full = self._read()
+        self.numel, chunk = full.numel(), slice_length(full.numel(), size)
+        self.mine = slice(min(self.numel, index * chunk), min(self.numel, (index + 1) * chunk))
+        # a resumed run's comes with the checkpoint (load_state_dict, after this)
+        self.anchor = full[self.mine].clone()
+        del full
 
     # ---------------------------------------------------------------- the outer step
     def after_step(self, step: int, say: Callable[[str], None]) -> None:
@@ -116,19 +125,21 @@ class Diloco(Component):
             self.sync()
 
     def sync(self, average: bool = False) -> None:
-        """Each rank of a replica sends one slice of the pseudo-gradient across the replicas (slice i of S,
-        INT8_BLOCK-aligned so that int8/int4's blocks are the whole vector's), and the replica's ranks then share the
-        averaged slices over their own link: one model's worth crosses the slow link per replica and sync, not one
-        per rank. Memory beside the anchor and momentum (memory.py counts it): one full fp32 vector, reused from the
-        read of the weights to the gathered average, and a few slices. average: the plain average of the replicas
-        (diloco.warmup_steps), not the outer step; its momentum is left as it is."""
+        """Each rank of a replica owns one slice of the model (slice i of S, INT8_BLOCK-aligned so that int8/int4's
+        blocks are the whole vector's): it keeps the shared weights, the momentum and the carried rounding of that
+        slice only, sends that slice of the pseudo-gradient across the replicas, takes the outer step on it, and
+        the replica's ranks then put the new shared weights together over their own link. One model's worth crosses
+        the slow link per replica and sync, not one per rank; the outer state is 1/S of the model per rank (a
+        7B model's fp32 shared weights and momentum are 56 GB, which a rank of a replica of 8 keeps 7 GB of). Memory
+        at the sync (memory.py counts it): one full fp32 vector, from the read of the weights to the write of the
+        new ones, and a few slices. average: the plain average of the replicas (diloco.warmup_steps), not the
+        outer step; its momentum is left as it is."""
         cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
-        size, index, n = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank(), self.anchor.numel()
+        size, n = unit.get_data_parallel_world_size(), self.numel
         chunk = slice_length(n, size)
         full = self._read(size * chunk)  # padded to S slices
-        torch.sub(self.anchor, full[:n], out=full[:n])  # the pseudo-gradient, in place
-        pseudo = full[min(n, index * chunk):min(n, (index + 1) * chunk)]
-        pseudo = pseudo.clone() if size > 1 else pseudo  # `full` takes the gathered average below
+        pseudo = torch.sub(self.anchor, full[self.mine], out=full[self.mine])  # this slice's pseudo-gradient, in
+        # place: `full` is written again only by the gather of the new weights, after the last use of `pseudo`
         wire = warmup_wire(cfg.dtype) if average else cfg.dtype
         if wire != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
@@ -145,19 +156,20 @@ class Diloco(Component):
         else:
             tdist.all_reduce(pseudo, group=unit.across)
         pseudo /= replicas
-        if size > 1:  # the averaged slices, put together on every rank of the replica, into the full vector
-            full.zero_()
-            tdist.all_gather(list(full.split(chunk)),
-                             torch.nn.functional.pad(pseudo, (0, chunk - pseudo.numel())),
-                             group=unit.get_data_parallel_group())
-            pseudo = full[:n]
         mu = 0.0 if average else cfg.outer_momentum
         if mu > 0:  # torch.optim.SGD's Nesterov: buf = mu buf + g (g itself at first), step g + mu buf
             self.momentum = pseudo.clone() if self.momentum is None else self.momentum.mul_(mu).add_(pseudo)
             pseudo.add_(self.momentum, alpha=mu)
         self.anchor.add_(pseudo, alpha=-(1.0 if average else cfg.outer_lr))
-        del full, pseudo
-        self._write(self.anchor)
+        del pseudo
+        if size > 1:  # the new shared weights, put together from the replica's slices on every rank of it
+            tdist.all_gather(list(full.split(chunk)),
+                             torch.nn.functional.pad(self.anchor, (0, chunk - self.anchor.numel())),
+                             group=unit.get_data_parallel_group())
+            self._write(full[:n])
+        else:
+            self._write(self.anchor)
+        del full
 
     # ---------------------------------------------------------------- DeepSpeed's weights
     def _read(self, length: int | None = None) -> torch.Tensor:
@@ -208,11 +220,30 @@ class Diloco(Component):
     def state_dict(self) -> dict:
         return {"anchor": self.anchor, "momentum": self.momentum, "carry": self.carry}
 
+    def source_rank(self, rank: int) -> int:
+        """On another world (whole replicas joined or left: resume.adapt_to_world, replicas of the same size), the
+        rank whose saved state this rank takes: the one that held the same slice in replica 0 (replicas are
+        consecutive ranks, so that is this rank's index in its replica)."""
+        return self.unit.get_data_parallel_rank()
+
     def load_state_dict(self, state: dict, same_world: bool) -> None:
-        """The shared weights and the outer momentum are every rank's; the carried rounding is its replica's and,
-        on another world (replicas joined or left: resume.adapt_to_world), starts again from zero."""
-        self.anchor, self.momentum = state["anchor"], state["momentum"]
-        self.carry = state["carry"] if same_world else None
+        """The shared weights and the outer momentum of this rank's slice are the same in every replica; the carried
+        rounding is its replica's and, on another world, starts again from zero. A checkpoint from before the outer
+        state was cut into slices holds the whole model's: this rank keeps its slice of it. On this rank's device,
+        whichever device the saving rank used."""
+        device = self.anchor.device
+
+        def mine(t):
+            if t is None:
+                return None
+            return (t[self.mine] if t.numel() == self.numel else t).to(device).clone()
+
+        if state["anchor"].numel() not in (self.numel, self.mine.stop - self.mine.start):
+            raise RuntimeError(f"diloco: the checkpoint's shared weights have {state['anchor'].numel()} elements; "
+                               f"this rank's slice has {self.mine.stop - self.mine.start} of {self.numel}")
+        self.anchor, self.momentum = mine(state["anchor"]), mine(state["momentum"])
+        self.carry = state["carry"].to(device) if same_world and state["carry"] is not None and \
+            state["carry"].numel() == self.anchor.numel() else None
 
 
 INT8_BLOCK = 128  # int8/int4: elements sharing one fp32 scale (int8: 1 + 4/128 bytes per element, 3.9x fewer than

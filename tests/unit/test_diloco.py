@@ -130,3 +130,50 @@ def test_whole_replicas_join_and_leave_on_resume_and_other_sizes_are_refused(tmp
         adapt_to_world(ckpt, train, Layout(5, replicas=5))
     with pytest.raises(UserError, match="was trained with a global batch of 24 samples, this run has 16"):
         adapt_to_world(ckpt, TrainConfig(micro_batch_size=4, grad_accum_steps=2), Layout(2, replicas=2))
+
+
+def test_each_rank_keeps_its_slice_of_the_outer_state_and_resumes_it_on_another_world(tmp_path):
+    """The outer state (shared weights, momentum, carried rounding) is cut into a replica's S slices, one per rank:
+    on another world (a replica joined or left) rank r loads the file of the rank that held its slice in replica 0
+    (its index in its replica), not rank 0's, which holds slice 0 only. A checkpoint from before the cut (the whole
+    model's state on every rank) is cut on load."""
+    import torch
+
+    from dstrain.checkpoint import Checkpointer
+    from dstrain.components.diloco import Diloco, slice_length
+    from dstrain.config import DilocoSection
+
+    n, size = 300, 2
+    chunk = slice_length(n, size)  # 256: slice 0 is [0, 256), slice 1 [256, 300)
+    whole = torch.arange(n, dtype=torch.float32)
+    path = tmp_path / "step_00000003"
+    path.mkdir()
+    for rank in range(4):  # 2 replicas of 2 ranks saved their slices
+        i = rank % size
+        part = whole[i * chunk:min(n, (i + 1) * chunk)]
+        torch.save({"anchor": part + 1000 * rank, "momentum": -part, "carry": part * 0 + rank}, path / f"diloco_rank{rank}.pt")
+    resume = _diloco_checkpoint(tmp_path, world=4, replicas=2)
+    for rank in range(6):  # resumed on 3 replicas of 2
+        outer = Diloco(DilocoSection(every=3))
+
+        class Unit:
+            def get_data_parallel_rank(self, i=rank % size):
+                return i
+
+        outer.unit, outer.numel = Unit(), n
+        i = rank % size
+        outer.mine = slice(i * chunk, min(n, (i + 1) * chunk))
+        outer.anchor = torch.zeros(outer.mine.stop - outer.mine.start)
+        checkpointer = Checkpointer.__new__(Checkpointer)
+        checkpointer.ctx = DistContext(rank, rank, 6)
+        checkpointer._load_extra(resume, "diloco", outer)
+        assert torch.equal(outer.anchor, whole[outer.mine] + 1000 * i), rank  # the same slice, from rank i's file
+        assert torch.equal(outer.momentum, -whole[outer.mine]) and outer.carry is None
+
+    torch.save({"anchor": whole, "momentum": None, "carry": torch.ones(n - chunk)}, path / "diloco_rank1.pt")
+    outer.load_state_dict(torch.load(path / "diloco_rank1.pt"), same_world=True)  # the whole model's: cut
+    assert torch.equal(outer.anchor, whole[chunk:]) and outer.momentum is None and torch.equal(outer.carry,
+                                                                                              torch.ones(n - chunk))
+    with pytest.raises(RuntimeError, match="the checkpoint's shared weights have 10 elements; this rank's slice has "
+                                           "44 of 300"):
+        outer.load_state_dict({"anchor": torch.zeros(10), "momentum": None, "carry": None}, same_world=True)
