@@ -11,7 +11,7 @@ Transient, in two phases that do not overlap (the peak is the persistent part pl
   backward    activations, the gradient reduce bucket, ZeRO-3's gathered live parameters and prefetch
   step        the fp32 partition's gradient 4*psi/N, torch AdamW's foreach temporary (one fp32 element
               per updated element), ZeRO-1/2's all-gather bucket
-  DiLoCo sync (after the step) one fp32 vector of the whole model and a few slices (_diloco); its persistent
+  DiLoCo sync (after the step) a few slices of the model and its largest parameter (_diloco); its persistent
               state, the shared weights and the outer momentum, is 8*psi/S on each rank of a replica of S
 Buckets count at most psi elements: on CPU only written pages are resident.
 Offloaded parameters / optimizer states move from the device to host memory.
@@ -127,7 +127,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     device = {"parameters": params, "gradients": grads, "optimizer_states": moments + master,
               "optimizer_step": step, "buffers": buffers}
     if recipe.diloco.enabled:
-        device.update(_diloco(recipe.diloco, psi_t, layout, w if stage == 3 else 0))
+        hidden, _, ffn, vocab = _dims(config)
+        device.update(_diloco(recipe.diloco, psi_t, layout, w if stage == 3 else 0, hidden * max(vocab, ffn)))
     host: dict = {}
     if offload_opt:  # DeepSpeedCPUAdam: states, master, its gradient and the step live in host memory
         host["optimizer_states"] = device.pop("optimizer_states") + device.pop("optimizer_step")
@@ -151,14 +152,14 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     return est
 
 
-def _diloco(cfg, psi_t: int, layout, gathered_w: int) -> dict:
+def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int) -> dict:
     """DiLoCo's outer state on each rank (components/diloco.py), all of it for this rank's slice of the model (one of
     the replica's S): the shared weights of the last sync (fp32), the outer momentum (fp32, when outer_momentum >
     0) and the rounding carried over (fp32, when the pseudo-gradient is sent in bf16/int8/int4). At a sync, after
-    the optimizer step: the weights read into one full fp32 vector (padded to the replica's S slices; this rank's
-    slice of the pseudo-gradient is formed in it), what goes on the wire from each replica and two decoded slices,
-    and under ZeRO-3
-    writing the new weights back gathers the whole model (w bytes each)."""
+    the optimizer step: this rank's slice of the pseudo-gradient, then either what goes on the wire from each
+    replica and two decoded slices, or (reading and writing the weights, a parameter at a time) another rank's
+    slice, one parameter's full fp32 weight and under ZeRO-3 its gathered working copy (w bytes each); `largest`:
+    the largest parameter's elements (the embedding's, in a language model)."""
     from .components.diloco import WIRE_BYTES, slice_length
 
     size = layout.replica_data_parallel
@@ -166,8 +167,9 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int) -> dict:
     compressed = cfg.dtype != "fp32"
     persistent = 4 * chunk * (2 if cfg.outer_momentum > 0 else 1) + (4 * chunk if compressed else 0)
     wire = WIRE_BYTES[cfg.dtype] * chunk
-    sync = 4 * size * chunk + (int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0)
-    return {"diloco_state": persistent, "diloco_sync": max(sync, gathered_w * psi_t)}
+    on_wire = int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0
+    weights = (4 * chunk if size > 1 else 0) + (4 + gathered_w) * min(largest, psi_t)
+    return {"diloco_state": persistent, "diloco_sync": 4 * chunk + max(on_wire, weights)}
 
 
 # Memory of common accelerators, for planning a run from a machine without them (`--preflight --device NAME`):

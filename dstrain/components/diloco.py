@@ -110,12 +110,10 @@ class Diloco(Component):
             raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         size, index = self.unit.get_data_parallel_world_size(), self.unit.get_data_parallel_rank()
-        full = self._read()
-        self.numel, chunk = full.numel(), slice_length(full.numel(), size)
+        self.numel = sum(_numel(p) for p in self.params)
+        chunk = slice_length(self.numel, size)
         self.mine = slice(min(self.numel, index * chunk), min(self.numel, (index + 1) * chunk))
-        # a resumed run's comes with the checkpoint (load_state_dict, after this)
-        self.anchor = full[self.mine].clone()
-        del full
+        self.anchor = self._read()  # a resumed run's comes with the checkpoint (load_state_dict, after this)
 
     # ---------------------------------------------------------------- the outer step
     def after_step(self, step: int, say: Callable[[str], None]) -> None:
@@ -131,15 +129,12 @@ class Diloco(Component):
         the replica's ranks then put the new shared weights together over their own link. One model's worth crosses
         the slow link per replica and sync, not one per rank; the outer state is 1/S of the model per rank (a
         7B model's fp32 shared weights and momentum are 56 GB, which a rank of a replica of 8 keeps 7 GB of). Memory
-        at the sync (memory.py counts it): one full fp32 vector, from the read of the weights to the write of the
-        new ones, and a few slices. average: the plain average of the replicas (diloco.warmup_steps), not the
-        outer step; its momentum is left as it is."""
+        at the sync (memory.py counts it): a few slices and one parameter's full weight at a time, no copy of the
+        whole model. average: the plain average of the replicas (diloco.warmup_steps), not the outer step; its
+        momentum is left as it is."""
         cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
-        size, n = unit.get_data_parallel_world_size(), self.numel
-        chunk = slice_length(n, size)
-        full = self._read(size * chunk)  # padded to S slices
-        pseudo = torch.sub(self.anchor, full[self.mine], out=full[self.mine])  # this slice's pseudo-gradient, in
-        # place: `full` is written again only by the gather of the new weights, after the last use of `pseudo`
+        pseudo = self._read()
+        torch.sub(self.anchor, pseudo, out=pseudo)  # this slice's pseudo-gradient
         wire = warmup_wire(cfg.dtype) if average else cfg.dtype
         if wire != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
@@ -162,54 +157,75 @@ class Diloco(Component):
             pseudo.add_(self.momentum, alpha=mu)
         self.anchor.add_(pseudo, alpha=-(1.0 if average else cfg.outer_lr))
         del pseudo
-        if size > 1:  # the new shared weights, put together from the replica's slices on every rank of it
-            tdist.all_gather(list(full.split(chunk)),
-                             torch.nn.functional.pad(self.anchor, (0, chunk - self.anchor.numel())),
-                             group=unit.get_data_parallel_group())
-            self._write(full[:n])
-        else:
-            self._write(self.anchor)
-        del full
+        self._write()
 
     # ---------------------------------------------------------------- DeepSpeed's weights
-    def _read(self, length: int | None = None) -> torch.Tensor:
-        """Every trained parameter's full fp32 master weight, laid end to end (DeepSpeed's optimizer holds it under
-        ZeRO-1/2/3 and bf16; under ZeRO-0 in fp32 the parameter is the master), zero-padded to `length`. Copied
-        one parameter at a time into one vector: no second full copy exists."""
+    def _read(self) -> torch.Tensor:
+        """This rank's slice of every trained parameter's full fp32 master weight, laid end to end (DeepSpeed's
+        optimizer holds the master under ZeRO-1/2/3 and bf16; under ZeRO-0 in fp32 the parameter is the master).
+        Every rank of the replica reads every parameter (under ZeRO-1/2/3 the read is a collective of the
+        replica), one at a time, and keeps the part inside its slice."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.params)
-        flat, offset = None, 0
+        out, offset = None, 0
         for p in self.params:
             value = (safe_get_full_fp32_param(p) if _has_master(p) else p.detach()).reshape(-1)
-            if flat is None:  # on the weights' device (the collectives' backend needs it there)
-                flat = torch.zeros(max(n, length or 0), device=value.device)
-            flat[offset:offset + value.numel()].copy_(value)
+            if out is None:  # on the weights' device (the collectives' backend needs it there)
+                out = torch.empty(self.mine.stop - self.mine.start, device=value.device)
+            lo, hi = max(self.mine.start, offset), min(self.mine.stop, offset + value.numel())
+            if lo < hi:
+                out[lo - self.mine.start:hi - self.mine.start].copy_(value[lo - offset:hi - offset])
             offset += value.numel()
-        return flat
+            del value
+        return out
 
-    def _write(self, flat: torch.Tensor) -> None:
-        """The masters and the module's working copy (DeepSpeed copies masters to it only after its next step)."""
+    def _write(self) -> None:
+        """The new shared weights into the masters and the module's working copy (DeepSpeed copies masters to it
+        only after its next step). The replica's ranks broadcast their slices in turn over their own link, and
+        each parameter is written once its last piece has arrived: one slice and one parameter's full weight exist
+        at a time (gathering the slices into a full fp32 vector took 4 bytes a parameter: 30 GiB a rank for
+        Llama-3.1-8B)."""
+        unit = self.unit
+        size, index = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank()
+        group, chunk, device = unit.get_data_parallel_group(), slice_length(self.numel, size), self.anchor.device
+        params = iter(self.params)
+        p = next(params)
+        value, start = torch.empty(_numel(p), device=device), 0  # p's full weight; p starts at `start`
+        for j in range(size):
+            lo, hi = min(self.numel, j * chunk), min(self.numel, (j + 1) * chunk)
+            if lo == hi:
+                continue
+            piece, first = (self.anchor if j == index else torch.empty(hi - lo, device=device)), lo
+            if size > 1:
+                tdist.broadcast(piece, src=tdist.get_global_rank(group, j), group=group)
+            while lo < hi:  # the parameters this piece continues or completes
+                end = min(hi, start + value.numel())
+                value[lo - start:end - start].copy_(piece[lo - first:end - first])
+                lo = end
+                if end == start + value.numel():
+                    self._write_one(p, value)
+                    start, p = end, next(params, None)
+                    if p is None:
+                        break
+                    value = torch.empty(_numel(p), device=device)
+            del piece
+
+    def _write_one(self, p, value: torch.Tensor) -> None:
         from deepspeed import zero
         from deepspeed.utils import safe_set_full_fp32_param
 
-        shapes = [p.ds_shape if hasattr(p, "ds_shape") else p.shape for p in self.params]  # ZeRO-3's p: a partition
-        weights = [w.view(s) for w, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
-        for p, w in zip(self.params, weights):
-            if _has_master(p):
-                safe_set_full_fp32_param(p, w.to(p.device))
-        partitioned = [p for p in self.params if hasattr(p, "ds_id")]
-        if partitioned:  # ZeRO-3: gathered, written by the replica's first rank (its rank in the parameters'
-            # group, the replica's), partitioned again on exit
-            with zero.GatheredParameters(partitioned, modifier_rank=0):
-                if self.unit.get_data_parallel_rank() == 0:
-                    for p, w in zip(self.params, weights):
-                        if hasattr(p, "ds_id"):
-                            p.data.copy_(w.to(p.dtype))
+        value = value.view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)  # ZeRO-3's p: a partition
+        if _has_master(p):
+            safe_set_full_fp32_param(p, value.to(p.device))
         with torch.no_grad():
-            for p, w in zip(self.params, weights):
-                if not hasattr(p, "ds_id"):
-                    p.data.copy_(w.to(p.dtype))
+            if hasattr(p, "ds_id"):  # ZeRO-3: gathered (every rank of the replica, parameter by parameter in the
+                # same order), written by the replica's first rank (its rank in the parameters' group), partitioned
+                # again on exit
+                with zero.GatheredParameters([p], modifier_rank=0):
+                    if self.unit.get_data_parallel_rank() == 0:
+                        p.data.copy_(value.to(p.dtype))
+            else:
+                p.data.copy_(value.to(p.dtype))
 
     # ---------------------------------------------------------------- record
     def describe(self) -> dict:
@@ -286,6 +302,10 @@ def decode(payload: list[torch.Tensor], dtype: str, numel: int) -> torch.Tensor:
     if dtype == "int4":
         codes = torch.stack([codes & 15, codes >> 4], -1).view(-1, INT8_BLOCK).to(torch.int8) - 8
     return (codes.float() * (scales[:, None] / LEVELS[dtype])).reshape(-1)[:numel]
+
+
+def _numel(p) -> int:
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3's p: a partition of ds_numel
 
 
 def _has_master(p) -> bool:
