@@ -17,7 +17,8 @@ step = compute + exposed communication + optimizer (+ offload transfers), per op
                of an int32 index and an fp32 value per kept entry (topk_fraction of each matrix)
       DiLoCo   (one replica per node) the config's traffic inside the replica, on the node's link; every H steps
                each rank's slice of the pseudo-gradient all-gathered across the replicas (int8/bf16/fp32) and the
-               averaged slices all-gathered inside the replica, 1/H of it per step; diloco.warmup_steps' N
+               new weights' slices broadcast in turn inside the replica (counted as the all-gather of the same
+               bytes), 1/H of it per step; diloco.warmup_steps' N
                averaged steps (a sync each, bf16 for int8/int4) count as N/max_steps of the run's steps
       tensor parallel  all-reduces of a micro-batch's activations per layer: 2 forward, 2 backward (Megatron)
                or one per column-parallel linear (AutoTP: 5 in a Llama layer); the forward's again when recomputed
@@ -475,7 +476,8 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
 
 def _diloco_calls(psi_t: int, size: int, replicas: int, every: int, dtype: str, averaged: float = 0.0) -> list:
     """A sync's traffic (components/diloco.py), 1/H of it per step: each rank's INT8_BLOCK-aligned slice of the
-    pseudo-gradient all-gathered across the replicas, then the averaged fp32 slices all-gathered in the replica.
+    pseudo-gradient all-gathered across the replicas, then the new weights' fp32 slices broadcast in turn in the
+    replica (S broadcasts of a slice: counted as one all-gather of the same bytes).
     averaged: the share of the run's steps that diloco.warmup_steps ends with a sync of its own (in warmup_wire's
     type); the other steps sync every H."""
     from ..components.diloco import WIRE_BYTES, slice_length, warmup_wire
