@@ -12,7 +12,7 @@ from tests.helpers import launch
 # base, adapters with full states.
 # Measured 1.23 under ZeRO-3 (1.12 under ZeRO-2, not kept in the suite: the same terms, less partitioned).
 # DiLoCo (2 replicas of one rank, ZeRO-2): the outer state (shared weights + momentum, 8 bytes a parameter) and the
-# sync's full fp32 vector. Its end-of-run save is synchronous here: a background save's host copy of the whole
+# sync's fp32 pseudo-gradient (a replica of one rank holds the whole model's slices: both are the whole model's). Its end-of-run save is synchronous here: a background save's host copy of the whole
 # unpartitioned state (564 MiB with DiLoCo's, more than the training's transients) is no part of the estimate and
 # put the measured peak at 1.31x; with it synchronous, the DiLoCo terms are what is checked.
 BOUND = {"zero0.json": 0.25, "zero1.json": 0.25, "zero2.json": 0.25, "zero3.json": 0.35, "zero3.json+lora": 0.35,
