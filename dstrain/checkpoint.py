@@ -381,12 +381,11 @@ class Checkpointer:
         return resume.manifest
 
     def _load_extra(self, resume: Resume, name: str, extra) -> None:
-        """This rank's own state on the same world; on another world, rank 0's (the extra keeps what is shared), or
-        the rank the extra names (source_rank: DiLoCo's outer state is cut into slices, one per rank of a replica)."""
+        """This rank's own state on the same world; on another world, the rank the extra names (source_rank: rank 0's
+        by default; DiLoCo's outer state is cut into slices, one per rank of a replica)."""
         mine = resume.path / f"{name}_rank{self.ctx.rank}.pt"
         same_world = resume.manifest.get("world_size") == self.ctx.world_size and mine.exists()
-        other = extra.source_rank(self.ctx.rank) if hasattr(extra, "source_rank") else 0
-        source = mine if same_world else resume.path / f"{name}_rank{other}.pt"
+        source = mine if same_world else resume.path / f"{name}_rank{extra.source_rank(self.ctx.rank)}.pt"
         if not source.exists():
             if self.ctx.is_main:
                 print(f"warning: {resume.path.name} holds no {name} state; it starts afresh", file=sys.stderr)

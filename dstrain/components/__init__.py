@@ -77,6 +77,10 @@ class Component:
     def load_state_dict(self, state: dict, same_world: bool) -> None:
         raise NotImplementedError
 
+    def source_rank(self, rank: int) -> int:
+        """On another world, the rank whose saved state `rank` loads: rank 0's (the component keeps what is shared)."""
+        return 0
+
 
 def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     """The components this recipe and DeepSpeed JSON turn on, in the order their hooks run."""

@@ -258,8 +258,7 @@ class Diloco(Component):
             raise RuntimeError(f"diloco: the checkpoint's shared weights have {state['anchor'].numel()} elements; "
                                f"this rank's slice has {self.mine.stop - self.mine.start} of {self.numel}")
         self.anchor, self.momentum = mine(state["anchor"]), mine(state["momentum"])
-        self.carry = state["carry"].to(device) if same_world and state["carry"] is not None and \
-            state["carry"].numel() == self.anchor.numel() else None
+        self.carry = mine(state["carry"]) if same_world else None  # always slice-sized
 
 
 INT8_BLOCK = 128  # int8/int4: elements sharing one fp32 scale (int8: 1 + 4/128 bytes per element, 3.9x fewer than

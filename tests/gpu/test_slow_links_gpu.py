@@ -10,29 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_compression import SHAPES, _grads, _run, _train
+from tests.unit.test_compression import SHAPES, _run, _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _train_on_cuda(rank, method, steps, warmup):
-    """tests/unit/test_compression.py's _train with every gradient on the GPU; results back on the CPU."""
-    from dstrain.components import compression as C
-
-    step = [0]
-    reducer = C.Reducer(C.CompressionSection(method, rank=2, warmup_steps=warmup), step=lambda: step[0])
-    applied, true_mean = [], []
-    for t in range(steps):
-        step[0] = t
-        grads = [g.cuda() for g in _grads(rank, t)]
-        reducer.average_(grads)
-        assert all(g.is_cuda for g in grads)
-        applied.append([g.cpu() for g in grads])
-        true_mean.append([sum(_grads(r, t)[i] for r in range(2)) / 2 for i in range(len(SHAPES))])
-    state = reducer.state_dict()
-    assert all(e.is_cuda for e in state["errors"].values())
-    return {"applied": applied, "mean": true_mean,
-            "state": {"errors": {k: v.cpu() for k, v in state["errors"].items()}}}
 
 
 @pytest.mark.parametrize("method", ["topk", "sign", "powersgd"])
@@ -40,7 +20,7 @@ def test_compressors_on_cuda_tensors_match_the_cpu_and_keep_the_sum(method, tmp_
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cuda").mkdir()
     cpu = _run(2, _train, tmp_path / "cpu", method, 12, 2)
-    gpu = _run(2, _train_on_cuda, tmp_path / "cuda", method, 12, 2)
+    gpu = _run(2, _train, tmp_path / "cuda", method, 12, 2, None, 0, "cuda")  # the gradients on the GPU
     worst = max(float((g - c).abs().max() / c.abs().max()) for a, b in zip(gpu[0]["applied"], cpu[0]["applied"])
                 for g, c in zip(a, b))
     print(f"{method}: {torch.cuda.get_device_name()}, worst relative difference to the CPU over 12 steps "

@@ -44,8 +44,9 @@ def _grads(rank: int, step: int) -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=g) for shape in SHAPES]
 
 
-def _train(rank, method, steps, warmup, state=None, first=0):
-    """Feed `steps` random gradients through a Reducer; return applied updates, true means and state."""
+def _train(rank, method, steps, warmup, state=None, first=0, device="cpu"):
+    """Feed `steps` random gradients (on `device`) through a Reducer; return applied updates, true means and state
+    (on the CPU)."""
     step = [first]
     reducer = C.Reducer(C.CompressionSection(method, rank=2, warmup_steps=warmup), step=lambda: step[0])
     if state is not None:
@@ -53,12 +54,17 @@ def _train(rank, method, steps, warmup, state=None, first=0):
     applied, true_mean = [], []
     for t in range(first, first + steps):
         step[0] = t
-        grads = _grads(rank, t)
+        grads = [g.to(device) for g in _grads(rank, t)]
         mean = [sum(_grads(r, t)[i] for r in range(2)) / 2 for i in range(len(SHAPES))]
         reducer.average_(grads)
-        applied.append(grads)
+        assert all(g.device.type == device for g in grads)
+        applied.append([g.cpu() for g in grads])
         true_mean.append(mean)
-    return {"applied": applied, "mean": true_mean, "state": reducer.state_dict()}
+    state = reducer.state_dict()
+    assert all(e.device.type == device for e in state["errors"].values())
+    return {"applied": applied, "mean": true_mean,
+            "state": dict(state, errors={k: v.cpu() for k, v in state["errors"].items()},
+                          factors={k: v.cpu() for k, v in state["factors"].items()})}
 
 
 @pytest.mark.parametrize("method", ["powersgd", "sign", "topk"])

@@ -158,6 +158,8 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
     # and this rank's, two decoded slices
     assert est.device["diloco_sync"] == 4 * chunk + int(5 * (1 + 4 / 128) * chunk) + 8 * chunk < 2.2 * psi
     assert est.device_total > 12 * chunk + 4 * chunk
+    fits, text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)
+    assert fits, text  # with the whole model's outer state on every rank, it did not
     no_momentum = recipe(llama8b, "--diloco.every=50", "--diloco.outer_momentum=0", "--diloco.dtype=fp32")
     est = memory.estimate(config, psi, no_momentum, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
     assert est.device["diloco_state"] == 4 * chunk
