@@ -11,8 +11,9 @@ Transient, in two phases that do not overlap (the peak is the persistent part pl
   backward    activations, the gradient reduce bucket, ZeRO-3's gathered live parameters and prefetch
   step        the fp32 partition's gradient 4*psi/N, torch AdamW's foreach temporary (one fp32 element
               per updated element), ZeRO-1/2's all-gather bucket
-  DiLoCo sync (after the step) a few slices of the model and its largest parameter (_diloco); its persistent
-              state, the shared weights and the outer momentum, is 8*psi/S on each rank of a replica of S
+  DiLoCo sync (after the step) a slice of the model, a few buckets and its largest parameter (_diloco); its
+              persistent state, the shared weights and the outer momentum, is 8*psi/S on each rank of a replica
+              of S (in host memory when the optimizer is offloaded)
 Buckets count at most psi elements: on CPU only written pages are resident.
 Offloaded parameters / optimizer states move from the device to host memory.
 LoRA (psi_a adapter parameters on a frozen base of psi): parameters are w*(psi + psi_a) (ZeRO-3: /N), while
@@ -126,10 +127,13 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
                            + int(zero.get("stage3_prefetch_bucket_size", 5e7)))
     device = {"parameters": params, "gradients": grads, "optimizer_states": moments + master,
               "optimizer_step": step, "buffers": buffers}
+    host: dict = {}
     if recipe.diloco.enabled:
         hidden, _, ffn, vocab = _dims(config)
-        device.update(_diloco(recipe.diloco, psi_t, layout, w if stage == 3 else 0, hidden * max(vocab, ffn)))
-    host: dict = {}
+        on_device, on_host = _diloco(recipe.diloco, psi_t, layout, w if stage == 3 else 0, hidden * max(vocab, ffn),
+                                     offload_opt)
+        device.update(on_device)
+        host.update(on_host)
     if offload_opt:  # DeepSpeedCPUAdam: states, master, its gradient and the step live in host memory
         host["optimizer_states"] = device.pop("optimizer_states") + device.pop("optimizer_step")
     if offload_param and stage == 3:
@@ -152,24 +156,31 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     return est
 
 
-def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int) -> dict:
+def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: bool) -> tuple[dict, dict]:
     """DiLoCo's outer state on each rank (components/diloco.py), all of it for this rank's slice of the model (one of
     the replica's S): the shared weights of the last sync (fp32), the outer momentum (fp32, when outer_momentum >
     0) and the rounding carried over (fp32, when the pseudo-gradient is sent in bf16/int8/int4). At a sync, after
-    the optimizer step: this rank's slice of the pseudo-gradient, then either what goes on the wire from each
-    replica and two decoded slices, or (reading and writing the weights, a parameter at a time) another rank's
-    slice, one parameter's full fp32 weight and under ZeRO-3 its gathered working copy (w bytes each); `largest`:
-    the largest parameter's elements (the embedding's, in a language model)."""
-    from .components.diloco import WIRE_BYTES, slice_length
+    the optimizer step: this rank's slice of the pseudo-gradient, then a bucket (diloco.BUCKET elements) at a time
+    either what goes on the wire from each replica and two decoded buckets, or (writing the weights, a parameter at
+    a time) a broadcast bucket, one parameter's full fp32 weight and under ZeRO-3 its gathered working copy (w bytes
+    each); `largest`: the largest parameter's elements (the embedding's, in a language model). With the optimizer
+    offloaded the state, the slice and the decoded buckets and weight are in host memory, and the accelerator holds
+    only what the collectives carry. Returns (accelerator, host) bytes."""
+    from .components.diloco import BUCKET, WIRE_BYTES, slice_length
 
     size = layout.replica_data_parallel
     chunk = slice_length(psi_t, size)
+    bucket, largest = min(chunk, BUCKET), min(largest, psi_t)
     compressed = cfg.dtype != "fp32"
     persistent = 4 * chunk * (2 if cfg.outer_momentum > 0 else 1) + (4 * chunk if compressed else 0)
-    wire = WIRE_BYTES[cfg.dtype] * chunk
-    on_wire = int((layout.replicas + 1) * wire) + 8 * chunk if compressed else 0
-    weights = (4 * chunk if size > 1 else 0) + (4 + gathered_w) * min(largest, psi_t)
-    return {"diloco_state": persistent, "diloco_sync": 4 * chunk + max(on_wire, weights)}
+    wire = int((layout.replicas + 1) * WIRE_BYTES[cfg.dtype] * bucket) if compressed else 4 * bucket
+    decoded = 8 * bucket if compressed else 0
+    broadcast = 4 * bucket if size > 1 else 0
+    if offloaded:
+        return ({"diloco_sync": max(wire, broadcast + gathered_w * largest)},
+                {"diloco_state": persistent + 4 * chunk + max(decoded, 4 * largest)})
+    sync = 4 * chunk + max(wire + decoded, broadcast + (4 + gathered_w) * largest)
+    return {"diloco_state": persistent, "diloco_sync": sync}, {}
 
 
 # Memory of common accelerators, for planning a run from a machine without them (`--preflight --device NAME`):

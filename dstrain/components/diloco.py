@@ -63,6 +63,10 @@ class Diloco(Component):
         self.carry: torch.Tensor | None = None  # bf16/int8/int4: what rounding the pseudo-gradient dropped
         self.max_steps = self.replicas = self.numel = 0
         self.mine = slice(0, 0)  # this rank's slice of the flat model
+        # where the outer state lives (host memory when the DeepSpeed config offloads the optimizer: a user who
+        # offloads has no accelerator memory to spare for 8-12 bytes a parameter of it) and where the collectives
+        # run (the accelerator: NCCL takes no host tensors)
+        self.home = self.comm = torch.device("cpu")
 
     def validate(self, setup: Setup) -> None:
         cfg, recipe, layout = self.cfg, setup.recipe, setup.layout
@@ -85,10 +89,6 @@ class Diloco(Component):
             raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
                             f"all-reduce, which under DiLoCo stays inside a replica; set compression.method=none "
                             f"(diloco.dtype=bf16 halves the bytes DiLoCo sends)")
-        zero = setup.ds_cfg.get("zero_optimization") or {}
-        if any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")):
-            raise UserError("diloco with ZeRO offload is not supported yet; remove the offload section, or set "
-                            "diloco.every=0")
         if recipe.lora.r:
             raise UserError("diloco with LoRA is not supported yet; set lora.r=0 or diloco.every=0")
         for key, value in (("eval.every", recipe.eval.every), ("checkpoint.every", recipe.checkpoint.every)):
@@ -103,6 +103,8 @@ class Diloco(Component):
         ds_cfg.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
 
     def attach(self, engine, setup: Setup) -> None:
+        from deepspeed.accelerator import get_accelerator
+
         from .. import ds_internals
 
         self.max_steps, self.unit = setup.recipe.train.max_steps, engine.mpu
@@ -113,6 +115,10 @@ class Diloco(Component):
         self.numel = sum(_numel(p) for p in self.params)
         chunk = slice_length(self.numel, size)
         self.mine = slice(min(self.numel, index * chunk), min(self.numel, (index + 1) * chunk))
+        self.comm = torch.device(get_accelerator().current_device_name())
+        zero = setup.ds_cfg.get("zero_optimization") or {}
+        offloaded = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+        self.home = torch.device("cpu") if offloaded else self.comm
         self.anchor = self._read()  # a resumed run's comes with the checkpoint (load_state_dict, after this)
 
     # ---------------------------------------------------------------- the outer step
@@ -128,28 +134,37 @@ class Diloco(Component):
         slice only, sends that slice of the pseudo-gradient across the replicas, takes the outer step on it, and
         the replica's ranks then put the new shared weights together over their own link. One model's worth crosses
         the slow link per replica and sync, not one per rank; the outer state is 1/S of the model per rank (a
-        7B model's fp32 shared weights and momentum are 56 GB, which a rank of a replica of 8 keeps 7 GB of). Memory
-        at the sync (memory.py counts it): a few slices and one parameter's full weight at a time, no copy of the
-        whole model. average: the plain average of the replicas (diloco.warmup_steps), not the outer step; its
-        momentum is left as it is."""
-        cfg, replicas, unit = self.cfg, self.unit.layout.replicas, self.unit
+        7B model's fp32 shared weights and momentum are 56 GB, which a rank of a replica of 8 keeps 7 GB of), in host
+        memory when the optimizer is offloaded. Memory at the sync (memory.py counts it): this slice's
+        pseudo-gradient, a few buckets and one parameter's full weight at a time, no copy of the whole model.
+        average: the plain average of the replicas (diloco.warmup_steps), not the outer step; its momentum is left
+        as it is."""
+        cfg, replicas, unit, home, comm = self.cfg, self.unit.layout.replicas, self.unit, self.home, self.comm
         pseudo = self._read()
         torch.sub(self.anchor, pseudo, out=pseudo)  # this slice's pseudo-gradient
         wire = warmup_wire(cfg.dtype) if average else cfg.dtype
         if wire != "fp32":  # compressed on the wire, the rounding carried to the next sync (error feedback)
             if self.carry is not None:
                 pseudo += self.carry
-            payload = encode(pseudo, wire)
-            self.carry = pseudo - decode(payload, wire, pseudo.numel())
-            gathered = [[torch.empty_like(t) for _ in range(replicas)] for t in payload]
+            else:
+                self.carry = torch.empty_like(pseudo)
+        for lo in range(0, pseudo.numel(), BUCKET):  # a bucket at a time (INT8_BLOCK-aligned: the same blocks)
+            part = pseudo[lo:lo + BUCKET]
+            if wire == "fp32":
+                sent = part.to(comm)
+                tdist.all_reduce(sent, group=unit.across)
+                if sent is not part:
+                    part.copy_(sent)
+                continue
+            payload = encode(part, wire)
+            self.carry[lo:lo + BUCKET] = part - decode(payload, wire, part.numel())
+            gathered = [[torch.empty_like(t, device=comm) for _ in range(replicas)] for t in payload]
             for parts, t in zip(gathered, payload):
-                tdist.all_gather(parts, t, group=unit.across)  # summed in fp32 below, not on the wire
-            pseudo = decode([parts[0] for parts in gathered], wire, pseudo.numel())
+                tdist.all_gather(parts, t.to(comm), group=unit.across)  # summed in fp32 below, not on the wire
+            part.copy_(decode([parts[0].to(home) for parts in gathered], wire, part.numel()))
             for k in range(1, replicas):  # one replica's at a time, in replica order
-                pseudo += decode([parts[k] for parts in gathered], wire, pseudo.numel())
+                part += decode([parts[k].to(home) for parts in gathered], wire, part.numel())
             del gathered
-        else:
-            tdist.all_reduce(pseudo, group=unit.across)
         pseudo /= replicas
         mu = 0.0 if average else cfg.outer_momentum
         if mu > 0:  # torch.optim.SGD's Nesterov: buf = mu buf + g (g itself at first), step g + mu buf
@@ -170,8 +185,8 @@ class Diloco(Component):
         out, offset = None, 0
         for p in self.params:
             value = (safe_get_full_fp32_param(p) if _has_master(p) else p.detach()).reshape(-1)
-            if out is None:  # on the weights' device (the collectives' backend needs it there)
-                out = torch.empty(self.mine.stop - self.mine.start, device=value.device)
+            if out is None:
+                out = torch.empty(self.mine.stop - self.mine.start, device=self.home)
             lo, hi = max(self.mine.start, offset), min(self.mine.stop, offset + value.numel())
             if lo < hi:
                 out[lo - self.mine.start:hi - self.mine.start].copy_(value[lo - offset:hi - offset])
@@ -181,42 +196,45 @@ class Diloco(Component):
 
     def _write(self) -> None:
         """The new shared weights into the masters and the module's working copy (DeepSpeed copies masters to it
-        only after its next step). The replica's ranks broadcast their slices in turn over their own link, and
-        each parameter is written once its last piece has arrived: one slice and one parameter's full weight exist
-        at a time (gathering the slices into a full fp32 vector took 4 bytes a parameter: 30 GiB a rank for
-        Llama-3.1-8B)."""
-        unit = self.unit
+        only after its next step). The replica's ranks broadcast their slices in turn over their own link, a bucket
+        at a time, and each parameter is written once its last piece has arrived: a bucket and one parameter's full
+        weight exist at a time (gathering the slices into a full fp32 vector took 4 bytes a parameter: 30 GiB a
+        rank for Llama-3.1-8B)."""
+        unit, home, comm = self.unit, self.home, self.comm
         size, index = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank()
-        group, chunk, device = unit.get_data_parallel_group(), slice_length(self.numel, size), self.anchor.device
+        group, chunk = unit.get_data_parallel_group(), slice_length(self.numel, size)
         params = iter(self.params)
         p = next(params)
-        value, start = torch.empty(_numel(p), device=device), 0  # p's full weight; p starts at `start`
+        value, start = torch.empty(_numel(p), device=home), 0  # p's full weight; p starts at `start`
         for j in range(size):
-            lo, hi = min(self.numel, j * chunk), min(self.numel, (j + 1) * chunk)
-            if lo == hi:
-                continue
-            piece, first = (self.anchor if j == index else torch.empty(hi - lo, device=device)), lo
-            if size > 1:
-                tdist.broadcast(piece, src=tdist.get_global_rank(group, j), group=group)
-            while lo < hi:  # the parameters this piece continues or completes
-                end = min(hi, start + value.numel())
-                value[lo - start:end - start].copy_(piece[lo - first:end - first])
-                lo = end
-                if end == start + value.numel():
-                    self._write_one(p, value)
-                    start, p = end, next(params, None)
-                    if p is None:
-                        break
-                    value = torch.empty(_numel(p), device=device)
-            del piece
+            for first in range(min(self.numel, j * chunk), min(self.numel, (j + 1) * chunk), BUCKET):
+                lo, hi = first, min(self.numel, (j + 1) * chunk, first + BUCKET)
+                if j == index:
+                    piece = self.anchor[lo - self.mine.start:hi - self.mine.start]
+                    piece = piece.to(comm) if size > 1 else piece
+                else:
+                    piece = torch.empty(hi - lo, device=comm)
+                if size > 1:
+                    tdist.broadcast(piece, src=tdist.get_global_rank(group, j), group=group)
+                while lo < hi:  # the parameters this piece continues or completes
+                    end = min(hi, start + value.numel())
+                    value[lo - start:end - start].copy_(piece[lo - first:end - first])
+                    lo = end
+                    if end == start + value.numel():
+                        self._write_one(p, value)
+                        start, p = end, next(params, None)
+                        if p is None:
+                            break
+                        value = torch.empty(_numel(p), device=home)
+                del piece
 
     def _write_one(self, p, value: torch.Tensor) -> None:
         from deepspeed import zero
         from deepspeed.utils import safe_set_full_fp32_param
 
         value = value.view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)  # ZeRO-3's p: a partition
-        if _has_master(p):
-            safe_set_full_fp32_param(p, value.to(p.device))
+        if _has_master(p):  # DeepSpeed copies the master's part out of it, whichever device each is on
+            safe_set_full_fp32_param(p, value)
         with torch.no_grad():
             if hasattr(p, "ds_id"):  # ZeRO-3: gathered (every rank of the replica, parameter by parameter in the
                 # same order), written by the replica's first rank (its rank in the parameters' group), partitioned
@@ -247,7 +265,7 @@ class Diloco(Component):
         rounding is its replica's and, on another world, starts again from zero. A checkpoint from before the outer
         state was cut into slices holds the whole model's: this rank keeps its slice of it. On this rank's device,
         whichever device the saving rank used."""
-        device = self.anchor.device
+        device = self.home
 
         def mine(t):
             if t is None:
@@ -264,6 +282,8 @@ class Diloco(Component):
 INT8_BLOCK = 128  # int8/int4: elements sharing one fp32 scale (int8: 1 + 4/128 bytes per element, 3.9x fewer than
 # fp32; int4: 0.5 + 4/128, 7.5x fewer)
 LEVELS = {"int8": 127, "int4": 7}  # codes -LEVELS..LEVELS, the block's largest magnitude at the ends
+BUCKET = 1 << 25  # elements a sync's collective carries at a time (INT8_BLOCK-aligned): the accelerator holds
+# buckets, not slices, of what crosses (128 MiB in fp32), whether the outer state is there or in host memory
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_BLOCK, "int4": 0.5 + 4 / INT8_BLOCK}  # per element sent
 
 

@@ -105,3 +105,20 @@ def test_replicas_join_and_leave_between_launches(tmp_path, cache, tiny_llama):
                                    regroups=((3, 3, 3), (6, 2, 2)))
     assert len(got) == 9 and got == pytest.approx(want, rel=RTOL)
 
+
+
+@pytest.mark.parametrize("ds_config", ["zero2_offload.json", "zero3_offload.json"])
+def test_h3_with_cpu_offload_inside_replicas_of_two_ranks(tmp_path, cache, tiny_llama, ds_config):
+    """ZeRO offload inside a replica (DeepSpeedCPUAdam; ZeRO-3 offloads the parameters too, partitioned to the last
+    one): the outer state lives in host memory beside the optimizer's, and the syncs' collectives go a bucket at a
+    time through the accelerator (here the CPU itself). 4 ranks in 2 replicas of 2, H = 3, the paper's Nesterov
+    outer step, int8 pseudo-gradients with the rounding carried: the losses are the simulation's."""
+    run = tmp_path / "run"
+    launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", ds_config, "--output_dir", str(run),
+                     "--ds.zero_optimization.stage3_param_persistence_threshold=0", "--diloco.every=3",
+                     "--diloco.replicas=2", "--diloco.dtype=int8"], cache, nproc=4)
+    got = metrics(run)[0]
+    want = reference(tiny_llama, run, 4, 2, 3, 0.7, 0.9, "int8")
+    assert len(got) == STEPS and got[-1] < got[0] - 0.3
+    assert got == pytest.approx(want, rel=RTOL)
+    assert got != pytest.approx(reference(tiny_llama, run, 4, 2, 3, 0.7, 0.9, "bf16"), rel=RTOL)

@@ -55,3 +55,16 @@ def test_diloco_wire_encodings_on_cuda_match_the_cpu(dtype):
             mismatched = sum(int((t.cpu() != w).sum()) for t, w in zip(payload, want))
             print(f"{dtype}: {mismatched} of {sum(w.numel() for w in want)} wire elements differ from the CPU's")
             assert mismatched == 0
+
+
+@pytest.mark.parametrize("dtype", ["int4", "fp32"])
+def test_diloco_sync_with_the_outer_state_in_host_memory_and_the_weights_on_the_gpu(tmp_path, dtype):
+    """An offloaded optimizer's DiLoCo: the outer state in host memory, the weights and the collectives' buckets
+    on the GPU (4 gloo ranks in 2 replicas of 2 on the one GPU); after two syncs the weights are the outer step
+    written out by hand (tests/unit/test_diloco.py's worker, there all on the CPU)."""
+    import torch.multiprocessing as mp
+
+    from tests.unit.test_diloco import _sync_worker
+
+    mp.start_processes(_sync_worker, args=(str(tmp_path / "store"), dtype, 128, "cuda", "cpu"), nprocs=4,
+                       start_method="spawn")

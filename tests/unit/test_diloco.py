@@ -34,7 +34,6 @@ def validate(overrides: list[str], ds: str = "zero2.json", world: int = 4, ranks
     (["--diloco.every=5", "--compression.method=powersgd"], "zero1.json", 4,
      "compression.method=powersgd compresses the every-step gradient all-reduce"),
     (["--diloco.every=5"], "tp2_zero1.json", 4, "pipeline stages, tensor or sequence parallelism"),
-    (["--diloco.every=5"], "zero3_offload.json", 4, "diloco with ZeRO offload is not supported yet"),
     (["--diloco.every=20"], "zero2.json", 4, r"eval.every=50 must be a multiple of diloco.every=20 .*eval.every=40"),
     (["--diloco.every=10", "--checkpoint.every=auto"], "zero2.json", 4, "checkpoint.every=auto must be a multiple"),
 ])
@@ -177,3 +176,64 @@ def test_each_rank_keeps_its_slice_of_the_outer_state_and_resumes_it_on_another_
     with pytest.raises(RuntimeError, match="the checkpoint's shared weights have 10 elements; this rank's slice has "
                                            "44 of 300"):
         outer.load_state_dict({"anchor": torch.zeros(10), "momentum": None, "carry": None}, same_world=True)
+
+
+def _sync_worker(rank: int, store: str, dtype: str, bucket: int, device: str = "cpu", home: str = "cpu") -> None:
+    """One of 4 gloo ranks in 2 replicas of 2: three parameters (877 elements: slices [0, 512) and [512, 877), cut
+    into buckets of `bucket`), two syncs after each replica moved its weights its own way; the weights after each
+    are the outer step written out by hand over the whole vector (torch.optim.SGD's Nesterov, the rounding
+    carried). device: the weights' and the collectives'; home: the outer state's (tests/gpu: "cuda" and "cpu", as
+    with an offloaded optimizer on a GPU)."""
+    import torch
+    import torch.distributed as tdist
+
+    from dstrain import ds_internals
+    from dstrain.components import diloco
+    from dstrain.config import DilocoSection
+
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    diloco.BUCKET = bucket
+    unit = ds_internals.ReplicaUnit(Layout(4, rank=rank, replicas=2))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).to(device)) for shape in ((3, 100), (77,), (5, 100))]
+    lr, mu = 0.7, 0.9
+    outer = diloco.Diloco(DilocoSection(every=2, dtype=dtype, outer_lr=lr, outer_momentum=mu))
+    outer.unit, outer.params, outer.numel = unit, params, 877
+    outer.home, outer.comm = torch.device(home), torch.device(device)
+    size, index = unit.get_data_parallel_world_size(), unit.get_data_parallel_rank()
+    chunk = diloco.slice_length(877, size)
+    outer.mine = slice(min(877, index * chunk), min(877, (index + 1) * chunk))
+    outer.anchor = outer._read()
+    flat = lambda: torch.cat([p.detach().reshape(-1).cpu() for p in params])  # noqa: E731
+    anchor, buf, carry = flat(), None, [torch.zeros(877), torch.zeros(877)]
+    for sync in range(2):
+        moved = []
+        for k in range(2):  # each replica's own weights now
+            moved.append(anchor + torch.randn(877, generator=torch.Generator().manual_seed(10 * sync + k)) * 0.01)
+        with torch.no_grad():
+            for p, value in zip(params, moved[unit.layout.replica].split([p.numel() for p in params])):
+                p.copy_(value.view_as(p))
+        assert outer.anchor.device.type == home
+        outer.sync()
+        mean = torch.zeros(877)
+        for k in range(2):
+            pseudo = anchor - moved[k] + carry[k]
+            sent = pseudo if dtype == "fp32" else diloco.decode(diloco.encode(pseudo, dtype), dtype, 877)
+            carry[k] = pseudo - sent if dtype != "fp32" else carry[k]
+            mean += sent
+        mean /= 2
+        buf = mean.clone() if buf is None else buf.mul_(mu).add_(mean)
+        anchor = anchor - lr * (mean + mu * buf)
+        assert torch.allclose(flat(), anchor, rtol=0, atol=1e-6), (rank, sync, (flat() - anchor).abs().max())
+    tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype,bucket", [("int4", 128), ("fp32", 256)])
+def test_the_sync_in_buckets_across_replicas_of_two_ranks_is_the_outer_step(tmp_path, dtype, bucket):
+    """The sync's collectives go a bucket (diloco.BUCKET elements) at a time, across replicas and within one, and
+    parameters straddle both the slices and the buckets: the weights after two syncs are the outer step written out
+    by hand (a bucket's pieces put in the wrong place, one dropped, or the carried rounding of one bucket written
+    over another's all move them by more than the bound)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_sync_worker, args=(str(tmp_path / "store"), dtype, bucket), nprocs=4, start_method="fork")

@@ -136,7 +136,8 @@ def test_sequence_parallel_preflight_fits_128k_and_names_the_longest_length(tmp_
 
 def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, monkeypatch):
     """Issue 33: the preflight partitioned ZeRO over the whole world and left out DiLoCo's outer state (the shared
-    weights and the momentum, fp32, the whole model on every rank: 64 GB for 8B) and its sync's full vector."""
+    weights and the momentum, fp32, the whole model on every rank: 64 GB for 8B) and its sync's full vector; with
+    the optimizer offloaded, the outer state is in host memory too."""
     from transformers import AutoConfig
 
     from dstrain.components.diloco import replicas_for
@@ -154,9 +155,13 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
     chunk = -(-psi // 8 // 128) * 128
     # this rank's slice (one of its replica's 8) of the shared weights, the momentum and int8's carried rounding
     assert est.device["diloco_state"] == 12 * chunk
-    # at the sync, slices only (no copy of the whole model): the pseudo-gradient's, the 4 replicas' int8 payloads
-    # and this rank's, two decoded slices
-    assert est.device["diloco_sync"] == 4 * chunk + int(5 * (1 + 4 / 128) * chunk) + 8 * chunk < 2.2 * psi
+    # at the sync, no copy of the whole model: the pseudo-gradient's slice, then the larger of a bucket's int8
+    # payloads (the 4 replicas' and this rank's) with two decoded buckets, and the writing of the weights: a
+    # broadcast bucket, the embedding's full fp32 weight and its gathered bf16 working copy
+    bucket, embedding = 2 ** 25, config.hidden_size * config.vocab_size
+    assert int(5 * (1 + 4 / 128) * bucket) + 8 * bucket < 4 * bucket + 6 * embedding
+    assert est.device["diloco_sync"] == 4 * chunk + 4 * bucket + 6 * embedding < psi  # 2.2 psi before buckets
+    assert not est.host
     assert est.device_total > 12 * chunk + 4 * chunk
     fits, text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 32, 8, GPU)
     assert fits, text  # with the whole model's outer state on every rank, it did not
@@ -167,6 +172,16 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
     # states, which one rank keeps whole)
     fits, text = memory.preflight(r, dsc.load("zero3.json"), "zero3.json", 4, 1, GPU)
     assert not fits and "diloco_state" in text and "diloco_sync do not coexist" in text, text
+    # ZeRO-3 with CPU offload: the outer state, the pseudo-gradient's slice and the full weight being written are
+    # in host memory beside the optimizer's; the accelerator holds what the collectives carry and the gathered
+    # bf16 copy of the parameter being written
+    cfg = dsc.resolve(dsc.load("zero3_offload.json"), r, 32, GPU, hidden_size=4096, replicas=4)
+    est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
+    assert "diloco_state" not in est.device
+    assert est.host["diloco_state"] == 12 * chunk + 4 * chunk + 4 * embedding
+    assert est.device["diloco_sync"] == 4 * bucket + 2 * embedding
+    fits, text = memory.preflight(r, dsc.load("zero3_offload.json"), "zero3_offload.json", 32, 8, GPU)
+    assert fits and "offloaded to host: diloco_state" in text, text
 
 
 def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
