@@ -409,7 +409,8 @@ def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config:
 def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                             weight_decay: float, world: int, replicas: int, micro: int, every: int, outer_lr: float,
                             outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
-                            max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0) -> list[float]:
+                            max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0,
+                            lora: dict | None = None) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -424,7 +425,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     (its weights and AdamW state; a copy past the new count is dropped), the carried rounding starts from zero.
     `averaged_first` (diloco.warmup_steps): after each of that many first steps the shared weights become the
     copies' average (the pseudo-gradients rounded to bf16 where dtype is int8/int4, subtracted whole), the outer
-    SGD untouched.
+    SGD untouched. `lora`: peft's LoraConfig keywords; the adapters peft makes right after torch.manual_seed(seed)
+    are what trains (AdamW, the pseudo-gradients and the outer step cover them only), the base stays frozen.
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -448,16 +450,22 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
         return rows["input_ids"].long(), labels.long(), rows.get("attention_mask"), rows.get("position_ids")
 
     shared = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(seed)
+        shared = get_peft_model(shared, LoraConfig(task_type="CAUSAL_LM", **lora))
+
+    def trained(m):
+        return [p for p in m.parameters() if p.requires_grad]
 
     def adamw(m):
-        return torch.optim.AdamW([{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": weight_decay},
-                                  {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        return torch.optim.AdamW([{"params": [p for p in trained(m) if p.ndim >= 2], "weight_decay": weight_decay},
+                                  {"params": [p for p in trained(m) if p.ndim < 2], "weight_decay": 0.0}],
                                  lr=lr, betas=betas, eps=eps)
 
     copies = [copy.deepcopy(shared).train() for _ in range(replicas)]
     opts = [adamw(m) for m in copies]
-    outer = torch.optim.SGD(shared.parameters(), lr=outer_lr, momentum=outer_momentum,
-                            nesterov=outer_momentum > 0)
+    outer = torch.optim.SGD(trained(shared), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
     carry = [0.0] * replicas
 
     def factor(s):
@@ -483,10 +491,10 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
         averaged = step + 1 <= averaged_first
         if averaged or (step + 1) % every == 0 or step + 1 == steps:
             with torch.no_grad():
-                params = list(shared.parameters())
+                params = trained(shared)
                 deltas = []
                 for k, model in enumerate(copies):
-                    delta = torch.cat([(p - q).reshape(-1) for p, q in zip(params, model.parameters())])
+                    delta = torch.cat([(p - q).reshape(-1) for p, q in zip(params, trained(model))])
                     wire = "bf16" if averaged and dtype in ("int8", "int4") else dtype
                     if wire != "fp32":
                         delta = delta + carry[k]

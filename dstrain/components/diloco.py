@@ -89,8 +89,6 @@ class Diloco(Component):
             raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
                             f"all-reduce, which under DiLoCo stays inside a replica; set compression.method=none "
                             f"(diloco.dtype=bf16 halves the bytes DiLoCo sends)")
-        if recipe.lora.r:
-            raise UserError("diloco with LoRA is not supported yet; set lora.r=0 or diloco.every=0")
         for key, value in (("eval.every", recipe.eval.every), ("checkpoint.every", recipe.checkpoint.every)):
             if value == "auto" or (isinstance(value, int) and value % cfg.every):
                 raise UserError(f"{key}={value} must be a multiple of diloco.every={cfg.every} (evaluations and "

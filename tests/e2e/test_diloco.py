@@ -122,3 +122,31 @@ def test_h3_with_cpu_offload_inside_replicas_of_two_ranks(tmp_path, cache, tiny_
     assert len(got) == STEPS and got[-1] < got[0] - 0.3
     assert got == pytest.approx(want, rel=RTOL)
     assert got != pytest.approx(reference(tiny_llama, run, 4, 2, 3, 0.7, 0.9, "bf16"), rel=RTOL)
+
+
+def test_lora_adapters_are_what_the_replicas_sync_zero3(tmp_path, cache, tiny_llama):
+    """LoRA inside replicas of two ranks under ZeRO-3 (the adapters partitioned: persistence threshold 0): only the
+    adapters train, so only they are the pseudo-gradient and the outer step's state (far fewer bytes than the
+    model's); the losses are the simulation's with peft's adapters (made right after torch.manual_seed(42), as
+    tests/e2e/test_lora.py's reference makes them)."""
+    from tests.e2e.test_lora import LORA, LORA_ARGS
+    from tests.e2e.test_lora import LR as LORA_LR
+
+    run = tmp_path / "run"
+    args = [a for a in COMMON if not a.startswith("--train.lr=")] + [f"--train.lr={LORA_LR}"]
+    launch(args + LORA_ARGS + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero3.json",
+                               "--output_dir", str(run), "--ds.zero_optimization.stage3_param_persistence_threshold=0",
+                               "--diloco.every=3", "--diloco.replicas=2", "--diloco.dtype=int8",
+                               "--checkpoint.every=3"], cache, nproc=4)
+    got = metrics(run)[0]
+    import torch  # the outer state (replica 0's two ranks' slices) is the adapters', not the model's
+
+    info = json.loads((run / "run_info.json").read_text())
+    saved = [torch.load(run / "checkpoints" / "step_00000006" / f"diloco_rank{r}.pt") for r in (0, 1)]
+    assert sum(s["anchor"].numel() for s in saved) == info["trainable_parameters"] < info["parameters"] / 10
+    want = diloco_reference_losses(tiny_llama, run, STEPS, LORA_LR, WARMUP, MIN_LR, 0.1, 4, 2, MICRO, 3, 0.7, 0.9,
+                                   "int8", lora=LORA)
+    assert len(got) == STEPS and got[-1] < got[0] - 0.1
+    assert got == pytest.approx(want, rel=RTOL)
+    assert got != pytest.approx(diloco_reference_losses(tiny_llama, run, STEPS, LORA_LR, WARMUP, MIN_LR, 0.1, 4, 2,
+                                                        MICRO, 3, 0.7, 0.9, "bf16", lora=LORA), rel=RTOL)
