@@ -32,7 +32,10 @@ def model_parallel_unit(layout):
     components/sequence_parallel.py), DiLoCo's replica groups, else None (the pipeline engine brings its own
     topology)."""
     if layout.replicas > 1:
-        return ReplicaUnit(layout)
+        unit = ReplicaUnit(layout)
+        if layout.tensor_parallel > 1:
+            use_replica_groups_for_tensor_parallel(unit)
+        return unit
     if layout.sequence_parallel > 1:
         return sequence_parallel_state()
     return init_tensor_parallel_groups(layout.tensor_parallel) if layout.tensor_parallel > 1 else None
@@ -53,29 +56,61 @@ def init_tensor_parallel_groups(tensor_parallel: int):
     return groups
 
 
+_REPLICA_UNIT = None  # the last ReplicaUnit made: under AutoTP the engine's mpu is deepspeed.utils.groups instead
+
+
+def replica_unit(engine):
+    """DiLoCo's replica groups for this engine: its mpu, or (AutoTP, which sets engine.mpu to DeepSpeed's groups
+    module) the ReplicaUnit that model_parallel_unit made for it."""
+    return engine.mpu if isinstance(engine.mpu, ReplicaUnit) else _REPLICA_UNIT
+
+
+def use_replica_groups_for_tensor_parallel(unit) -> None:
+    """AutoTP inside DiLoCo replicas. DeepSpeed's engine replaces the mpu with its own groups module and builds a
+    (data, tensor) mesh over the whole world, whose data-parallel groups would average gradients across replicas.
+    Its registry's private globals are set to the replica's groups first (deepspeed.utils.groups
+    _TENSOR_MODEL_PARALLEL_GROUP, _MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP: _init_tp_mesh_device returns early
+    when the tensor group exists): tensor-parallel groups of consecutive ranks, as its mesh makes them, and
+    data-parallel groups of the replica's ranks with the same tensor-parallel rank."""
+    from deepspeed.utils import groups
+
+    groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = unit.tensor_group
+    groups._DATA_PARALLEL_GROUP = unit.replica_group
+
+
 class ReplicaUnit:
-    """DiLoCo's `mpu`: DeepSpeed's data-parallel group is this rank's replica (world / replicas consecutive ranks),
-    so its gradient averaging, ZeRO partitions, clipping norm and checkpoint file names stay inside the replica;
-    no model parallelism (components/diloco.py refuses it). The methods are the ones DeepSpeed 0.19 calls on an
-    mpu (deepspeed/utils/groups.py, runtime/engine.py, runtime/utils.py). `across` is the group of the ranks that
-    hold the same position in every replica: where the outer step's pseudo-gradients are averaged."""
+    """DiLoCo's `mpu`: DeepSpeed's data-parallel group is this rank's replica (world / replicas consecutive ranks;
+    under AutoTP, the replica's ranks with this rank's tensor-parallel rank), so its gradient averaging, ZeRO
+    partitions, clipping norm and checkpoint file names stay inside the replica. The methods are the ones DeepSpeed
+    0.19 calls on an mpu (deepspeed/utils/groups.py, runtime/engine.py, runtime/utils.py). `across` is the group of
+    the ranks that hold the same position in every replica: where the outer step's pseudo-gradients are
+    averaged."""
 
     def __init__(self, layout):
+        global _REPLICA_UNIT
         dist = torch.distributed
-        size, self.layout = layout.replica_size, layout
+        size, tp, self.layout = layout.replica_size, layout.tensor_parallel, layout
         self.replica_group = self.across = None
         self.replica_ranks: list[int] = []
         for k in range(layout.replicas):  # every rank creates every group, in the same order
-            ranks = list(range(k * size, (k + 1) * size))
-            group = dist.new_group(ranks)
-            if layout.rank in ranks:
-                self.replica_group, self.replica_ranks = group, ranks
+            for t in range(tp):
+                ranks = list(range(k * size + t, (k + 1) * size, tp))
+                group = dist.new_group(ranks)
+                if layout.rank in ranks:
+                    self.replica_group, self.replica_ranks = group, ranks
         for i in range(size):
             group = dist.new_group(list(range(i, layout.world_size, size)))
             if layout.rank % size == i:
                 self.across = group
+        self.tensor_group = None
+        if tp > 1:  # AutoTP's groups: tp consecutive ranks (inside one replica: tp divides its size)
+            for first in range(0, layout.world_size, tp):
+                group = dist.new_group(list(range(first, first + tp)))
+                if first <= layout.rank < first + tp:
+                    self.tensor_group = group
         # no model parallelism: a group of this rank alone, made by it alone (not world-size groups by every rank)
         self.single = dist.new_group([layout.rank], use_local_synchronization=True)
+        _REPLICA_UNIT = self
 
     def get_data_parallel_group(self):
         return self.replica_group

@@ -410,7 +410,7 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                             weight_decay: float, world: int, replicas: int, micro: int, every: int, outer_lr: float,
                             outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
                             max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0,
-                            lora: dict | None = None) -> list[float]:
+                            lora: dict | None = None, final: dict | None = None) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -427,6 +427,7 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     copies' average (the pseudo-gradients rounded to bf16 where dtype is int8/int4, subtracted whole), the outer
     SGD untouched. `lora`: peft's LoraConfig keywords; the adapters peft makes right after torch.manual_seed(seed)
     are what trains (AdamW, the pseudo-gradients and the outer step cover them only), the base stays frozen.
+    `final`, when given, receives the shared weights at the end (name -> tensor).
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -522,6 +523,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                 opts.append(adamw(copies[-1]))
                 opts[-1].load_state_dict(copy.deepcopy(opts[src].state_dict()))
             copies, opts, replicas, carry = copies[:new], opts[:new], new, [0.0] * new
+    if final is not None:
+        final.update({name: p.detach().clone() for name, p in shared.named_parameters()})
     return losses
 
 

@@ -81,9 +81,10 @@ class Diloco(Component):
         if cfg.every > train.max_steps:
             raise UserError(f"diloco.every={cfg.every} is more than train.max_steps={train.max_steps}: the replicas "
                             f"would never sync; choose diloco.every <= {train.max_steps}")
-        if parallel_sizes(setup.ds_cfg).model > 1:
-            raise UserError("diloco runs data-parallel replicas; pipeline stages, tensor or sequence parallelism "
-                            "inside a replica are not supported yet: remove the pipeline / tensor_parallel / "
+        sizes = parallel_sizes(setup.ds_cfg)
+        if sizes.pipeline > 1 or sizes.sequence > 1:
+            raise UserError("diloco runs data-parallel replicas; pipeline stages or sequence parallelism inside a "
+                            "replica are not supported yet (tensor parallelism is): remove the pipeline / "
                             "sequence_parallel_size key, or set diloco.every=0")
         if recipe.compression.enabled:
             raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
@@ -105,7 +106,7 @@ class Diloco(Component):
 
         from .. import ds_internals
 
-        self.max_steps, self.unit = setup.recipe.train.max_steps, engine.mpu
+        self.max_steps, self.unit = setup.recipe.train.max_steps, ds_internals.replica_unit(engine)
         if not isinstance(self.unit, ds_internals.ReplicaUnit):
             raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -254,9 +255,9 @@ class Diloco(Component):
 
     def source_rank(self, rank: int) -> int:
         """On another world (whole replicas joined or left: resume.adapt_to_world, replicas of the same size), the
-        rank whose saved state this rank takes: the one that held the same slice in replica 0 (replicas are
-        consecutive ranks, so that is this rank's index in its replica)."""
-        return self.unit.get_data_parallel_rank()
+        rank whose saved state this rank takes: the one that held the same slice (and tensor-parallel shard) in
+        replica 0 (replicas are consecutive ranks, so that is this rank's index in its replica)."""
+        return rank % self.unit.layout.replica_size
 
     def load_state_dict(self, state: dict, same_world: bool) -> None:
         """The shared weights and the outer momentum of this rank's slice are the same in every replica; the carried

@@ -33,7 +33,8 @@ def validate(overrides: list[str], ds: str = "zero2.json", world: int = 4, ranks
     (["--diloco.every=5"], "zero2.json", 2, "needs at least 2 replicas, but the 2 ranks form 1"),
     (["--diloco.every=5", "--compression.method=powersgd"], "zero1.json", 4,
      "compression.method=powersgd compresses the every-step gradient all-reduce"),
-    (["--diloco.every=5"], "tp2_zero1.json", 4, "pipeline stages, tensor or sequence parallelism"),
+    (["--diloco.every=5"], "pipe2_zero1.json", 4, "pipeline stages or sequence parallelism inside a replica"),
+    (["--diloco.every=5"], "sp2_zero2.json", 4, "pipeline stages or sequence parallelism inside a replica"),
     (["--diloco.every=20"], "zero2.json", 4, r"eval.every=50 must be a multiple of diloco.every=20 .*eval.every=40"),
     (["--diloco.every=10", "--checkpoint.every=auto"], "zero2.json", 4, "checkpoint.every=auto must be a multiple"),
 ])
@@ -156,8 +157,7 @@ def test_each_rank_keeps_its_slice_of_the_outer_state_and_resumes_it_on_another_
         outer = Diloco(DilocoSection(every=3))
 
         class Unit:
-            def get_data_parallel_rank(self, i=rank % size):
-                return i
+            layout = Layout(6, rank=rank, replicas=3)
 
         outer.unit, outer.numel = Unit(), n
         i = rank % size

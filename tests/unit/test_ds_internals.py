@@ -185,6 +185,22 @@ def test_tensor_parallel_mesh_init():
         "the AutoTP mesh order (data_parallel, tensor_parallel) that dstrain.layout's rank formula follows")
 
 
+def test_tensor_parallel_groups_can_be_the_replicas():
+    """ds_internals.use_replica_groups_for_tensor_parallel: AutoTP inside DiLoCo replicas sets the registry's group
+    globals before the engine exists; the engine must read them (its mpu becomes the groups module) and the mesh
+    init must keep them. tests/e2e/test_diloco.py's tensor-parallel run fails its group check without them."""
+    from deepspeed.runtime import engine
+    from deepspeed.utils import groups
+    for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP"):
+        assert hasattr(groups, name), moved(f"deepspeed.utils.groups.{name}")
+    assert "if _TENSOR_MODEL_PARALLEL_GROUP is not None:\n        return" in inspect.getsource(
+        groups._init_tp_mesh_device), moved("_init_tp_mesh_device's early return when the tensor group exists")
+    assert "self.mpu = groups" in inspect.getsource(engine.DeepSpeedEngine._configure_tensor_parallel_states), \
+        moved("DeepSpeedEngine._configure_tensor_parallel_states (the engine's mpu is the groups module)")
+    source = inspect.getsource(groups.get_data_parallel_group)
+    assert "return _DATA_PARALLEL_GROUP" in source, moved("deepspeed.utils.groups.get_data_parallel_group")
+
+
 def test_universal_conversion_tool_and_load_repairs():
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--help"],
                           capture_output=True, text=True, timeout=120)
