@@ -35,6 +35,8 @@ def model_parallel_unit(layout):
         unit = ReplicaUnit(layout)
         if layout.tensor_parallel > 1:
             use_replica_groups_for_tensor_parallel(unit)
+        if layout.sequence_parallel > 1:  # Ulysses' state is the mpu; ZeRO's group (dp x sp) is the replica's
+            return UlyssesInReplicas(unit)
         return unit
     if layout.sequence_parallel > 1:
         return sequence_parallel_state()
@@ -61,8 +63,12 @@ _REPLICA_UNIT = None  # the last ReplicaUnit made: under AutoTP the engine's mpu
 
 def replica_unit(engine):
     """DiLoCo's replica groups for this engine: its mpu, or (AutoTP, which sets engine.mpu to DeepSpeed's groups
-    module) the ReplicaUnit that model_parallel_unit made for it."""
-    return engine.mpu if isinstance(engine.mpu, ReplicaUnit) else _REPLICA_UNIT
+    module; Ulysses, whose state module is the mpu) the ReplicaUnit that model_parallel_unit made for it. Under
+    Ulysses the sequence-data-parallel group DeepSpeed partitions over is set to the replica's ranks
+    (parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP, made over the whole world by register_with_transformers),
+    the sequence-parallel groups (consecutive ranks) being inside a replica already."""
+    return engine.mpu.unit if isinstance(engine.mpu, UlyssesInReplicas) else \
+        engine.mpu if isinstance(engine.mpu, ReplicaUnit) else _REPLICA_UNIT
 
 
 def use_replica_groups_for_tensor_parallel(unit) -> None:
@@ -76,6 +82,26 @@ def use_replica_groups_for_tensor_parallel(unit) -> None:
 
     groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = unit.tensor_group
     groups._DATA_PARALLEL_GROUP = unit.replica_group
+
+
+class UlyssesInReplicas:
+    """Ulysses inside DiLoCo replicas: what deepspeed.initialize takes as `mpu`. Ulysses' state module
+    (parallel_state_sp) made its sequence-data-parallel group, over which ZeRO partitions and averages, over the
+    whole world; its private global _SEQUENCE_DATA_PARALLEL_GROUP is set to the replica's ranks (its
+    sequence-parallel groups, consecutive ranks, are inside a replica already). Everything else is the module's,
+    so DeepSpeed still sees Ulysses' state (initialize_sequence_parallel), except get_data_parallel_world_size:
+    DeepSpeedConfig takes the batch's data-parallel size from it when an mpu has it (runtime/config.py), and
+    otherwise divides the whole world by sp, which counts every replica's ranks."""
+
+    def __init__(self, unit):
+        self.unit, self.state = unit, sequence_parallel_state()
+        self.state._SEQUENCE_DATA_PARALLEL_GROUP = unit.replica_group
+
+    def __getattr__(self, name):
+        return getattr(self.state, name)
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.unit.layout.replica_data_parallel
 
 
 class ReplicaUnit:
@@ -149,11 +175,14 @@ def bind_groups(engine, layout):
         sp = state.get_sequence_parallel_world_size()
         theirs = (sp, state.get_sequence_parallel_rank(),
                   torch.distributed.get_rank(group=state.get_sequence_data_parallel_group()) // sp)
-        ours = (layout.sequence_parallel, layout.sequence_parallel_rank, layout.data_parallel_rank)
+        ours = (layout.sequence_parallel, layout.sequence_parallel_rank, layout.replica_data_parallel_rank)
         if theirs != ours:
             raise RuntimeError(f"rank {layout.rank}: DeepSpeed's sequence-parallel groups give {theirs} but dstrain."
                                f"layout computed {ours} (size, rank, data-parallel rank) for {layout.describe()}")
-        return replace(layout, gradient_divisor=sequence_parallel_gradient_divisor(engine, layout))
+        # DiLoCo: a replica's gradient is normalised by its own label tokens, counted over its ranks (dp x sp)
+        group = state.get_sequence_data_parallel_group() if layout.replicas > 1 else None
+        return replace(layout, gradient_divisor=sequence_parallel_gradient_divisor(engine, layout),
+                       data_parallel_group=group)
     theirs = data_parallel_rank(engine)
     if theirs != layout.replica_data_parallel_rank:
         raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
@@ -172,8 +201,8 @@ def sequence_parallel_gradient_divisor(engine, layout) -> int:
     if engine.zero_optimization_stage() == 3:
         if not engine.zero_reduce_scatter():
             raise RuntimeError("sequence parallelism under ZeRO-3 needs reduce_scatter (components/sequence_parallel)")
-        return layout.data_parallel * layout.sequence_parallel
-    return layout.data_parallel
+        return layout.replica_data_parallel * layout.sequence_parallel
+    return layout.replica_data_parallel  # DiLoCo: a replica's ranks (the whole world without it)
 
 
 def engine_config(engine):

@@ -168,7 +168,7 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: b
     only what the collectives carry. Returns (accelerator, host) bytes."""
     from .components.diloco import BUCKET, WIRE_BYTES, slice_length
 
-    size = layout.replica_data_parallel
+    size = layout.zero_shards  # the ranks of a replica that hold the same parameters (dp x sp)
     chunk = slice_length(psi_t, size)
     bucket, largest = min(chunk, BUCKET), min(largest, psi_t)
     compressed = cfg.dtype != "fp32"

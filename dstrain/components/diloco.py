@@ -82,10 +82,10 @@ class Diloco(Component):
             raise UserError(f"diloco.every={cfg.every} is more than train.max_steps={train.max_steps}: the replicas "
                             f"would never sync; choose diloco.every <= {train.max_steps}")
         sizes = parallel_sizes(setup.ds_cfg)
-        if sizes.pipeline > 1 or sizes.sequence > 1:
-            raise UserError("diloco runs data-parallel replicas; pipeline stages or sequence parallelism inside a "
-                            "replica are not supported yet (tensor parallelism is): remove the pipeline / "
-                            "sequence_parallel_size key, or set diloco.every=0")
+        if sizes.pipeline > 1:
+            raise UserError("diloco runs data-parallel replicas; pipeline stages inside a replica are not supported "
+                            "yet (tensor and sequence parallelism are): remove the pipeline section, or set "
+                            "diloco.every=0")
         if recipe.compression.enabled:
             raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
                             f"all-reduce, which under DiLoCo stays inside a replica; set compression.method=none "

@@ -184,3 +184,20 @@ def test_tensor_parallel_inside_replicas(tmp_path, cache, tiny_llama):
     # norm); without the last sync (the export: replica 0's weights) the worst parameter was 0.17 of its norm away
     worst = max(float((exported[k] - v).norm() / v.norm()) for k, v in shared.items())
     assert worst < 5e-5, worst
+
+
+def test_sequence_parallel_inside_replicas(tmp_path, cache, tiny_llama):
+    """Ulysses inside each replica (4 ranks: 2 replicas of 2 sequence-parallel ranks, ZeRO-2, one key-value head a
+    rank): ZeRO partitions over the replica's ranks (DeepSpeed's sequence-data-parallel group, which Ulysses made
+    over the whole world), each rank holding half of every sequence; int8 pseudo-gradients. Two data-parallel
+    ranks read the data: the losses are the simulation's with 2 ranks in 2 replicas. (A replica's gradient
+    normalised by the label tokens of every replica, not its own, put step 5 1.2e-3 off.)"""
+    run = tmp_path / "run"
+    launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "sp2_zero2.json", "--output_dir", str(run),
+                     "--diloco.every=3", "--diloco.replicas=2", "--diloco.dtype=int8"], cache, nproc=4)
+    got = metrics(run)[0]
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["data_parallel"] == 2 and info["components"]["sequence_parallel"] == {"size": 2}
+    want = reference(tiny_llama, run, 2, 2, 3, 0.7, 0.9, "int8")
+    assert len(got) == STEPS and got[-1] < got[0] - 0.3
+    assert got == pytest.approx(want, rel=RTOL)

@@ -182,6 +182,10 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
     assert est.device["diloco_sync"] == 4 * bucket + 2 * embedding
     fits, text = memory.preflight(r, dsc.load("zero3_offload.json"), "zero3_offload.json", 32, 8, GPU)
     assert fits and "offloaded to host: diloco_state" in text, text
+    # Ulysses (sp 2) inside replicas of 8 ranks: the 8 hold the same parameters (dp 4 x sp 2), each a slice of 8
+    cfg = dsc.resolve(dsc.load("sp2_zero2.json"), r, 32, GPU, hidden_size=4096, replicas=4)
+    est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
+    assert est.device["diloco_state"] == 12 * chunk
 
 
 def test_background_checkpoints_host_memory_is_said(llama8b, monkeypatch):
