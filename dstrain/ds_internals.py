@@ -103,6 +103,11 @@ class UlyssesInReplicas:
     def get_data_parallel_world_size(self) -> int:
         return self.unit.layout.replica_data_parallel
 
+    def get_data_parallel_group(self):
+        """ZeRO-3 partitions a model built whole over this group (runtime/zero/parameter_offload.py asks an mpu that
+        has it; Ulysses' module has not, and the world group is taken: every replica's ranks)."""
+        return self.unit.replica_group
+
 
 class ReplicaUnit:
     """DiLoCo's `mpu`: DeepSpeed's data-parallel group is this rank's replica (world / replicas consecutive ranks;

@@ -86,10 +86,6 @@ class Diloco(Component):
             raise UserError("diloco runs data-parallel replicas; pipeline stages inside a replica are not supported "
                             "yet (tensor and sequence parallelism are): remove the pipeline section, or set "
                             "diloco.every=0")
-        if sizes.sequence > 1 and int((setup.ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
-            # measured: 2 replicas of sp 2 under ZeRO-3 trained 1% off the simulation from step 2 on (ZeRO-2: exact)
-            raise UserError("diloco with sequence parallelism under ZeRO-3 is not supported yet (its inner steps "
-                            "are not yet exact); use ZeRO-1/2 (e.g. sp2_zero2.json), or set diloco.every=0")
         if recipe.compression.enabled:
             raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
                             f"all-reduce, which under DiLoCo stays inside a replica; set compression.method=none "

@@ -201,6 +201,25 @@ def test_tensor_parallel_groups_can_be_the_replicas():
     assert "return _DATA_PARALLEL_GROUP" in source, moved("deepspeed.utils.groups.get_data_parallel_group")
 
 
+def test_ulysses_groups_can_be_the_replicas():
+    """ds_internals.UlyssesInReplicas: Ulysses inside DiLoCo replicas sets parallel_state_sp's sequence-data-parallel
+    group, and gives DeepSpeedConfig the batch's data-parallel size and ZeRO-3's whole-built partitioning its group
+    through mpu methods DeepSpeed asks for only when present. tests/e2e/test_diloco.py's run is 1% off without."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as state
+    from deepspeed.runtime import config
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.utils import groups
+    assert hasattr(state, "_SEQUENCE_DATA_PARALLEL_GROUP") and "return _SEQUENCE_DATA_PARALLEL_GROUP" in \
+        inspect.getsource(state.get_sequence_data_parallel_group), moved("parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP")
+    assert 'if not hasattr(mpu, "get_data_parallel_world_size"):' in inspect.getsource(config.DeepSpeedConfig), \
+        moved("DeepSpeedConfig's data-parallel size from mpu.get_data_parallel_world_size when the mpu has it")
+    assert 'hasattr(mpu, "get_data_parallel_group")' in inspect.getsource(
+        parameter_offload.DeepSpeedZeRoOffload._convert_to_zero_parameters), moved(
+        "ZeRO-3's partition group for a model built whole (mpu.get_data_parallel_group when the mpu has it)")
+    assert "hasattr(mpu, 'initialize_sequence_parallel')" in inspect.getsource(groups._get_data_parallel_group), \
+        moved("groups._get_data_parallel_group's Ulysses test (an mpu with initialize_sequence_parallel)")
+
+
 def test_universal_conversion_tool_and_load_repairs():
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--help"],
                           capture_output=True, text=True, timeout=120)
