@@ -200,7 +200,7 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
             bases.append((name, raw, "none"))
     diloco = [(name, _keep_recipe_choices(load(name), raw_ds), "none", *setting) for name in DILOCO_CONFIGS
               for setting in DILOCO if setting[0] <= recipe.train.max_steps] \
-        if ranks_per_node and world // ranks_per_node >= 2 and not recipe.lora.enabled else []
+        if ranks_per_node and world // ranks_per_node >= 2 else []
     out = []
     for name, raw, method, every, dtype, outer, warmup in [(n, r, m, 0, "fp32", None, 0) for n, r, m in bases] + diloco:
         layout = Layout.from_ds_config(raw, world)
@@ -576,9 +576,11 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
     TopK's); otherwise bench/compression.py (the tiny recipe, 300 steps, 2 ranks: the mean eval loss over the
     measured data orders relative to the fp32 all-reduce's, minus 1; for DiLoCo H=50 int8 -8% there, -3.9% seen
     once). 0.0 for the strategies that compute the same update (ZeRO, offload, tensor and pipeline parallelism);
-    None where not measured (another setting, or no bench results beside the code)."""
+    None where not measured (another setting, DiLoCo on LoRA adapters, or no bench results beside the code)."""
     if candidate.compression == "none" and not candidate.diloco_every:
         return 0.0
+    if candidate.diloco_every and recipe.lora.enabled:  # measured on full training only
+        return None
     method, fraction = candidate.compression, recipe.compression.topk_fraction
     row = {"powersgd": "PowerSGD rank 4" if recipe.compression.rank == 4 else None, "sign": "sign + EF",
            "topk": {0.01: "TopK 1% + EF", 0.001: "TopK 0.1% + EF"}.get(fraction)}.get(method)

@@ -299,6 +299,9 @@ def test_diloco_ranks_first_across_a_slow_link_and_shows_its_measured_price(tiny
     recipe, raw, config, _ = tiny
     work = cost.workload(recipe, raw, 4, config)
     assert not [c for c in cost.candidates(recipe, raw, 4, config) if c.diloco_every]  # one node: no replicas
+    lora = tiny_recipe("--lora.r=4")  # DiLoCo syncs the adapters alone; its price was measured on full training
+    adapters = [c for c in cost.candidates(lora, raw, 4, config, ranks_per_node=2) if c.diloco_every]
+    assert adapters and all(cost.convergence_price(c, lora) is None for c in adapters)
     found = [c for c in cost.candidates(recipe, raw, 4, config, ranks_per_node=2) if not c.checkpointing]
     assert {"zero1_diloco10", "zero2_diloco50", "zero1_diloco50_bf16", "zero2_diloco50_int8_avg",
             "zero2_diloco25_int4_avg"} <= \
