@@ -89,9 +89,9 @@ class UlyssesInReplicas:
     (parallel_state_sp) made its sequence-data-parallel group, over which ZeRO partitions and averages, over the
     whole world; its private global _SEQUENCE_DATA_PARALLEL_GROUP is set to the replica's ranks (its
     sequence-parallel groups, consecutive ranks, are inside a replica already). Everything else is the module's,
-    so DeepSpeed still sees Ulysses' state (initialize_sequence_parallel), except get_data_parallel_world_size:
-    DeepSpeedConfig takes the batch's data-parallel size from it when an mpu has it (runtime/config.py), and
-    otherwise divides the whole world by sp, which counts every replica's ranks."""
+    so DeepSpeed still sees Ulysses' state (initialize_sequence_parallel), except two methods DeepSpeed asks an mpu
+    for only when it has them: get_data_parallel_world_size (DeepSpeedConfig's batch arithmetic, runtime/config.py,
+    otherwise the whole world over sp: every replica's ranks) and get_data_parallel_group (below)."""
 
     def __init__(self, unit):
         self.unit, self.state = unit, sequence_parallel_state()
