@@ -58,17 +58,14 @@ def init_tensor_parallel_groups(tensor_parallel: int):
     return groups
 
 
-_REPLICA_UNIT = None  # the last ReplicaUnit made: under AutoTP the engine's mpu is deepspeed.utils.groups instead
+_REPLICA_UNIT = None  # the ReplicaUnit model_parallel_unit made (one engine a process)
 
 
-def replica_unit(engine):
-    """DiLoCo's replica groups for this engine: its mpu, or (AutoTP, which sets engine.mpu to DeepSpeed's groups
-    module; Ulysses, whose state module is the mpu) the ReplicaUnit that model_parallel_unit made for it. Under
-    Ulysses the sequence-data-parallel group DeepSpeed partitions over is set to the replica's ranks
-    (parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP, made over the whole world by register_with_transformers),
-    the sequence-parallel groups (consecutive ranks) being inside a replica already."""
-    return engine.mpu.unit if isinstance(engine.mpu, UlyssesInReplicas) else \
-        engine.mpu if isinstance(engine.mpu, ReplicaUnit) else _REPLICA_UNIT
+def replica_unit():
+    """DiLoCo's replica groups: the ReplicaUnit that model_parallel_unit made. It is the engine's mpu only without
+    model parallelism: AutoTP sets engine.mpu to DeepSpeed's groups module (given the unit's groups), and under
+    Ulysses the mpu is UlyssesInReplicas (Ulysses' state with the unit's replica group)."""
+    return _REPLICA_UNIT
 
 
 def use_replica_groups_for_tensor_parallel(unit) -> None:

@@ -106,7 +106,7 @@ class Diloco(Component):
 
         from .. import ds_internals
 
-        self.max_steps, self.unit = setup.recipe.train.max_steps, ds_internals.replica_unit(engine)
+        self.max_steps, self.unit = setup.recipe.train.max_steps, ds_internals.replica_unit()
         if not isinstance(self.unit, ds_internals.ReplicaUnit):
             raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
