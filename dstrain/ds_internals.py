@@ -7,6 +7,7 @@ Supported range: deepspeed 0.19.8 - 0.19.x, torch 2.4 - 2.13, datasets 5.x (requ
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +34,8 @@ def model_parallel_unit(layout):
     topology)."""
     if layout.replicas > 1:
         unit = ReplicaUnit(layout)
+        if layout.is_pipeline:  # the pipeline engine's mpu is its module's grid (pipeline_in_replicas)
+            return None
         if layout.tensor_parallel > 1:
             use_replica_groups_for_tensor_parallel(unit)
         if layout.sequence_parallel > 1:  # Ulysses' state is the mpu; ZeRO's group (dp x sp) is the replica's
@@ -81,6 +84,51 @@ def use_replica_groups_for_tensor_parallel(unit) -> None:
     groups._DATA_PARALLEL_GROUP = unit.replica_group
 
 
+def pipeline_in_replicas(replicas: int):
+    """Pipeline stages inside DiLoCo replicas: (the PipelineModule class, the topology) to build the module with.
+    DeepSpeed's pipeline topology has axes [pipe, data] over the whole world (rank = stage x dp + dp_rank): a
+    replica of consecutive ranks would hold one stage, and every data-parallel group would span the replicas. A
+    topology with axes [replica, pipe, data] makes the grid's (runtime/pipe/topology.PipelineParallelGrid)
+    data-parallel and pipe groups stay inside a replica. Three things of the grid and module assume two axes and
+    are set here (private: runtime/pipe/module.py and topology.py of DeepSpeed 0.19):
+    - the grid's model-parallel group (ds_model_proc_group, _world_size, _rank), over which gradient norms and
+      overflow are reduced and which names the checkpoint files, is made of the ranks with this rank's data index:
+      every replica's stages. It is set to this replica's pipe group (what it is under two axes).
+    - PipelineModule._index_tied_modules makes the tied layers' groups (the embedding on the first and last stage)
+      from stage_to_global, which keeps this rank's replica: each replica would create different groups in the same
+      new_group call. It is run once per replica, every rank creating every replica's groups.
+    - the layer files' names (topology.get_rank_repr) leave the replica out, as they leave the data index out: each
+      replica saves under its own tag, and a replica that joins loads another's files."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    class ReplicaPipeTopology(ProcessTopology):
+        def __init__(self, stages: int, data: int):
+            super().__init__(axes=["replica", "pipe", "data"], dims=[replicas, stages, data])
+
+        def get_rank_repr(self, rank, omit_axes=("data", "pipe"), inner_sep="_", outer_sep="-"):
+            return super().get_rank_repr(rank, [*omit_axes, "replica"], inner_sep, outer_sep)
+
+    class PipelineInReplicas(PipelineModule):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            grid = self._grid
+            grid.ds_model_proc_group, grid.ds_model_world_size = grid.pp_proc_group, grid.pipe_parallel_size
+            grid.ds_model_rank = grid.stage_id
+
+        def _index_tied_modules(self):
+            grid, comms, mine = self._grid, {}, self._grid.stage_to_global
+            try:
+                for k in range(replicas):
+                    grid.stage_to_global = functools.partial(mine, replica=k)
+                    comms.update(super()._index_tied_modules())  # only this rank's replica has its tied layers
+            finally:
+                del grid.stage_to_global  # the class's method again
+            return comms
+
+    return PipelineInReplicas, ReplicaPipeTopology
+
+
 class UlyssesInReplicas:
     """Ulysses inside DiLoCo replicas: what deepspeed.initialize takes as `mpu`. Ulysses' state module
     (parallel_state_sp) made its sequence-data-parallel group, over which ZeRO partitions and averages, over the
@@ -121,8 +169,11 @@ class ReplicaUnit:
         self.replica_group = self.across = None
         self.replica_ranks: list[int] = []
         for k in range(layout.replicas):  # every rank creates every group, in the same order
-            for t in range(tp):
-                ranks = list(range(k * size + t, (k + 1) * size, tp))
+            same = {}  # the replica's ranks by (pipeline stage, tensor-parallel rank): its data-parallel groups
+            for r in range(k * size, (k + 1) * size):
+                at = replace(layout, rank=r)
+                same.setdefault((at.pipeline_stage, at.tensor_parallel_rank), []).append(r)
+            for ranks in same.values():
                 group = dist.new_group(ranks)
                 if layout.rank in ranks:
                     self.replica_group, self.replica_ranks = group, ranks

@@ -51,9 +51,10 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 
     if (ckpt / CONSOLIDATED).exists():
         return torch.load(ckpt / CONSOLIDATED, map_location="cpu", weights_only=False)
+    run_dir = ckpt.parent.parent  # run/checkpoints/step_N
     if (ckpt / replica_tag(0)).is_dir():  # DiLoCo: every replica holds the shared weights at a finished run's end
         ckpt = ckpt / replica_tag(0)
-    names_file = ckpt.parent.parent / "model_config" / PIPELINE_NAMES
+    names_file = run_dir / "model_config" / PIPELINE_NAMES
     if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
     if list(ckpt.glob("*optim_states.pt")):

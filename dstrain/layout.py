@@ -4,7 +4,9 @@ world = data-parallel x pipeline stages x tensor-parallel x sequence-parallel (D
 Built once from the DeepSpeed JSON and the world size, it answers every question other modules used to derive
 on their own: sizes, this rank's coordinates, how many ranks see the same samples, whether the engine is a
 pipeline. Rank order follows DeepSpeed's own groups, so no module has to ask the engine:
-  - pipeline (deepspeed.pipe's PipeDataParallelTopology, axes [pipe, data]): rank = stage * dp + dp_rank
+  - pipeline (deepspeed.pipe's PipeDataParallelTopology, axes [pipe, data]): rank = stage * dp + dp_rank; in DiLoCo
+    replicas (ds_internals.pipeline_in_replicas, axes [replica, pipe, data]) the same inside each replica of
+    consecutive ranks: rank = replica * replica_size + stage * replica_dp + dp_rank_in_replica
   - AutoTP (deepspeed.utils.groups' device mesh (data_parallel, tensor_parallel)): rank = dp_rank * tp + tp_rank
   - Ulysses (deepspeed.runtime.sequence_parallel.parallel_state_sp: groups of sp consecutive ranks):
     rank = dp_rank * sp + sp_rank. The sp ranks of a group read the same samples, each a 1/sp slice of every
@@ -160,13 +162,14 @@ class Layout:
 
     @property
     def data_parallel_rank(self) -> int:
-        if self.pipeline_stages > 1:
-            return self.rank % self.data_parallel
+        if self.pipeline_stages > 1:  # DiLoCo: the replica's first data-parallel index + the index inside it
+            inside = self.rank % self.replica_size
+            return self.replica * self.replica_data_parallel + inside % self.replica_data_parallel
         return self.rank // (self.tensor_parallel * self.sequence_parallel)
 
     @property
     def pipeline_stage(self) -> int:
-        return self.rank // self.data_parallel if self.pipeline_stages > 1 else 0
+        return self.rank % self.replica_size // self.replica_data_parallel if self.pipeline_stages > 1 else 0
 
     @property
     def tensor_parallel_rank(self) -> int:

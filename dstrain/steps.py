@@ -31,16 +31,23 @@ def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, t
                ) -> tuple[float, int, int]:
     """The pipeline engine runs the whole schedule itself; the loss function carries the token scaling.
     Stages of one replica see the same batches, so counts are summed over the world and divided by stages.
-    Next-token prediction only (objectives.preference refuses pipelines)."""
-    counted, real = all_reduce_sum([sum(label_count(b) for b in batches), sum(real_count(b) for b in batches)],
-                                   engine.device)
+    Next-token prediction only (objectives.preference refuses pipelines). DiLoCo: the engine averages over its
+    replica's data-parallel ranks, so a replica's loss is normalised by its own label tokens (counted over its
+    stage's data-parallel group: each of its samples once), and the logged loss is the replicas' token-weighted
+    mean."""
+    labels = sum(label_count(b) for b in batches)
+    counted, real = all_reduce_sum([labels, sum(real_count(b) for b in batches)], engine.device)
     global_tokens = max(counted / layout.token_replicas, 1.0)
-    engine.module.loss_fn.scale = len(batches) * layout.data_parallel / global_tokens
+    own = max(all_reduce_sum([labels], engine.device, layout.data_parallel_group)[0], 1.0) \
+        if layout.replicas > 1 else global_tokens
+    engine.module.loss_fn.scale = len(batches) * layout.replica_data_parallel / own
     if train:
-        loss = engine.train_batch(data_iter=_pipe_items(batches))
+        loss = float(engine.train_batch(data_iter=_pipe_items(batches)))
     else:
-        loss = engine.eval_batch(data_iter=_pipe_items(batches), num_micro_batches=len(batches))
-    return float(loss), int(global_tokens), int(real / layout.token_replicas)
+        loss = float(engine.eval_batch(data_iter=_pipe_items(batches), num_micro_batches=len(batches)))
+    if layout.replicas > 1:  # every rank of a replica holds its replica's loss
+        loss = all_reduce_sum([loss * own], engine.device)[0] / layout.replica_size / global_tokens
+    return loss, int(global_tokens), int(real / layout.token_replicas)
 
 
 def _totals(objective, batches: list[dict[str, torch.Tensor]], layout: Layout, device, group=None

@@ -137,16 +137,25 @@ def strip_wrapper(key: str) -> str:
     return key
 
 
-def convert(model: nn.Module, stages: int, partition_method: str, activation_checkpointing: bool) -> Converted:
+def convert(model: nn.Module, stages: int, partition_method: str, activation_checkpointing: bool,
+            replicas: int = 1, replica_data_parallel: int = 1) -> Converted:
+    """replicas > 1: DiLoCo replicas of consecutive ranks, each a pipeline of `stages` stages x
+    replica_data_parallel (ds_internals.pipeline_in_replicas)."""
     from deepspeed.pipe import PipelineModule
+
+    from .. import ds_internals
 
     specs, names = _specs(model)
     blocks = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer
     if stages > blocks:
         raise UserError(f"pipeline stages={stages} exceed the model's {blocks} decoder layers; use at most {blocks}")
     loss = TokenMeanLoss()
-    module = PipelineModule(layers=specs, num_stages=stages, loss_fn=loss, partition_method=partition_method,
-                            activation_checkpoint_interval=1 if activation_checkpointing else 0)
+    kind, where = PipelineModule, {"num_stages": stages}
+    if replicas > 1:
+        kind, topology = ds_internals.pipeline_in_replicas(replicas)
+        where = {"topology": topology(stages, replica_data_parallel)}
+    module = kind(layers=specs, loss_fn=loss, partition_method=partition_method,
+                  activation_checkpoint_interval=1 if activation_checkpointing else 0, **where)
     return Converted(module, loss, names)
 
 
@@ -168,7 +177,8 @@ class Pipeline(Component):
 
     def convert(self, model, setup: Setup):
         piped = convert(model, self.stages, setup.ds_cfg["pipeline"].get("partition_method", "parameters"),
-                                 setup.recipe.train.activation_checkpointing)
+                        setup.recipe.train.activation_checkpointing, setup.layout.replicas,
+                        setup.layout.replica_data_parallel)
         write_pipeline_names(setup.run_dir, piped.hf_names, setup.ctx)
         return piped.module
 

@@ -10,6 +10,7 @@ instead of every step, simulated, falls outside the bound).
 import json
 
 import pytest
+import torch
 
 from tests.helpers import diloco_reference_losses, kill_rank_after_checkpoint, launch, metrics
 
@@ -192,3 +193,50 @@ def test_sequence_parallel_inside_replicas(tmp_path, cache, tiny_llama):
     want = reference(tiny_llama, run, 2, 2, 3, 0.7, 0.9, "int8")
     assert len(got) == STEPS and got[-1] < got[0] - 0.3
     assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.fixture(scope="module")
+def unaligned_llama(tmp_path_factory):
+    """A tied Llama whose vectors do not fall on int8's 128-element blocks (hidden 96): 4 layers, so that 2 stages
+    of 2 layers each start on a block of the whole model's vector (the simulation's blocks), while the second
+    stage's copy of the tied embedding, after its norm, would not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import ROOT, _save
+    config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    config.update({"hidden_size": 96, "head_dim": 24, "num_hidden_layers": 4})
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "unaligned-llama")
+
+
+def test_pipeline_stages_inside_replicas(tmp_path, cache, unaligned_llama):
+    """Pipeline stages inside each replica (4 ranks: 2 replicas of 2 stages, ZeRO-1): the replicas are consecutive
+    ranks (a topology [replica, pipe, data]), DeepSpeed's data-parallel, pipe and tied-layer groups stay inside a
+    replica, gradient norms are reduced over the replica's stages only, and each stage syncs with the same stage of
+    the other replica. int8 pseudo-gradients: each stage's blocks begin where its vector does, the same blocks as the
+    simulation's whole vector (the stages split between layers 1 and 2, on a block). The LM head tied to the
+    embedding lives on both stages; only the first stage's copy is synced (its outer state holds the embedding once:
+    the saved slices add up to the model's parameters) and the second stage's takes the first's new weights.
+    Stopped at step 4 and resumed; the export is the simulation's final shared weights."""
+    run = tmp_path / "run"
+    args = COMMON + [f"--model.name_or_path={unaligned_llama}", "--ds_config", "pipe2_zero1.json",
+                     "--output_dir", str(run), "--ds.pipeline.partition_method=type:DecoderPipe", "--diloco.every=3",
+                     "--diloco.replicas=2", "--diloco.dtype=int8"]
+    launch(args + ["--train.exit_at_step=4"], cache, nproc=4)
+    assert "resumed from" in launch(args + ["--checkpoint.export_hf=true"], cache, nproc=4).stderr
+    got = metrics(run)[0]
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["data_parallel"] == 2 and info["components"]["pipeline"] == {"stages": 2}
+    saved = [torch.load(run / "checkpoints" / "step_00000004" / f"diloco_rank{r}.pt") for r in (0, 1)]
+    assert sum(s["anchor"].numel() for s in saved) == info["parameters"]  # replica 0's two stages
+    shared = {}
+    want = reference(unaligned_llama, run, 2, 2, 3, 0.7, 0.9, "int8", final=shared)
+    assert len(got) == STEPS and got[-1] < got[0] - 0.3
+    assert got == pytest.approx(want, rel=RTOL)
+    from transformers import AutoModelForCausalLM
+
+    exported = dict(AutoModelForCausalLM.from_pretrained(run / "hf").named_parameters())
+    assert sorted(exported) == sorted(shared)
+    worst = max(float((exported[k].detach() - v).norm() / v.norm()) for k, v in shared.items())
+    assert worst < 5e-5, worst

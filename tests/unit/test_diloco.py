@@ -33,7 +33,6 @@ def validate(overrides: list[str], ds: str = "zero2.json", world: int = 4, ranks
     (["--diloco.every=5"], "zero2.json", 2, "needs at least 2 replicas, but the 2 ranks form 1"),
     (["--diloco.every=5", "--compression.method=powersgd"], "zero1.json", 4,
      "compression.method=powersgd compresses the every-step gradient all-reduce"),
-    (["--diloco.every=5"], "pipe2_zero1.json", 4, "pipeline stages inside a replica are not supported"),
     (["--diloco.every=20"], "zero2.json", 4, r"eval.every=50 must be a multiple of diloco.every=20 .*eval.every=40"),
     (["--diloco.every=10", "--checkpoint.every=auto"], "zero2.json", 4, "checkpoint.every=auto must be a multiple"),
 ])
@@ -59,6 +58,25 @@ def test_one_replica_per_node_by_default_and_the_replica_arithmetic():
     assert [(x.replica, x.replica_data_parallel_rank, x.data_parallel_rank) for x in ranks] == \
         [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
     assert replicas_for(load_recipe("tiny/pretrain", {}), 4, 2) == 1  # off: one replica, the world
+
+
+def test_pipeline_stages_inside_replicas_of_consecutive_ranks():
+    """ds_internals.pipeline_in_replicas' topology [replica, pipe, data]: 8 ranks, 2 replicas of 2 stages x 2
+    data-parallel ranks; without replicas DeepSpeed's own order (rank = stage x dp + dp_rank)."""
+    from dstrain.ds_internals import pipeline_in_replicas
+
+    ranks = [Layout(8, pipeline_stages=2, rank=r, replicas=2) for r in range(8)]
+    assert [(x.replica, x.pipeline_stage, x.data_parallel_rank, x.replica_data_parallel_rank) for x in ranks] == [
+        (0, 0, 0, 0), (0, 0, 1, 1), (0, 1, 0, 0), (0, 1, 1, 1), (1, 0, 2, 0), (1, 0, 3, 1), (1, 1, 2, 0), (1, 1, 3, 1)]
+    topology = pipeline_in_replicas(2)[1](2, 2)  # the same arithmetic as DeepSpeed's grid reads it
+    for x in ranks:
+        coord = topology.get_coord(x.rank)
+        assert (coord.replica, coord.pipe, coord.data) == (x.replica, x.pipeline_stage, x.replica_data_parallel_rank)
+    assert topology.get_axis_comm_lists("data") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # inside a replica
+    assert topology.get_axis_comm_lists("pipe") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topology.get_rank_repr(rank=5) == ""  # layer files named as without replicas
+    plain = [Layout(4, pipeline_stages=2, rank=r) for r in range(4)]
+    assert [(x.pipeline_stage, x.data_parallel_rank) for x in plain] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_deepspeed_sees_one_replicas_share_of_the_global_batch():

@@ -126,6 +126,7 @@ def test_explicit_value_disagreeing_with_recipe():
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
      "'zero_optimization.offload_param.pin_memroy' (did you mean 'pin_memory'?)"),
     ({"bf16": {"enable": True}}, "'bf16.enable' (did you mean 'enabled'?)"),
+    ({"pipeline": {"stage": 2}}, "unknown DeepSpeed config key 'pipeline.stage' (did you mean 'stages'?)"),
 ])
 def test_unknown_keys_name_the_closest(patch, message):
     with pytest.raises(UserError) as err:

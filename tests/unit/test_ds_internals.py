@@ -201,6 +201,26 @@ def test_tensor_parallel_groups_can_be_the_replicas():
     assert "return _DATA_PARALLEL_GROUP" in source, moved("deepspeed.utils.groups.get_data_parallel_group")
 
 
+def test_pipeline_module_and_grid_in_replicas():
+    """ds_internals.pipeline_in_replicas: a topology of three axes, the grid's model-parallel group set to its pipe
+    group after construction, the tied layers' groups made once per replica through stage_to_global, layer file names
+    from get_rank_repr. tests/e2e/test_diloco.py's pipeline run stops without the group fix."""
+    from deepspeed.runtime.pipe import module, topology
+    init = inspect.getsource(module.PipelineModule.__init__)
+    assert "self._grid = PipelineParallelGrid(" in init and "self.tied_comms = self._index_tied_modules()" in init, \
+        moved("PipelineModule.__init__ (its grid, then the tied layers' groups from _index_tied_modules)")
+    assert "self._grid.stage_to_global(stage_id=s, data=dp)" in inspect.getsource(
+        module.PipelineModule._index_tied_modules), moved("PipelineModule._index_tied_modules' ranks")
+    assert "me._replace(pipe=stage_id, **kwargs)" in inspect.getsource(
+        topology.PipelineParallelGrid.stage_to_global), moved("PipelineParallelGrid.stage_to_global's coordinates")
+    grid = inspect.getsource(topology.PipelineParallelGrid)
+    for name in ("self.ds_model_proc_group", "self.ds_model_world_size", "self.ds_model_rank", "self.pp_proc_group",
+                 "return self.ds_model_proc_group"):
+        assert name in grid, moved(f"PipelineParallelGrid's {name}")
+    assert "self._grid._topo.get_rank_repr(rank=self.global_rank)" in inspect.getsource(
+        module.PipelineModule.ckpt_layer_path), moved("PipelineModule.ckpt_layer_path's file names")
+
+
 def test_ulysses_groups_can_be_the_replicas():
     """ds_internals.UlyssesInReplicas: Ulysses inside DiLoCo replicas sets parallel_state_sp's sequence-data-parallel
     group, and gives DeepSpeedConfig the batch's data-parallel size and ZeRO-3's whole-built partitioning its group
