@@ -3,7 +3,8 @@ Low-Communication Training of Language Models"; INTELLECT-1 trained a 10B model 
 
 The ranks form `diloco.replicas` replicas of world / replicas consecutive ranks (by default one per node, so the
 slow link is the one between replicas). Inside a replica the DeepSpeed config trains as it always does: DeepSpeed's
-data-parallel group is the replica (ds_internals.ReplicaUnit), so its gradient averaging, ZeRO partitions and
+data-parallel group is the replica (ds_internals.ReplicaUnit; pipeline stages: ds_internals.pipeline_in_replicas;
+each rank syncs with the ranks at its place in the other replicas), so its gradient averaging, ZeRO partitions and
 gradient clipping stay inside it, and every replica keeps its own inner optimizer state (AdamW's moments). Every
 `diloco.every` (H) optimizer steps, and at the run's last step, each replica's pseudo-gradient (the shared weights
 of the last sync minus its own weights now) is averaged over the replicas, and an outer SGD with Nesterov momentum
