@@ -51,7 +51,9 @@ SHORT = {"fp32": "fp32 all-reduce", "bf16": "bf16 all-reduce", "powersgd": "Powe
          "diloco50int8avg": "DiLoCo H=50 int8, outer lr 1, no momentum",
          "diloco25int4avg": "DiLoCo H=25 int4, outer lr 1, no momentum",
          "diloco50int4avg": "DiLoCo H=50 int4, outer lr 1, no momentum",
-         "diloco25int4avgw8": "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)"}
+         "diloco25int4avgw8": "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)",
+         "diloco25int4avgw8s5": "Streaming DiLoCo H=25 int4, 5 fragments, 1 step overlapped (mix 0.5), outer lr 1, "
+                                "no momentum, 8 averaged steps first (bf16)"}
 METHODS = {  # name: train.py arguments on top of zero0.json
     "fp32 all-reduce": [],
     "bf16 all-reduce": ["--ds.communication_data_type=bf16"],
@@ -85,6 +87,10 @@ METHODS = {  # name: train.py arguments on top of zero0.json
     "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)": [
         "--diloco.every=25", "--diloco.replicas=2", "--diloco.dtype=int4", "--diloco.outer_lr=1",
         "--diloco.outer_momentum=0", "--diloco.warmup_steps=8"],
+    # the same, streamed: a fifth of the model syncs every 5 steps, landing a step later while training goes on
+    SHORT["diloco25int4avgw8s5"]: [
+        "--diloco.every=25", "--diloco.replicas=2", "--diloco.dtype=int4", "--diloco.outer_lr=1",
+        "--diloco.outer_momentum=0", "--diloco.warmup_steps=8", "--diloco.fragments=5", "--diloco.overlap=1"],
 }
 
 

@@ -341,10 +341,25 @@ class DilocoSection:
     # after them; bf16 on the wire where dtype is int8/int4): a synchronous-like start for a model trained from
     # scratch; each costs one sync's bytes
     warmup_steps: int = 0
+    # Streaming DiLoCo (Douillard et al. 2025): the trained parameters, laid end to end, cut into N fragments of
+    # consecutive layers; fragment p syncs every `every` steps like the whole model, but at its own step (p+1)/N of
+    # the way through the interval, so a sync sends 1/N of the model (the peak bandwidth, not the total, drops N-fold)
+    fragments: int = 1
+    # steps a fragment's sync stays in flight while training goes on (the paper's tau): its pseudo-gradient is sent
+    # after step t and the outer step lands after step t+overlap; 0 waits for it at step t
+    overlap: int = 0
+    # overlap > 0: where the outer step lands, the replica's weights of the fragment become mix x its own (trained
+    # for `overlap` more steps) + (1 - mix) x the new shared weights; 0 takes the shared weights (torchft's choice)
+    mix: float = 0.5
 
     def __post_init__(self) -> None:
         _one_of("diloco.dtype", self.dtype, ("fp32", "bf16", "int8", "int4"))
-        for key in ("every", "replicas", "warmup_steps"):
+        if not isinstance(self.fragments, int) or isinstance(self.fragments, bool) or self.fragments < 1:
+            raise UserError(f"diloco.fragments={self.fragments!r} must be a positive integer (1: the whole model "
+                            f"syncs at once)")
+        if not (isinstance(self.mix, (int, float)) and not isinstance(self.mix, bool) and 0 <= self.mix <= 1):
+            raise UserError(f"diloco.mix={self.mix!r} must be in [0, 1], e.g. 0.5")
+        for key in ("every", "replicas", "warmup_steps", "overlap"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise UserError(f"diloco.{key}={value!r} must be a non-negative integer (diloco.every=0: off)")

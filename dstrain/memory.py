@@ -165,7 +165,8 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: b
     a time) a broadcast bucket, one parameter's full fp32 weight and under ZeRO-3 its gathered working copy (w bytes
     each); `largest`: the largest parameter's elements (the embedding's, in a language model). With the optimizer
     offloaded the state, the slice and the decoded buckets and weight are in host memory, and the accelerator holds
-    only what the collectives carry. Returns (accelerator, host) bytes."""
+    only what the collectives carry. diloco.overlap keeps the syncs in flight through the next steps: per fragment
+    in flight, its part of the pseudo-gradient and its crossing codes. Returns (accelerator, host) bytes."""
     from .components.diloco import BUCKET, WIRE_BYTES, slice_length
 
     size = layout.zero_shards  # the ranks of a replica that hold the same parameters (dp x sp)
@@ -176,11 +177,17 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: b
     wire = int((layout.replicas + 1) * WIRE_BYTES[cfg.dtype] * bucket) if compressed else 4 * bucket
     decoded = 8 * bucket if compressed else 0
     broadcast = 4 * bucket if size > 1 else 0
+    # diloco.overlap: the fragments' syncs in flight while training goes on (one sent every every/fragments steps,
+    # each for `overlap` steps), each this rank's part of its pseudo-gradient and what crosses of it from every
+    # replica (in place, fp32)
+    part = -(-chunk // cfg.fragments)
+    flying = min(cfg.fragments, -(-cfg.overlap * cfg.fragments // cfg.every)) if cfg.overlap else 0
+    crossing = flying * int((layout.replicas + 1) * WIRE_BYTES[cfg.dtype] * part) if compressed else 0
     if offloaded:
-        return ({"diloco_sync": max(wire, broadcast + gathered_w * largest)},
-                {"diloco_state": persistent + 4 * chunk + max(decoded, 4 * largest)})
+        return ({"diloco_sync": max(wire, broadcast + gathered_w * largest), "diloco_in_flight": crossing},
+                {"diloco_state": persistent + 4 * flying * part + 4 * chunk + max(decoded, 4 * largest)})
     sync = 4 * chunk + max(wire + decoded, broadcast + (4 + gathered_w) * largest)
-    return {"diloco_state": persistent, "diloco_sync": sync}, {}
+    return {"diloco_state": persistent + 4 * flying * part + crossing, "diloco_sync": sync}, {}
 
 
 # Memory of common accelerators, for planning a run from a machine without them (`--preflight --device NAME`):

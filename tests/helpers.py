@@ -410,7 +410,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                             weight_decay: float, world: int, replicas: int, micro: int, every: int, outer_lr: float,
                             outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
                             max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0,
-                            lora: dict | None = None, final: dict | None = None) -> list[float]:
+                            lora: dict | None = None, final: dict | None = None, fragments: int = 1,
+                            overlap: int = 0, mix: float = 0.5) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -428,6 +429,14 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     SGD untouched. `lora`: peft's LoraConfig keywords; the adapters peft makes right after torch.manual_seed(seed)
     are what trains (AdamW, the pseudo-gradients and the outer step cover them only), the base stays frozen.
     `final`, when given, receives the shared weights at the end (name -> tensor).
+    Streaming DiLoCo (Douillard et al. 2025), `fragments` P > 1 or `overlap` tau > 0, written out by hand on the
+    trained parameters laid end to end (N elements): fragment p is [b_p, b_p+1), b_p = floor(p N / P) rounded down
+    to a multiple of 128 (b_P = N); after step s (past averaged_first) where s mod every = floor((p+1) every / P)
+    mod every, each copy's pseudo-gradient of fragment p (plus its carried rounding) is rounded and averaged; tau
+    steps later (before that step's own sends) the outer Nesterov step moves the shared weights of fragment p
+    (buf = mu buf + g, w -= lr (g + mu buf), buf starting at 0) and each copy's weights there become mix x its own +
+    (1 - mix) x the shared ones (the shared ones when tau = 0). After the last step everything still in flight
+    lands, then the whole model syncs (the shared weights to every copy).
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -475,6 +484,57 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
         p = (s - warmup) / (steps - warmup)
         return min_lr_ratio + (1 - min_lr_ratio) * (1 + math.cos(math.pi * p)) / 2
 
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    numel = sum(p.numel() for p in trained(shared))
+    bounds = [min(numel, (p * numel // fragments) // 128 * 128) for p in range(fragments)] + [numel]
+    buf, flights = torch.zeros(numel), []
+
+    def send(lo, hi):
+        with torch.no_grad():
+            anchor = parameters_to_vector(trained(shared))[lo:hi]
+            mean = torch.zeros(hi - lo)
+            for k, model in enumerate(copies):
+                if not torch.is_tensor(carry[k]):
+                    carry[k] = torch.zeros(numel)
+                delta = anchor - parameters_to_vector(trained(model))[lo:hi] + carry[k][lo:hi]
+                sent = delta if dtype == "fp32" else delta.to(torch.bfloat16).float() if dtype == "bf16" else \
+                    _int_round(delta, 127 if dtype == "int8" else 7)
+                carry[k][lo:hi] = delta - sent
+                mean += sent
+            return mean / replicas
+
+    def land(lo, hi, mean, weight):
+        with torch.no_grad():
+            anchor = parameters_to_vector(trained(shared))
+            if outer_momentum > 0:
+                buf[lo:hi] = outer_momentum * buf[lo:hi] + mean
+                mean = mean + outer_momentum * buf[lo:hi]
+            anchor[lo:hi] -= outer_lr * mean
+            vector_to_parameters(anchor, trained(shared))
+            for model in copies:
+                local = parameters_to_vector(trained(model))
+                local[lo:hi] = weight * local[lo:hi] + (1 - weight) * anchor[lo:hi] if weight else anchor[lo:hi]
+                vector_to_parameters(local, trained(model))
+
+    def streamed(s):
+        for flight in [f for f in flights if f[0] == s]:
+            flights.remove(flight)
+            land(*flight[1:])
+        if s == steps:
+            for flight in list(flights):
+                land(*flight[1:])
+            flights.clear()
+            land(0, numel, send(0, numel), 0.0)
+            return
+        for p in range(fragments):
+            if s % every == (p + 1) * every // fragments % every:
+                lo, hi = bounds[p], bounds[p + 1]
+                if overlap:
+                    flights.append((s + overlap, lo, hi, send(lo, hi), mix))
+                else:
+                    land(lo, hi, send(lo, hi), 0.0)
+
     losses = []
     for step in range(steps):
         total, count = 0.0, 0
@@ -490,7 +550,9 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
             total, count = total + loss.item() * tokens, count + tokens
         losses.append(total / count)
         averaged = step + 1 <= averaged_first
-        if averaged or (step + 1) % every == 0 or step + 1 == steps:
+        if (fragments > 1 or overlap) and not averaged:
+            streamed(step + 1)
+        elif averaged or (step + 1) % every == 0 or step + 1 == steps:
             with torch.no_grad():
                 params = trained(shared)
                 deltas = []

@@ -35,6 +35,10 @@ def validate(overrides: list[str], ds: str = "zero2.json", world: int = 4, ranks
      "compression.method=powersgd compresses the every-step gradient all-reduce"),
     (["--diloco.every=20"], "zero2.json", 4, r"eval.every=50 must be a multiple of diloco.every=20 .*eval.every=40"),
     (["--diloco.every=10", "--checkpoint.every=auto"], "zero2.json", 4, "checkpoint.every=auto must be a multiple"),
+    (["--diloco.every=5", "--diloco.fragments=6"], "zero2.json", 4,
+     "diloco.fragments=6 is more than diloco.every=5: .* choose diloco.fragments <= 5"),
+    (["--diloco.every=5", "--diloco.fragments=5", "--diloco.overlap=5"], "zero2.json", 4,
+     "diloco.overlap=5 is not less than diloco.every=5: .* choose diloco.overlap < 5"),
 ])
 def test_bad_settings_are_one_line_before_anything_is_built(overrides, ds, world, message):
     with pytest.raises(UserError, match=message) as error:
@@ -43,10 +47,38 @@ def test_bad_settings_are_one_line_before_anything_is_built(overrides, ds, world
 
 
 @pytest.mark.parametrize("key,value", [("dtype", "int3"), ("every", "-1"), ("outer_lr", "0"),
-                                       ("outer_momentum", "1"), ("warmup_steps", "-5")])
+                                       ("outer_momentum", "1"), ("warmup_steps", "-5"), ("fragments", "0"),
+                                       ("overlap", "-1"), ("mix", "1.5")])
 def test_bad_values_are_refused_when_the_recipe_loads(key, value):
     with pytest.raises(UserError, match=f"diloco.{key}"):
         load_recipe("tiny/pretrain", parse_overrides([f"--diloco.{key}={value}"]))
+
+
+def test_streaming_needs_no_eval_or_checkpoint_at_the_syncs():
+    """With fragments or overlap no step has every replica on the shared weights, so evaluations and checkpoints
+    may come at any step (a checkpoint keeps the syncs in flight: the e2e test)."""
+    validate(["--diloco.every=20", "--diloco.fragments=4", "--checkpoint.every=auto"])
+    validate(["--diloco.every=20", "--diloco.overlap=1"])
+
+
+def test_fragments_cut_the_model_in_blocks_and_sync_at_staggered_steps():
+    """diloco.fragments: consecutive INT8_BLOCK-aligned pieces covering the model once; each fragment syncs once
+    per diloco.every steps, at its own step, the last at the multiples of every (one fragment: the whole model
+    there, as without streaming)."""
+    from dstrain.components.diloco import INT8_BLOCK, due, fragment_bounds
+
+    assert fragment_bounds(1000, 1) == [0, 1000]
+    bounds = fragment_bounds(1000, 3)
+    assert bounds == [0, 256, 640, 1000] and all(b % INT8_BLOCK == 0 for b in bounds[:-1])
+    assert fragment_bounds(100, 3) == [0, 0, 0, 100]  # smaller than a block: the last one holds it all
+    for every, fragments in ((4, 3), (10, 4), (5, 5), (7, 1)):
+        sends = [due(step, every, fragments) for step in range(1, 3 * every + 1)]
+        assert all(len(s) <= 1 for s in sends)  # one fragment at a time
+        for p in range(fragments):  # each once per interval, every `every` steps
+            steps = [i + 1 for i, s in enumerate(sends) if p in s]
+            assert len(steps) == 3 and steps[1] - steps[0] == every == steps[2] - steps[1], (every, fragments, p)
+        assert due(every, every, fragments) == [fragments - 1]
+    assert [due(s, 4, 3) for s in range(1, 9)] == [[0], [1], [], [2], [0], [1], [], [2]]
 
 
 def test_one_replica_per_node_by_default_and_the_replica_arithmetic():
