@@ -46,3 +46,20 @@ def test_runs_timed_on_different_machines_are_marked(monkeypatch):
     header = next(line for line in text.splitlines() if line.startswith("| method"))
     assert header.count("eval loss at") == 2 and "two targets" in text
     assert "Timed on different machines" in text and "on AMD EPYC" in text and "a CPU not recorded" in text
+
+
+def test_the_streaming_table_shows_each_ways_bytes_and_hold_up(monkeypatch):
+    """bench/streaming.py's table: the medians over repeats, and each way's hold-up against the whole-model sync's."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import streaming
+
+    def run(name, holdup, peak):
+        return {"name": name, "shaping": "tbf rate 100mbit", "median_s": 3.0, "mean_s": 3.1, "holdup_s": holdup,
+                "bytes_mean": 6.6e5, "bytes_peak": peak, "final_loss": 2.0}
+    runs = [run("whole", 2.0, 16.8e6), run("fragments", 2.2, 3.4e6), run("overlapped", 0.5, 3.4e6),
+            run("whole", 3.0, 16.8e6), run("fragments", 2.0, 3.4e6), run("overlapped", 0.7, 3.4e6)]
+    text = streaming.report({"args": {"model": "30m", "steps": 100}, "params": 31.76e6, "runs": runs})
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ") and "way" not in line}
+    assert "16.80 MB" in rows["whole"] and "3.40 MB" in rows["overlapped"]
+    assert rows["whole"].endswith("| 2.50 s | 1.00x |") and rows["overlapped"].endswith("| 0.60 s | 0.24x |"), rows
+    assert "2 run(s) of each" in text

@@ -200,7 +200,9 @@ def test_each_rank_keeps_its_slice_of_the_outer_state_and_resumes_it_on_another_
     for rank in range(4):  # 2 replicas of 2 ranks saved their slices
         i = rank % size
         part = whole[i * chunk:min(n, (i + 1) * chunk)]
-        torch.save({"anchor": part + 1000 * rank, "momentum": -part, "carry": part * 0 + rank}, path / f"diloco_rank{rank}.pt")
+        flights = [{"lo": 128, "hi": 300, "lands": 5, "mix": 0.5, "mean": part[max(0, 128 - i * chunk):] * 2 + i}]
+        torch.save({"anchor": part + 1000 * rank, "momentum": -part, "carry": part * 0 + rank, "flights": flights},
+                   path / f"diloco_rank{rank}.pt")
     resume = _diloco_checkpoint(tmp_path, world=4, replicas=2)
     for rank in range(6):  # resumed on 3 replicas of 2
         outer = Diloco(DilocoSection(every=3))
@@ -217,6 +219,10 @@ def test_each_rank_keeps_its_slice_of_the_outer_state_and_resumes_it_on_another_
         checkpointer._load_extra(resume, "diloco", outer)
         assert torch.equal(outer.anchor, whole[outer.mine] + 1000 * i), rank  # the same slice, from rank i's file
         assert torch.equal(outer.momentum, -whole[outer.mine]) and outer.carry is None
+        # a streaming sync in flight (its replicas' mean) lands on every replica: the slice's, kept
+        (flight,) = outer.flights
+        assert (flight.lo, flight.hi, flight.lands, flight.mix) == (128, 300, 5, 0.5)
+        assert torch.equal(flight.pseudo, whole[max(128, outer.mine.start):outer.mine.stop] * 2 + i), rank
 
     torch.save({"anchor": whole, "momentum": None, "carry": torch.ones(n - chunk)}, path / "diloco_rank1.pt")
     outer.load_state_dict(torch.load(path / "diloco_rank1.pt"), same_world=True)  # the whole model's: cut
