@@ -182,9 +182,11 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: b
     # replica (in place, fp32)
     part = -(-chunk // cfg.fragments)
     flying = min(cfg.fragments, -(-cfg.overlap * cfg.fragments // cfg.every)) if cfg.overlap else 0
-    crossing = flying * int((layout.replicas + 1) * WIRE_BYTES[cfg.dtype] * part) if compressed else 0
+    crossing = flying * (int((layout.replicas + 1) * WIRE_BYTES[cfg.dtype] * part) if compressed else
+                         4 * part if offloaded else 0)  # fp32: reduced in place, in a copy when it is host-side
     if offloaded:
-        return ({"diloco_sync": max(wire, broadcast + gathered_w * largest), "diloco_in_flight": crossing},
+        return ({"diloco_sync": max(wire, broadcast + gathered_w * largest), **({"diloco_in_flight": crossing}
+                                                                                if crossing else {})},
                 {"diloco_state": persistent + 4 * flying * part + 4 * chunk + max(decoded, 4 * largest)})
     sync = 4 * chunk + max(wire + decoded, broadcast + (4 + gathered_w) * largest)
     return {"diloco_state": persistent + 4 * flying * part + crossing, "diloco_sync": sync}, {}

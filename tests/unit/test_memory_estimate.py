@@ -182,6 +182,17 @@ def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, 
     assert est.device["diloco_sync"] == 4 * bucket + 2 * embedding
     fits, text = memory.preflight(r, dsc.load("zero3_offload.json"), "zero3_offload.json", 32, 8, GPU)
     assert fits and "offloaded to host: diloco_state" in text, text
+    # streaming: 5 fragments each in flight for 2 of the 10 steps between their sends (one at a time): this rank's
+    # part of one fragment's pseudo-gradient and its int8 codes (this rank's and the 4 replicas') stay through them
+    stream = recipe(llama8b, "--diloco.every=50", "--diloco.dtype=int8", "--diloco.fragments=5",
+                    "--diloco.overlap=2")
+    cfg = dsc.resolve(dsc.load("zero3.json"), stream, 32, GPU, hidden_size=4096, replicas=4)
+    est = memory.estimate(config, psi, stream, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
+    part = -(-chunk // 5)
+    assert est.device["diloco_state"] == 12 * chunk + 4 * part + int(5 * (1 + 4 / 128) * part)
+    many = recipe(llama8b, "--diloco.every=50", "--diloco.dtype=int8", "--diloco.fragments=5", "--diloco.overlap=12")
+    est = memory.estimate(config, psi, many, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
+    assert est.device["diloco_state"] == 12 * chunk + 2 * (4 * part + int(5 * (1 + 4 / 128) * part))  # 2 at a time
     # Ulysses (sp 2) inside replicas of 8 ranks: the 8 hold the same parameters (dp 4 x sp 2), each a slice of 8
     cfg = dsc.resolve(dsc.load("sp2_zero2.json"), r, 32, GPU, hidden_size=4096, replicas=4)
     est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32, replicas=4))
