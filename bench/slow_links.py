@@ -243,6 +243,7 @@ def main() -> None:
         for name, shaped, steps in plan:
             began = time.time()
             runs.append(run_on_link(name, shaped, steps, args.seed, work / "model", work, args))
+            state.get("loss_seeds", {}).get(str(args.seed), {}).pop(name, None)  # this run is the order's figure
             print(f"  {label(runs[-1])}: {time.time() - began:.0f} s, {runs[-1]['step_s']:.3f} s/step, "
                   f"eval loss {runs[-1]['evals'][-1][1]:.4f}", file=sys.stderr)
             state["runs"] = runs
@@ -324,8 +325,11 @@ def report(state: dict) -> str:
     seeds = state.get("loss_seeds", {})
     if seeds:
         diloco = next((r for r in runs if r["name"] == timed), None)
-        orders = {str(a.seed): {REFERENCE: {str(s): loss for s, loss, _ in ref["evals"]},
-                                timed: {str(s): loss for s, loss, _ in diloco["evals"]} if diloco else {}}}
+        # the timed order: every run above that went the whole way (the reference unshaped) beside --methods' runs
+        # of it (a setting run by --add is dropped from those: one figure per order and setting)
+        full = {r["name"]: {str(s): loss for s, loss, _ in r["evals"]} for r in runs
+                if r["evals"][-1][0] == a.steps and (r is ref or r["name"] != REFERENCE)}
+        orders = {str(a.seed): {timed: {}, **full}}
         for seed, by_name in seeds.items():  # --methods' runs of the timed order join its reference
             orders[seed] = {**orders.get(seed, {}), **by_name}
         others = list(dict.fromkeys(n for by_name in seeds.values() for n in by_name if n not in (REFERENCE, timed)))

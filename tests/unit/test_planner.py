@@ -382,6 +382,8 @@ def test_diloco_with_averaged_steps_first_is_a_candidate_with_their_bytes_and_it
     refs[str(once["args"]["seed"])] = next(r["evals"][-1][1] for r in once["runs"] if r["name"] == "fp32 all-reduce"
                                            and not r["shaped"])
     gaps = [o[row][str(steps)] / refs[seed] for seed, o in once["loss_seeds"].items() if row in o]
+    timed = [r["evals"][-1][1] for r in once["runs"] if r["name"] == row and r["evals"][-1][0] == steps]
+    gaps += [loss / refs[str(once["args"]["seed"])] for loss in timed]  # the timed order's run (--add)
     assert len(gaps) >= 3 and p_warm.price == pytest.approx(statistics.mean(gaps) - 1)
     assert p_plain.price != p_warm.price
     flags = warm.overrides()
