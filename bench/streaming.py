@@ -80,7 +80,9 @@ def report(state: dict) -> str:
             f"each of two network namespaces joined by a veth pair; {runs[0]['shaping']}. {platform.machine()}, "
             f"{os.cpu_count()} cores, {len(by['whole'])} run(s) of each, interleaved: medians over them. The last "
             f"step (a whole-model sync in every run) left out. Hold-up: the steps' time above the median step, "
-            f"summed, per {EVERY} steps (one sync of the whole model's worth).\n\n"
+            f"summed, per {EVERY} steps (one sync of the whole model's worth). The mean bytes differ by where the run "
+            f"stops: the fragments sync through each {EVERY} steps, the whole model at their end (over a long run, "
+            f"the same).\n\n"
             "| way | bytes/step (mean) | bytes in the largest step | median step | hold-up per 25 steps | "
             "against whole |\n|---|---|---|---|---|---|\n")
     for name, rs in by.items():
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and the JSON")
     parser.add_argument("--report", action="store_true", help="only print (and with --write, write) the saved results")
+    parser.add_argument("--more", action="store_true", help="add --repeats runs of each to the saved results")
     args = parser.parse_args()
     if args.report:
         state = json.loads(RESULTS.read_text())
@@ -109,6 +112,10 @@ def main() -> None:
         try:
             state = {"args": {"model": args.model, "steps": args.steps, "rate": args.rate, "delay": args.delay},
                      "runs": []}
+            if args.more:
+                state = json.loads(RESULTS.read_text())
+                args.model, args.steps, args.rate, args.delay = (state["args"][k] for k in
+                                                                 ("model", "steps", "rate", "delay"))
             state["params"] = make_llama(work / "model", **MODELS[args.model]) if MODELS[args.model] else \
                 make_model(work / "model")
             data = make_corpus(work / "corpus")
