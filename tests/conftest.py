@@ -86,7 +86,7 @@ LONGEST_FIRST = {
     "e2e/test_default_recipe.py": 330, "e2e/test_preference.py": 330, "e2e/test_resume.py": 300,
     "e2e/test_gradient_compression.py": 300, "e2e/test_vs_reference.py": 300, "e2e/test_signals.py": 280,
     "e2e/test_run_dir.py": 250, "e2e/test_lora.py": 250, "e2e/test_sequence_parallel.py": 160,
-    "e2e/test_diloco.py": 300, "e2e/test_memory.py": 250,
+    "e2e/test_diloco.py": 340, "e2e/test_memory.py": 250,
     "e2e/test_prepared_data.py": 150, "e2e/test_pipeline.py": 95, "e2e/test_tensor_parallel.py": 110,
     "e2e/test_errors.py": 100, "e2e/test_elastic.py": 160, "e2e/test_background_save.py": 100,
     "unit/test_preference.py": 90, "unit/test_ds_internals.py": 80,
