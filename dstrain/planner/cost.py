@@ -50,12 +50,13 @@ ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_o
 # the repository's gradient compression (a recipe section) on the configs it works with
 COMPRESSED = (("zero0.json", "powersgd"), ("zero1.json", "powersgd"), ("zero1.json", "sign"), ("zero0.json", "topk"),
               ("zero1.json", "topk"))
-# DiLoCo (H, pseudo-gradient dtype, outer (lr, momentum) or None for the recipe's, diloco.warmup_steps) on these
-# configs, one replica per node: the settings bench/compression.py and bench/slow_links.py measured (the last three:
-# plain averaging, measured best for short runs; H=25 int4 sends what H=50 int8 does, twice as often; the last one
-# with 8 averaged bf16 steps first, the setting that met issue 33's loss target on the corpus seen once)
-DILOCO = ((10, "fp32", None, 0), (50, "fp32", None, 0), (50, "bf16", None, 0), (50, "int8", (1.0, 0.0), 0),
-          (25, "int4", (1.0, 0.0), 0), (25, "int4", (1.0, 0.0), 8))
+# DiLoCo (H, pseudo-gradient dtype, outer (lr, momentum) or None for the recipe's, diloco.warmup_steps, (fragments,
+# overlap)) on these configs, one replica per node: the settings bench/compression.py and bench/slow_links.py
+# measured (from the fourth: plain averaging, measured best for short runs; H=25 int4 sends what H=50 int8 does,
+# twice as often; then with 8 averaged bf16 steps first; then that streamed, 5 fragments landing a step late)
+DILOCO = ((10, "fp32", None, 0, (1, 0)), (50, "fp32", None, 0, (1, 0)), (50, "bf16", None, 0, (1, 0)),
+          (50, "int8", (1.0, 0.0), 0, (1, 0)), (25, "int4", (1.0, 0.0), 0, (1, 0)), (25, "int4", (1.0, 0.0), 8, (1, 0)),
+          (25, "int4", (1.0, 0.0), 8, (5, 1)))
 DILOCO_CONFIGS = ("zero1.json", "zero2.json")
 
 
@@ -74,6 +75,7 @@ class Candidate:
     diloco_outer: tuple | None = None  # (outer_lr, outer_momentum), or None: the recipe's
     recipe_diloco: int = 0  # the recipe's own diloco.every
     diloco_warmup: int = 0  # diloco.warmup_steps: the first N steps each end with a plain average (bf16 for int8/int4)
+    diloco_stream: tuple = (1, 0)  # (diloco.fragments, diloco.overlap): streaming DiLoCo
     extra: tuple = ()  # more overrides the candidate needs (eval/checkpoint intervals that are multiples of H)
 
     @property
@@ -88,7 +90,8 @@ class Candidate:
         if self.diloco_every:
             dtype = "" if self.diloco_dtype == "fp32" else f"_{self.diloco_dtype}"
             warmup = f"_w{self.diloco_warmup}" if self.diloco_warmup else ""
-            return f"{base}_diloco{self.diloco_every}{dtype}{'_avg' if self.diloco_outer else ''}{warmup}"
+            stream = "_s{}o{}".format(*self.diloco_stream) if self.diloco_stream != (1, 0) else ""
+            return f"{base}_diloco{self.diloco_every}{dtype}{'_avg' if self.diloco_outer else ''}{warmup}{stream}"
         return base if self.compression == "none" else f"{base}_{self.compression}"
 
     def overrides(self) -> list[str]:
@@ -98,7 +101,8 @@ class Candidate:
         out += [f"--compression.method={self.compression}"] if changed else []
         if self.diloco_every:
             out += [f"--diloco.every={self.diloco_every}", f"--diloco.dtype={self.diloco_dtype}",
-                    f"--diloco.warmup_steps={self.diloco_warmup}", *self.extra]
+                    f"--diloco.warmup_steps={self.diloco_warmup}", f"--diloco.fragments={self.diloco_stream[0]}",
+                    f"--diloco.overlap={self.diloco_stream[1]}", *self.extra]
             if self.diloco_outer:
                 out += [f"--diloco.outer_lr={self.diloco_outer[0]:g}",
                         f"--diloco.outer_momentum={self.diloco_outer[1]:g}"]
@@ -202,18 +206,19 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
               for setting in DILOCO if setting[0] <= recipe.train.max_steps] \
         if ranks_per_node and world // ranks_per_node >= 2 else []
     out = []
-    for name, raw, method, every, dtype, outer, warmup in [(n, r, m, 0, "fp32", None, 0) for n, r, m in bases] + diloco:
+    for name, raw, method, every, dtype, outer, warmup, stream in \
+            [(n, r, m, 0, "fp32", None, 0, (1, 0)) for n, r, m in bases] + diloco:
         layout = Layout.from_ds_config(raw, world)
         if global_batch % layout.data_parallel:
             continue
         per_rank = global_batch // layout.data_parallel
-        extra = _diloco_intervals(recipe, every) if every else ()
+        extra = _diloco_intervals(recipe, every) if every and stream == (1, 0) else ()
         for micro in [m for m in range(1, min(per_rank, 64) + 1) if per_rank % m == 0]:
             for checkpointing in sorted({recipe.train.activation_checkpointing, True}):
                 out.append(Candidate(name, raw, micro, per_rank // micro, checkpointing, compression=method,
                                      recipe_compression=recipe.compression.method, diloco_every=every,
                                      diloco_dtype=dtype, diloco_outer=outer, recipe_diloco=recipe.diloco.every,
-                                     diloco_warmup=warmup, extra=extra))
+                                     diloco_warmup=warmup, diloco_stream=stream, extra=extra))
     return out
 
 
@@ -422,9 +427,14 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
             calls.append(("all_reduce", "pp", vocab_h, 1, "boundary"))
     averaged = candidate.diloco_warmup / recipe.train.max_steps if candidate.diloco_every else 0.0
     if candidate.diloco_every:
-        calls += _diloco_calls(psi_t, dp, replicas, candidate.diloco_every, candidate.diloco_dtype, averaged)
+        calls += _diloco_calls(psi_t, dp, replicas, candidate.diloco_every, candidate.diloco_dtype, averaged,
+                               streamed=candidate.diloco_stream[1] > 0)
     total = exposed = 0.0
     hidden_behind = {"backward": backward_s if overlap else 0.0, "gather": pred.compute_s / 3 if overlap else 0.0}
+    if candidate.diloco_every and overlap:  # diloco.overlap: each fragment's crossing hides behind `overlap` steps'
+        # compute, fragments / H of them a step (on CPUs nothing: bench/streaming.py measured no hiding there)
+        fragments, steps = candidate.diloco_stream
+        hidden_behind["streamed"] = steps * fragments / candidate.diloco_every * (1 - averaged) * pred.compute_s
     by_phase: dict = {}
     for op, level, nbytes, count, phase in calls:
         ranks = {"dp": dp, "tp": tp, "pp": 2, "world": meas.world_size, "across": replicas}[level]
@@ -474,19 +484,22 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     return pred
 
 
-def _diloco_calls(psi_t: int, size: int, replicas: int, every: int, dtype: str, averaged: float = 0.0) -> list:
+def _diloco_calls(psi_t: int, size: int, replicas: int, every: int, dtype: str, averaged: float = 0.0,
+                  streamed: bool = False) -> list:
     """A sync's traffic (components/diloco.py), 1/H of it per step: each rank's INT8_BLOCK-aligned slice of the
     pseudo-gradient all-gathered across the replicas, then the new weights' fp32 slices broadcast in turn in the
     replica (S broadcasts of a slice: counted as one all-gather of the same bytes).
     averaged: the share of the run's steps that diloco.warmup_steps ends with a sync of its own (in warmup_wire's
-    type); the other steps sync every H."""
+    type); the other steps sync every H. streamed (diloco.overlap): those syncs cross while training goes on
+    (the "streamed" phase); fragments change when, not how much, is sent."""
     from ..components.diloco import WIRE_BYTES, slice_length, warmup_wire
     chunk = slice_length(psi_t, size)
     out = []
-    for wire, per_step in ((dtype, (1 - averaged) / every), (warmup_wire(dtype), averaged)):
+    for wire, per_step, phase in ((dtype, (1 - averaged) / every, "streamed" if streamed else "boundary"),
+                                  (warmup_wire(dtype), averaged, "boundary")):
         if per_step:
             out.append(("all_reduce" if wire == "fp32" else "all_gather", "across",
-                        chunk * WIRE_BYTES[wire] * (1 if wire == "fp32" else replicas), per_step, "boundary"))
+                        chunk * WIRE_BYTES[wire] * (1 if wire == "fp32" else replicas), per_step, phase))
     if size > 1:
         out.append(("all_gather", "dp", 4.0 * chunk * size, (1 - averaged) / every + averaged, "boundary"))
     return out
@@ -525,7 +538,8 @@ def _recipe_for(recipe, candidate: Candidate):
     train = replace(recipe.train, micro_batch_size=candidate.micro, grad_accum_steps=candidate.accum,
                     activation_checkpointing=candidate.checkpointing)
     diloco = replace(recipe.diloco, every=candidate.diloco_every, dtype=candidate.diloco_dtype, replicas=0,
-                     warmup_steps=candidate.diloco_warmup)
+                     warmup_steps=candidate.diloco_warmup, fragments=candidate.diloco_stream[0],
+                     overlap=candidate.diloco_stream[1])
     if candidate.diloco_outer:
         diloco = replace(diloco, outer_lr=candidate.diloco_outer[0], outer_momentum=candidate.diloco_outer[1])
     return replace(recipe, train=train, compression=replace(recipe.compression, method=candidate.compression),
@@ -590,9 +604,13 @@ def convergence_price(candidate: Candidate, recipe) -> float | None:
                (50, "bf16", (0.7, 0.9)): "DiLoCo H=50 bf16",
                (50, "int8", (1.0, 0.0)): "DiLoCo H=50 int8, outer lr 1, no momentum",
                (25, "int4", (1.0, 0.0)): "DiLoCo H=25 int4, outer lr 1, no momentum",
-               (25, "int4", (1.0, 0.0), 8): "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)"}\
+               (25, "int4", (1.0, 0.0), 8): "DiLoCo H=25 int4, outer lr 1, no momentum, 8 averaged steps first (bf16)",
+               (25, "int4", (1.0, 0.0), 8, (5, 1)):
+                   "Streaming DiLoCo H=25 int4, 5 fragments, 1 step overlapped (mix 0.5), outer lr 1, no momentum, "
+                   "8 averaged steps first (bf16)"}\
             .get((candidate.diloco_every, candidate.diloco_dtype, tuple(float(x) for x in outer))
-                 + ((candidate.diloco_warmup,) if candidate.diloco_warmup else ()))
+                 + ((candidate.diloco_warmup,) if candidate.diloco_warmup else ())
+                 + ((candidate.diloco_stream,) if candidate.diloco_stream != (1, 0) else ()))
     once = _once_ratios().get(row)
     if once:
         return sum(once) / len(once) - 1

@@ -67,8 +67,13 @@ def trial_overrides(candidate, steps: int = TRIAL_STEPS) -> list[str]:
     (diloco.every may not exceed the run): the median step times the inner steps, and the prediction's 1/H share
     of a sync is measured from the last step (measured_step_s). With diloco.warmup_steps the trial averages up to
     its first timed step (TRIAL_SKIP + 1), whose sync is the averaged steps' (measured_step_s weighs it by their
-    share of the run)."""
+    share of the run). Streaming DiLoCo's trial syncs the whole model at once (diloco.fragments=1, overlap=0): a
+    trial of a few steps would send its fragments far more often than the run does, and the whole sync's share is
+    the same work (on GPUs an upper bound: the prediction hides the crossing behind the overlapped steps; on CPUs
+    nothing hid, bench/streaming.py)."""
     out = candidate.overrides() + (["--compression.warmup_steps=1"] if candidate.compression != "none" else [])
+    if candidate.diloco_every and tuple(candidate.diloco_stream) != (1, 0):
+        out += ["--diloco.fragments=1", "--diloco.overlap=0"]
     if candidate.diloco_warmup:
         out.append(f"--diloco.warmup_steps={TRIAL_SKIP + 1 if candidate.diloco_every >= steps else 0}")
     return out + ([f"--diloco.every={steps}"] if candidate.diloco_every > steps else [])
