@@ -27,15 +27,14 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import free_port, make_llama, write_section
-from compression import SlowLink, environment, make_model, train_args
-from slow_links import MODELS, make_corpus
+from common import make_llama, write_section
+from compression import make_model, train_args
+from slow_links import MODELS, make_corpus, two_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "streaming_bench.json"
@@ -50,17 +49,7 @@ def run(name: str, model: Path, data: Path, work: Path, args) -> dict:
     out = work / f"run-{len(list(work.glob('run-*')))}"
     cmd = train_args(model, out, args.steps, 0, WAYS[name] + [f"--data.path={data}", "--eval.every=0",
                                                               "--eval.max_batches=1"])
-    with SlowLink(args.rate, args.delay) as link:
-        port, procs = str(free_port()), []
-        for rank in range(2):
-            env = environment(work, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR=link.addr[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[rank])
-            procs.append(subprocess.Popen(["ip", "netns", "exec", link.ns[rank], sys.executable, *cmd], cwd=ROOT,
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        errors = [p.communicate()[1] for p in procs]
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"{name} failed:\n{errors[0][-3000:]}\n{errors[1][-3000:]}")
-        shaping = link.shaping
+    shaping = two_nodes(cmd, args.rate, args.delay, work, name)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and r["step"] < args.steps]  # the last step: a whole-model sync
     times = [r["step_s"] for r in steps]
