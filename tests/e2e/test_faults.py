@@ -83,7 +83,10 @@ def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 3
 CHAOS = ["--train.max_steps=60", "--checkpoint.every=10", "--train.warmup_steps=5"]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+# Seeds 1 and 2 both drew rank 0 at steps 16 and 17: one scenario run twice (63 s of the suite); rank 0, whose
+# process holds the job's store, is the harder victim. Rank 1 killed by -9: test_preference.py; the survivor's
+# exit for either victim: test_survivor_exits_by_itself_naming_the_dead_rank below
+@pytest.mark.parametrize("seed", [1])
 def test_kill9_of_a_rank_is_retried_by_launch_script_and_matches_uninterrupted(tmp_path, cache, tiny_llama, seed):
     """kill -9 one rank at a random step; launch/single_node.sh restarts, resumes from the newest complete
     checkpoint and the whole run's per-step losses and final weights are the plain loop's."""
@@ -254,7 +257,9 @@ def test_full_disk_stops_with_clear_error_and_earlier_checkpoint_intact(tmp_path
 
 # ----------------------------------------------------------------------------- another world size
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# ZeRO-1 is not run: DeepSpeed's stage 1 and 2 are one optimizer (stage_1_and_2.py) with one checkpoint layout and
+# one universal conversion; ZeRO-2 covers both (37 s of the suite)
+@pytest.mark.parametrize("stage", [2, 3])
 def test_resume_on_another_world_size(tmp_path, cache, tiny_llama, stage):
     """Global batch 16 on 2 ranks x accum 2 or 1 rank x accum 4: 2 ranks to step 5, resumed on 1 rank to step 9,
     then on 2 ranks to the end. Each launch's recipe is written for the world before it (the user did not edit
