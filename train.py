@@ -214,8 +214,12 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                 "replicas": layout.replicas, "run": identity}
 
     # ---- the loop
+    def evaluation(step: int) -> None:
+        with components.evaluated(features):  # DiLoCo streaming: the shared weights
+            metrics.evaluation(step, *evaluate(engine, val, layout, objective))
+
     if start == 0 and val:
-        metrics.evaluation(0, *evaluate(engine, val, layout, objective))
+        evaluation(0)
     counter = comm_counter.CommCounter().start()  # bytes sent and time waited in collectives, every step
     watchdog.arm()
     last = train.exit_at_step or train.max_steps
@@ -230,7 +234,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                      time.perf_counter() - began, counter.since(comm), extra)
         watchdog.progress()
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
-            metrics.evaluation(step, *evaluate(engine, val, layout, objective))
+            evaluation(step)
             watchdog.progress()
         ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
         ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,

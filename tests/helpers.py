@@ -411,7 +411,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                             outer_momentum: float, dtype: str = "fp32", betas=(0.9, 0.95), eps=1e-8,
                             max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0,
                             lora: dict | None = None, final: dict | None = None, fragments: int = 1,
-                            overlap: int = 0, mix: float = 0.5) -> list[float]:
+                            overlap: int = 0, mix: float = 0.5, evals: dict | None = None,
+                            eval_batches: int = 2) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -428,7 +429,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     copies' average (the pseudo-gradients rounded to bf16 where dtype is int8/int4, subtracted whole), the outer
     SGD untouched. `lora`: peft's LoraConfig keywords; the adapters peft makes right after torch.manual_seed(seed)
     are what trains (AdamW, the pseudo-gradients and the outer step cover them only), the base stays frozen.
-    `final`, when given, receives the shared weights at the end (name -> tensor).
+    `final`, when given, receives the shared weights at the end (name -> tensor); `evals`, {step: ...}, the shared
+    weights' eval loss after each of those steps (reference_eval over `world` ranks, `eval_batches` each).
     Streaming DiLoCo (Douillard et al. 2025), `fragments` P > 1 or `overlap` tau > 0, written out by hand on the
     trained parameters laid end to end (N elements): fragment p is [b_p, b_p+1), b_p = floor(p N / P) rounded down
     to a multiple of 128 (b_P = N); after step s (past averaged_first) where s mod every = floor((p+1) every / P)
@@ -576,6 +578,8 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                 outer.step()
             for model in copies:
                 model.load_state_dict(shared.state_dict())
+        if evals is not None and step + 1 in evals:
+            evals[step + 1] = reference_eval(shared, run_dir, world, micro, eval_batches)
         if step + 1 in regroup_at:
             world, new = regroup_at[step + 1]
             size = world // new

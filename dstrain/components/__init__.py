@@ -11,12 +11,14 @@ train() calls in order for every component:
   convert(model, setup)      the model before deepspeed.initialize (returns the model to train)
   attach(engine, setup)      after the engine exists
   after_step(step, say)      at each step boundary
+  evaluated()                a context the evaluations run in (DiLoCo streaming: the shared weights swapped in)
   describe()                 what run_info.json records about it
 A component with per-rank state for checkpoints sets `stateful = True` and offers
 state_dict() / load_state_dict(state, same_world); the checkpointer takes a dict of them by name.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,10 @@ class Component:
 
     def after_step(self, step: int, say: Callable[[str], None]) -> None:
         pass
+
+    def evaluated(self) -> contextlib.AbstractContextManager:
+        """The weights an evaluation measures, when they are not the ones training (entered on every rank)."""
+        return contextlib.nullcontext()
 
     def describe(self) -> dict:
         """What run_info.json records about this component."""
@@ -120,6 +126,14 @@ def load_kwargs(components: list[Component], setup: Setup) -> dict:
 def trained_parameters(components: list[Component]) -> int | None:
     found = [c.trained_parameters() for c in components if c.trained_parameters() is not None]
     return found[0] if found else None
+
+
+@contextlib.contextmanager
+def evaluated(components: list[Component]):
+    with contextlib.ExitStack() as stack:
+        for component in components:
+            stack.enter_context(component.evaluated())
+        yield
 
 
 def stateful(components: list[Component]) -> dict[str, Component]:

@@ -30,9 +30,9 @@ own step (fragment_bounds, due), so one sync sends 1/P of the model: the same by
 diloco.overlap tau, a fragment's collectives are asynchronous and its outer step lands tau steps after it was sent,
 while training goes on; the replica's weights of the fragment then become mix x its own + (1 - mix) x the new
 shared ones. The last step lands what is in flight and syncs the whole model. No step has every replica on the
-shared weights then: an evaluation averages each replica's own, and a checkpoint keeps the syncs in flight (their
-replicas' mean pseudo-gradients), which land at their step after a resume. torchft's streaming DiLoCo (FSDP, no
-DeepSpeed) has no mix but 0 (the replica takes the shared weights, dropping tau steps of its own).
+shared weights then: an evaluation swaps them in for its batches (evaluated), and a checkpoint keeps the syncs in
+flight (their replicas' mean pseudo-gradients), which land at their step after a resume. torchft's streaming DiLoCo
+(FSDP, no DeepSpeed) has no mix but 0 (the replica takes the shared weights, dropping tau steps of its own).
 
 Written here because no library does it for DeepSpeed: torchtitan's DiLoCo lives in torchft (FSDP, its own
 process groups and quorum), and DeepSpeed has no local-SGD mode. The inner steps are DeepSpeed's own; the outer step
@@ -41,6 +41,7 @@ and the module's working weights (which DeepSpeed refreshes from the masters onl
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -80,6 +81,7 @@ class Diloco(Component):
         self.home = self.comm = torch.device("cpu")
         self.bounds = [0, 0]  # diloco.fragments: fragment p is elements [bounds[p], bounds[p + 1])
         self.flights: list[_Flight] = []  # diloco.overlap: syncs sent, their outer steps still to land
+        self.engine = None  # the DeepSpeed engine (attach)
         self._offsets: list[tuple] | None = None
 
     def validate(self, setup: Setup) -> None:
@@ -124,7 +126,7 @@ class Diloco(Component):
 
         from .. import ds_internals
 
-        self.max_steps, self.unit = setup.recipe.train.max_steps, ds_internals.replica_unit()
+        self.engine, self.max_steps, self.unit = engine, setup.recipe.train.max_steps, ds_internals.replica_unit()
         if not isinstance(self.unit, ds_internals.ReplicaUnit):
             raise RuntimeError("diloco: the engine was not built with the replica groups (ds_internals.ReplicaUnit)")
         # pipeline stages: a tied layer's copy on a later stage (the LM head tied to the first stage's embedding,
@@ -263,6 +265,27 @@ class Diloco(Component):
             target = self._read(f.lo, f.hi).mul_(f.mix).add_(anchor, alpha=1 - f.mix)
         self._write(target, f.lo, f.hi)
         self._tied()
+
+    @contextlib.contextmanager
+    def evaluated(self):
+        """Streaming (diloco.fragments / overlap): no step has every replica on the shared weights, so an evaluation
+        swaps them in (this rank's slice of its replica's weights kept aside, written back after: the masters
+        exactly, and the working copy is their cast as before) and measures the model the run exports. Without
+        streaming, evaluations come at the syncs (validate), where the replicas hold the shared weights already."""
+        if not (self.cfg.fragments > 1 or self.cfg.overlap) or self.anchor is None:
+            yield
+            return
+        own = self._read()
+        self._write(self.anchor, 0, self.numel)
+        self._tied()
+        try:
+            yield
+        finally:
+            # ZeRO-3: the evaluation's forward leaves parameters prefetched for a next forward (in flight, which
+            # GatheredParameters cannot re-partition); DeepSpeed's public call waits for them and partitions all
+            self.engine.empty_partition_cache()
+            self._write(own, 0, self.numel)
+            self._tied()
 
     # ---------------------------------------------------------------- DeepSpeed's weights
     def _spans(self) -> list[tuple]:

@@ -27,10 +27,10 @@ def _rows(run):
 
 
 def reference(model_dir, run_dir, world, replicas, every, outer_lr, outer_momentum, dtype="fp32", averaged_first=0,
-              final=None, **streaming):
+              final=None, evals=None, **streaming):
     return diloco_reference_losses(model_dir, run_dir, STEPS, LR, WARMUP, MIN_LR, 0.1, world, replicas, MICRO, every,
                                    outer_lr, outer_momentum, dtype, averaged_first=averaged_first, final=final,
-                                   **streaming)
+                                   evals=evals, **streaming)
 
 
 def test_h1_two_replicas_of_one_rank_zero2(tmp_path, cache, tiny_llama):
@@ -87,23 +87,27 @@ def test_streaming_fragments_overlapped_zero3_stopped_with_a_sync_in_flight_and_
     training goes on, where the replica's weights become half its own and half the new shared ones (mix 0.5). 4 ranks
     in 2 replicas of 2 under ZeRO-3 (every parameter partitioned; fragments end inside parameters, whose other part
     must be kept), int4 with the rounding carried, the paper's Nesterov outer step. Stopped at step 4, with the
-    third fragment's sync sent and not landed, and resumed: the joined losses are the simulation's; the export
-    holds the shared weights after the last step's whole-model sync."""
+    third fragment's sync sent and not landed, and resumed: the joined losses are the simulation's; evaluations
+    (steps 3 and 6, between the fragments' landings, and the last) measure the shared weights, not the replicas'
+    own; the export holds the shared weights after the last step's whole-model sync."""
     run = tmp_path / "run"
     args = COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero3.json", "--output_dir", str(run),
                      "--ds.zero_optimization.stage3_param_persistence_threshold=0", "--diloco.every=4",
                      "--diloco.replicas=2", "--diloco.dtype=int4", "--diloco.fragments=3", "--diloco.overlap=1",
-                     "--checkpoint.export_hf=true"]
+                     "--checkpoint.export_hf=true", "--eval.every=3"]
     launch(args + ["--train.exit_at_step=4"], cache, nproc=4)
     saved = torch.load(run / "checkpoints" / "step_00000004" / "diloco_rank0.pt")
     assert [(f["lands"], f["mix"]) for f in saved["flights"]] == [(5, 0.5)]
     launch(args, cache, nproc=4)
-    got = metrics(run)[0]
-    final = {}
+    got, got_evals = metrics(run)
+    final, evals = {}, {3: None, 6: None, 8: None}
     streaming = dict(fragments=3, overlap=1, mix=0.5)
-    want = reference(tiny_llama, run, 4, 2, 4, 0.7, 0.9, "int4", final=final, **streaming)
+    want = reference(tiny_llama, run, 4, 2, 4, 0.7, 0.9, "int4", final=final, evals=evals, **streaming)
     assert len(got) == STEPS and got[-1] < got[0] - 0.3
     assert got == pytest.approx(want, rel=RTOL)
+    # the replicas' own weights (each evaluated on its ranks' share, the mean: what was measured before the
+    # shared weights were swapped in) read 8.2% below at step 3 and 0.7% above at 6
+    assert {e["step"]: e["eval_loss"] for e in got_evals if e["step"]} == pytest.approx(evals, rel=1e-5)
     # the bound sees each part: the sync landing at once, the replica's own weights dropped where it lands
     for other in (dict(streaming, overlap=0), dict(streaming, mix=0.0)):
         assert got != pytest.approx(reference(tiny_llama, run, 4, 2, 4, 0.7, 0.9, "int4", **other), rel=RTOL)
