@@ -392,9 +392,21 @@ def report(state: dict) -> str:
                         cell.append(f"{gap:+.1%}")
                     row.append(", ".join(cell))
                 text += (f"| {name} | {_fewer_cell(name, a)} | " + " | ".join(row) + " | " +
-                         " | ".join(f"**{sum(v) / len(v):+.2%}** ({len(v)})" if v else "" for v in per.values()) +
-                         " |\n")
+                         " | ".join(_mean_cell(v) for v in per.values()) + " |\n")
+            text += ("\nA mean's ± is its standard error over the orders (the orders' spread / sqrt(n)): a gap is "
+                     "within the issue's 2% where the mean plus twice that is.\n")
     return text
+
+
+def _mean_cell(gaps: list[float]) -> str:
+    """The mean gap over the orders, its standard error (sample deviation / sqrt(n)) and n."""
+    if not gaps:
+        return ""
+    n, mean = len(gaps), sum(gaps) / len(gaps)
+    if n < 2:
+        return f"**{mean:+.2%}** (1)"
+    error = (sum((g - mean) ** 2 for g in gaps) / (n - 1) / n) ** 0.5
+    return f"**{mean:+.2%}** ± {error:.1%} ({n})"
 
 
 def fewer_bytes(name: str, steps: int, ends: bool = True) -> float:

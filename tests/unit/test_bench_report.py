@@ -63,3 +63,11 @@ def test_the_streaming_table_shows_each_ways_bytes_and_hold_up(monkeypatch):
     assert "16.80 MB" in rows["whole"] and "3.40 MB" in rows["overlapped"]
     assert rows["whole"].endswith("| 2.50 s | 1.00x |") and rows["overlapped"].endswith("| 0.60 s | 0.24x |"), rows
     assert "2 run(s) of each" in text
+
+
+def test_the_orders_mean_carries_its_standard_error(monkeypatch):
+    """The 2% judgement needs the orders' spread: +1% and +3% are a mean of +2.00% with a standard error of 1.0%
+    (sample deviation 1.41% / sqrt(2)); one order has none."""
+    sl = _slow_links(monkeypatch)
+    assert sl._mean_cell([0.01, 0.03]) == "**+2.00%** ± 1.0% (2)"
+    assert sl._mean_cell([-0.05]) == "**-5.00%** (1)" and sl._mean_cell([]) == ""
