@@ -13,10 +13,12 @@ ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--
 
 
 def test_stop_and_resume_matches_uninterrupted(tmp_path, cache, tiny_llama):
-    model = [f"--model.name_or_path={tiny_llama}"]
-    whole = tmp_path / "whole"
-    launch(ARGS + model + ["--output_dir", str(whole), "--checkpoint.every=0"], cache)
+    """Stopped at step 7 and resumed past a torn and an unpublished checkpoint: the per-step losses and the last
+    evaluation are the plain single-process loop's (reference_losses, reference_eval: what an uninterrupted run
+    computes, without the launch that cost the suite 17 s)."""
+    from tests.helpers import reference_eval
 
+    model = [f"--model.name_or_path={tiny_llama}"]
     split = tmp_path / "split"
     launch(ARGS + model + ["--output_dir", str(split), "--checkpoint.every=5", "--train.exit_at_step=7"], cache)
     ckpts = split / "checkpoints"
@@ -36,11 +38,12 @@ def test_stop_and_resume_matches_uninterrupted(tmp_path, cache, tiny_llama):
     assert f"resumed from {ckpts / 'step_00000007'} at step 7" in proc.stderr
     assert "reused tokenized data" in proc.stderr
 
-    want, want_evals = metrics(whole)
+    want, ref_model = reference_losses(tiny_llama, split, 12, 3e-3, 3, 0.1, weight_decay=0.1)
     got, got_evals = metrics(split)
     assert len(got) == 12
-    assert got == pytest.approx(want, rel=1e-6, abs=0)  # measured: identical to the last digit
-    assert [e["eval_loss"] for e in got_evals] == pytest.approx([e["eval_loss"] for e in want_evals], rel=1e-6)
+    assert got == pytest.approx(want, rel=2e-5, abs=0)  # another reduction order (ZeRO-3 on 2 ranks)
+    assert [e["step"] for e in got_evals] == [0, 4, 8, 12]  # step 8's evaluation after the resume, once
+    assert got_evals[-1]["eval_loss"] == pytest.approx(reference_eval(ref_model, split, 2, 4, 2), rel=2e-5)
     # keep_last=2 complete checkpoints remain: 10 and 12; the foreign debris was left alone or replaced
     complete = sorted(p.name for p in ckpts.glob("step_*") if (p / "complete.json").exists())
     assert complete == ["step_00000010", "step_00000012"]
