@@ -258,7 +258,9 @@ def main() -> None:
         methods = [CONTRAST[m] for m in args.methods.split(",") if m]
         for seed in [int(s) for s in args.loss_seeds.split(",") if s]:
             have = set(seeds.get(str(seed), {})) | ({REFERENCE} if seed == state["args"]["seed"] else set())
-            for name in [REFERENCE] * (REFERENCE not in have) + methods if methods else (REFERENCE, diloco):
+            # the reference once: when missing, and again only where --methods names it (fp32: a rerun here)
+            wanted = [REFERENCE] * (REFERENCE not in have) + methods if methods else [REFERENCE, diloco]
+            for name in dict.fromkeys(wanted):
                 r = run_on_link(name, False, args.steps, seed, work / "model", work, args)
                 seeds.setdefault(str(seed), {})[name] = {str(s): loss for s, loss, _ in r["evals"]}
                 print(f"  seed {seed}, {name}: eval loss {r['evals'][-1][1]:.4f}", file=sys.stderr)
