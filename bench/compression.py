@@ -186,6 +186,23 @@ class SlowLink:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def two_nodes(cmd: list[str], rate: str | None, delay: str, work: Path, name: str) -> tuple[str, list[str]]:
+    """Runs train.py's `cmd` as one rank in each namespace of a SlowLink (rate None: unshaped); returns the
+    shaping it had and each rank's stderr (bench/slow_links.py, streaming.py and planner.py launch this way)."""
+    with SlowLink(rate, delay) as link:
+        port = str(free_port())
+        procs = []
+        for rank in range(2):
+            env = environment(work, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR=link.addr[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[rank])
+            procs.append(subprocess.Popen(["ip", "netns", "exec", link.ns[rank], sys.executable, *cmd], cwd=ROOT,
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errors = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"{name} failed:\n{errors[0][-3000:]}\n{errors[1][-3000:]}")
+        return link.shaping, errors
+
+
 def part2(model: Path, work: Path, steps: int, warmup: int, rate: str, delay: str) -> tuple[dict, str]:
     results = {}
     with SlowLink(rate, delay) as link:

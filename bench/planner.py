@@ -23,13 +23,12 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import free_port, write_section
-from compression import SlowLink, environment, make_model
+from common import write_section
+from compression import make_model, two_nodes
 
 from dstrain.planner.trial import TRIAL_SKIP
 
@@ -47,21 +46,9 @@ PUBLISHED = [
 
 def plan_on_link(model: Path, work: Path, rate: str | None, delay: str, trials: int) -> dict:
     out = work / f"plan-{rate or 'unshaped'}"
-    with SlowLink(rate, delay) as link:
-        port = str(free_port())
-        procs = []
-        for rank in range(2):
-            env = environment(work, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR=link.addr[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[rank])
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", link.ns[rank], sys.executable, "train.py", "--output_dir", str(out),
-                 f"--model.name_or_path={model}", "--train.precision=fp32", "--log.wandb=false", "--plan",
-                 "--trial", str(trials)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                text=True))
-        errors = [p.communicate()[1] for p in procs]
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"--plan on the link ({rate}) failed:\n{errors[0][-4000:]}")
-        shaping = link.shaping
+    shaping, errors = two_nodes(["train.py", "--output_dir", str(out), f"--model.name_or_path={model}",
+                                 "--train.precision=fp32", "--log.wandb=false", "--plan", "--trial", str(trials)],
+                                rate, delay, work, f"--plan on the link ({rate})")
     plan = json.loads((out / "plan" / "plan.json").read_text())
     rows = []
     for i, t in enumerate(json.loads((out / "plan" / "trials.json").read_text()), 1):

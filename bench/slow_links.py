@@ -39,14 +39,13 @@ import os
 import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import free_port, make_llama, write_section
-from compression import METHODS, SHORT, SlowLink, environment, make_model, train_args
+from common import make_llama, write_section
+from compression import METHODS, SHORT, make_model, train_args, two_nodes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "slow_links_bench.json"
@@ -105,8 +104,8 @@ def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work
                                                                                      f"--eval.every={every}"] +
                      ([f"--train.exit_at_step={stop}"] if stop < args.steps else []) +
                      ([f"--data.path={args.data}"] if args.data else []))
-    shaping = two_nodes(cmd, args.rate if shaped else None, args.delay, work,
-                        f"{name} ({'shaped' if shaped else 'unshaped'})")
+    shaping, _ = two_nodes(cmd, args.rate if shaped else None, args.delay, work,
+                           f"{name} ({'shaped' if shaped else 'unshaped'})")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps_rows = {r["step"]: r for r in rows if "loss" in r}
     start = steps_rows[1]["time"] - steps_rows[1]["step_s"]  # the start of step 1: start-up is not counted
@@ -117,23 +116,6 @@ def run_on_link(name: str, shaped: bool, stop: int, seed: int, model: Path, work
             "losses": [steps_rows[s]["loss"] for s in sorted(steps_rows)],
             "bytes_per_step": sum(r["comm_bytes"] for r in steps_rows.values()) / len(steps_rows),
             "step_s": sorted(r["step_s"] for r in steps_rows.values())[len(steps_rows) // 2]}
-
-
-def two_nodes(cmd: list[str], rate: str | None, delay: str, work: Path, name: str) -> str:
-    """Runs train.py's `cmd` as one rank in each namespace of a SlowLink (rate None: unshaped); returns the
-    shaping it had."""
-    with SlowLink(rate, delay) as link:
-        port = str(free_port())
-        procs = []
-        for rank in range(2):
-            env = environment(work, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR=link.addr[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=link.dev[rank])
-            procs.append(subprocess.Popen(["ip", "netns", "exec", link.ns[rank], sys.executable, *cmd], cwd=ROOT,
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        errors = [p.communicate()[1] for p in procs]
-        if any(p.returncode for p in procs):
-            raise SystemExit(f"{name} failed:\n{errors[0][-3000:]}\n{errors[1][-3000:]}")
-        return link.shaping
 
 
 def time_to(evals: list, target: float) -> float | None:

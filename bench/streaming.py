@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from common import make_llama, write_section
-from compression import make_model, train_args
-from slow_links import MODELS, make_corpus, two_nodes
+from compression import make_model, train_args, two_nodes
+from slow_links import MODELS, make_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "streaming_bench.json"
@@ -49,7 +49,7 @@ def run(name: str, model: Path, data: Path, work: Path, args) -> dict:
     out = work / f"run-{len(list(work.glob('run-*')))}"
     cmd = train_args(model, out, args.steps, 0, WAYS[name] + [f"--data.path={data}", "--eval.every=0",
                                                               "--eval.max_batches=1"])
-    shaping = two_nodes(cmd, args.rate, args.delay, work, name)
+    shaping, _ = two_nodes(cmd, args.rate, args.delay, work, name)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and r["step"] < args.steps]  # the last step: a whole-model sync
     times = [r["step_s"] for r in steps]

@@ -372,6 +372,11 @@ class DilocoSection:
     def enabled(self) -> bool:
         return self.every > 0
 
+    @property
+    def streaming(self) -> bool:
+        """Fragments synced at their own steps or landing later: no step has every replica on the shared weights."""
+        return self.fragments > 1 or self.overlap > 0
+
 
 @dataclass
 class PreferenceSection:

@@ -107,9 +107,8 @@ class Diloco(Component):
             raise UserError(f"compression.method={recipe.compression.method} compresses the every-step gradient "
                             f"all-reduce, which under DiLoCo stays inside a replica; set compression.method=none "
                             f"(diloco.dtype=bf16 halves the bytes DiLoCo sends)")
-        streaming = cfg.fragments > 1 or cfg.overlap > 0  # no step has every replica on the shared weights
         for key, value in (("eval.every", recipe.eval.every), ("checkpoint.every", recipe.checkpoint.every)):
-            if streaming:
+            if cfg.streaming:
                 break
             if value == "auto" or (isinstance(value, int) and value % cfg.every):
                 raise UserError(f"{key}={value} must be a multiple of diloco.every={cfg.every} (evaluations and "
@@ -272,7 +271,7 @@ class Diloco(Component):
         swaps them in (this rank's slice of its replica's weights kept aside, written back after: the masters
         exactly, and the working copy is their cast as before) and measures the model the run exports. Without
         streaming, evaluations come at the syncs (validate), where the replicas hold the shared weights already."""
-        if not (self.cfg.fragments > 1 or self.cfg.overlap) or self.anchor is None:
+        if not self.cfg.streaming or self.anchor is None:
             yield
             return
         own = self._read()
