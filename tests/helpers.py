@@ -412,7 +412,7 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
                             max_grad_norm=1.0, seed=42, regroups: tuple = (), averaged_first: int = 0,
                             lora: dict | None = None, final: dict | None = None, fragments: int = 1,
                             overlap: int = 0, mix: float = 0.5, evals: dict | None = None,
-                            eval_batches: int = 2) -> list[float]:
+                            eval_batches: int = 2, stages: tuple = ()) -> list[float]:
     """DiLoCo written from the paper (Douillard et al. 2023, Algorithm 1), in one process: `replicas` copies of the
     model, each with its own torch AdamW and the hand-written cosine schedule. Global batch s is the documented
     stream slice; position i of it belongs to rank (i // micro) % world and ranks are grouped into replicas of
@@ -438,7 +438,9 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     steps later (before that step's own sends) the outer Nesterov step moves the shared weights of fragment p
     (buf = mu buf + g, w -= lr (g + mu buf), buf starting at 0) and each copy's weights there become mix x its own +
     (1 - mix) x the shared ones (the shared ones when tau = 0). After the last step everything still in flight
-    lands, then the whole model syncs (the shared weights to every copy).
+    lands, then the whole model syncs (the shared weights to every copy). `stages`, the elements of each pipeline
+    stage's part of that vector (consecutive; the whole vector when empty): each stage's part is cut into the P
+    fragments and rounded in blocks from its own start, fragment p being the stages' p-th pieces together.
     Returns the logged losses: every copy's summed token loss over all label tokens of the global batch."""
     import copy
 
@@ -489,7 +491,13 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
     numel = sum(p.numel() for p in trained(shared))
-    bounds = [min(numel, (p * numel // fragments) // 128 * 128) for p in range(fragments)] + [numel]
+    sizes = stages or (numel,)
+    assert sum(sizes) == numel, (sizes, numel)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    # fragment p: (lo, hi) of each stage, each stage's part cut as the whole vector is without stages
+    pieces = [[(o + min(n, (p * n // fragments) // 128 * 128), o + (min(n, ((p + 1) * n // fragments) // 128 * 128)
+                                                              if p + 1 < fragments else n))
+               for o, n in zip(starts, sizes)] for p in range(fragments)]
     buf, flights = torch.zeros(numel), []
 
     def send(lo, hi):
@@ -527,15 +535,16 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
             for flight in list(flights):
                 land(*flight[1:])
             flights.clear()
-            land(0, numel, send(0, numel), 0.0)
+            for o, n in zip(starts, sizes):
+                land(o, o + n, send(o, o + n), 0.0)
             return
         for p in range(fragments):
             if s % every == (p + 1) * every // fragments % every:
-                lo, hi = bounds[p], bounds[p + 1]
-                if overlap:
-                    flights.append((s + overlap, lo, hi, send(lo, hi), mix))
-                else:
-                    land(lo, hi, send(lo, hi), 0.0)
+                for lo, hi in pieces[p]:
+                    if overlap:
+                        flights.append((s + overlap, lo, hi, send(lo, hi), mix))
+                    else:
+                        land(lo, hi, send(lo, hi), 0.0)
 
     losses = []
     for step in range(steps):

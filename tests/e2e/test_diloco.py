@@ -282,3 +282,30 @@ def test_pipeline_stages_inside_replicas(tmp_path, cache, unaligned_llama):
     assert sorted(exported) == sorted(shared)
     worst = max(float((exported[k].detach() - v).norm() / v.norm()) for k, v in shared.items())
     assert worst < 5e-5, worst
+
+
+def test_streaming_with_pipeline_stages_inside_replicas(tmp_path, cache, unaligned_llama):
+    """Streaming DiLoCo over pipeline stages (4 ranks: 2 replicas of 2 stages, ZeRO-1): each stage cuts its own
+    vector into the 3 fragments (a fragment is the stages' p-th pieces together, int8 blocks from each piece's
+    start), each lands one step after it was sent with mix 0.5, and the second stage's tied LM head takes the first
+    stage's embedding after each landing and around each evaluation. The losses are the simulation's with the same
+    per-stage cut (tests/helpers.py: stages); evaluations at steps 3 and 6 (between landings) measure the shared
+    weights through the pipeline's own evaluation."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    launch(COMMON + [f"--model.name_or_path={unaligned_llama}", "--ds_config", "pipe2_zero1.json",
+                     "--output_dir", str(run), "--ds.pipeline.partition_method=type:DecoderPipe", "--diloco.every=3",
+                     "--diloco.replicas=2", "--diloco.dtype=int8", "--diloco.fragments=3", "--diloco.overlap=1",
+                     "--eval.every=3"], cache, nproc=4)
+    got, got_evals = metrics(run)
+    model = dict(AutoModelForCausalLM.from_pretrained(unaligned_llama).named_parameters())  # the tied head once
+    first = sum(p.numel() for n, p in model.items() if "embed_tokens" in n or ".layers.0." in n or ".layers.1." in n)
+    stages = (first, sum(p.numel() for p in model.values()) - first)  # stage 1: layers 2 and 3, the final norm
+    evals, streaming = {3: None, 6: None}, dict(fragments=3, overlap=1, mix=0.5)
+    want = reference(unaligned_llama, run, 2, 2, 3, 0.7, 0.9, "int8", evals=evals, stages=stages, **streaming)
+    assert len(got) == STEPS and got[-1] < got[0] - 0.3
+    assert got == pytest.approx(want, rel=RTOL)
+    assert {e["step"]: e["eval_loss"] for e in got_evals if e["step"] in evals} == pytest.approx(evals, rel=1e-5)
+    # the bound sees the per-stage cut: the whole vector cut into 3 (stage 0's pieces larger, stage 1's later)
+    assert got != pytest.approx(reference(unaligned_llama, run, 2, 2, 3, 0.7, 0.9, "int8", **streaming), rel=RTOL)
