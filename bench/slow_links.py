@@ -22,6 +22,10 @@ evaluations cost every run the same. Plot: eval loss against wall time (docs/slo
 times): ONCE_STORIES stories from data/tiny's own generator (scripts/make_tiny_assets.py) with another seed, written
 to the work folder, evaluated on data/tiny/val.jsonl; its results, section and plot are separate (*_once).
 
+--side-by-side STOP times the time target on one machine in one sitting, beside the saved results: the reference
+on the unshaped link to --target-step, --diloco on the shaped link for STOP steps, and the synchronous run on the
+shaped link for --contrast-steps steps (its time to the target projected from its median step).
+
 --loss-seeds 1,2 adds the reference and DiLoCo with other data orders (train.seed), for their eval loss only (the
 time is not measured there: those runs may share the machine); with --seeds-only, to the saved results. --add
 diloco200 runs DiLoCo with H = 200 (evaluated at its syncs, every 200 steps) on the shaped link and adds it; --add
@@ -183,6 +187,13 @@ def main() -> None:
                                                       "when missing)")
     parser.add_argument("--seeds-only", action="store_true",
                         help="run only --loss-seeds, adding them to the saved results (the timed runs are kept)")
+    parser.add_argument("--side-by-side", type=int, default=0, metavar="STOP",
+                        help="time the reference (unshaped, to --target-step), --diloco (shaped, stopped after STOP "
+                             "steps) and the synchronous run on the shaped link (--contrast-steps) one after the "
+                             "other on this machine, kept beside the saved results (which stay)")
+    parser.add_argument("--contrast-steps", type=int, default=30,
+                        help="with --side-by-side: the shaped synchronous run's steps (its time to the target is "
+                             "projected from its median step)")
     args = parser.parse_args()
     if args.target_step % EVERY or args.steps % EVERY or args.target_step > args.steps:
         parser.error(f"--steps and --target-step must be multiples of {EVERY}, the target step at most --steps")
@@ -195,7 +206,7 @@ def main() -> None:
             plot(state["runs"], (loss_at(state["runs"][0], a["target_step"]), loss_at(state["runs"][0], a["steps"])),
                  plot_path)
         return _print(report(state), args.write, *section)
-    adding = args.seeds_only or bool(args.add)
+    adding = args.seeds_only or bool(args.add) or bool(args.side_by_side)
     unknown = [c for c in (args.add + "," + args.methods + "," + args.diloco).split(",") if c and c not in CONTRAST]
     if unknown:
         parser.error(f"--add/--methods {','.join(unknown)}: not one of {', '.join(CONTRAST)}")
@@ -211,6 +222,11 @@ def main() -> None:
                              "delay": args.delay, "seed": args.seed, "corpus": args.corpus, "model": args.model,
                              "diloco": CONTRAST[args.diloco]}
         diloco = state["args"].get("diloco", DILOCO)
+        if args.side_by_side:
+            state["side_by_side"] = side_by_side(args, CONTRAST[args.diloco] if args.diloco != "diloco50int8avg"
+                                                 else diloco, work, saved, state)
+            _print(report(state), args.write, *section)
+            return
         added = [c for c in args.add.split(",") if c]
         if added:
             plan = [(CONTRAST[c], True, args.target_step if c == "fp32" else args.steps) for c in added]
@@ -252,6 +268,52 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _print(report(state), args.write, *section)
+
+
+def side_by_side(args, diloco: str, work: Path, saved: Path, state: dict) -> dict:
+    """The time target measured on one machine in one sitting: the reference on the unshaped link to the target
+    step (its own eval loss there is the target), `diloco` on the shaped link stopped after --side-by-side steps,
+    and the synchronous run on the shaped link for --contrast-steps steps (its arithmetic is the reference's, so
+    its time to the target is its median step times the target step: projected). One after the other, never two
+    at once; saved after each run."""
+    import subprocess
+    from datetime import datetime, timezone
+
+    from dstrain.flops import cpu_name
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    result = {"cpu": cpu_name(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+              "commit": commit.stdout.strip(), "seed": args.seed, "runs": []}
+    for name, shaped, stop in ((REFERENCE, False, args.target_step), (diloco, True, args.side_by_side),
+                               (REFERENCE, True, args.contrast_steps)):
+        began = time.time()
+        result["runs"].append(run_on_link(name, shaped, stop, args.seed, work / "model", work, args))
+        result["runs"][-1]["stopped"] = stop
+        print(f"  side by side: {label(result['runs'][-1])}: {time.time() - began:.0f} s", file=sys.stderr)
+        state["side_by_side"] = result
+        saved.write_text(json.dumps(state, indent=1))
+    return result
+
+
+def side_by_side_report(sbs: dict, target_step: int) -> str:
+    """--side-by-side's table: each run's time to the reference's step-`target_step` loss, against the
+    reference's, all timed on one machine in one sitting."""
+    ref, runs = sbs["runs"][0], sbs["runs"]
+    target = loss_at(ref, target_step)
+    base = time_to(ref["evals"], target)
+    text = (f"\nTimed side by side ({sbs['date']}, {sbs['commit']}, {sbs['cpu']}, data order {sbs['seed']}): the "
+            f"runs one after the other on one machine. The target: this reference's eval loss "
+            f"at step {target_step} ({target:.4f}).\n\n"
+            "| method | link | steps run | bytes/step | s/step (median) | time to the target | against the reference |\n"
+            "|---|---|---|---|---|---|---|\n")
+    for r in runs:
+        seconds, how = time_to(r["evals"], target), "measured"
+        if r is not ref and r["name"] == ref["name"]:  # the reference's arithmetic on a slower link
+            seconds, how = target_step * r["step_s"], f"projected: {target_step} x its median step"
+        cell = (f"{seconds:.0f} s ({how})" if seconds is not None else f"not reached by step {r['stopped']}")
+        ratio = f"**{seconds / base:.2f}x**" if seconds is not None else f"> {r['stopped'] * r['step_s'] / base:.2f}x"
+        text += (f"| {r['name']} | {'shaped' if r['shaped'] else 'unshaped'} | {r['stopped']} | "
+                 f"{r['bytes_per_step'] / 1e6:.3f} MB | {r['step_s']:.3f} | {cell} | {ratio} |\n")
+    return text
 
 
 def _print(text: str, write: bool, marker: str, title: str) -> None:
@@ -312,6 +374,8 @@ def report(state: dict) -> str:
         text += (f"\nThe synchronous run on the shaped link against the reference, its {n} steps: losses "
                  f"{'identical' if worst == 0 else f'within {worst:.1e} (relative)'}.\n")
     text += f"\nEval loss against wall time: [{figure.name}]({figure.name})\n"
+    if state.get("side_by_side"):
+        text += side_by_side_report(state["side_by_side"], a.target_step)
     seeds = state.get("loss_seeds", {})
     if seeds:
         diloco = next((r for r in runs if r["name"] == timed), None)

@@ -71,3 +71,24 @@ def test_the_orders_mean_carries_its_standard_error(monkeypatch):
     sl = _slow_links(monkeypatch)
     assert sl._mean_cell([0.01, 0.03]) == "**+2.00%** ± 1.0% (2)"
     assert sl._mean_cell([-0.05]) == "**-5.00%** (1)" and sl._mean_cell([]) == ""
+
+
+def test_the_side_by_side_table_times_each_run_against_its_own_reference(monkeypatch):
+    sl = _slow_links(monkeypatch)
+    ref = _run(sl.REFERENCE, False, [(0, 6.0), (150, 1.2), (300, 1.0)], 3.0)
+    diloco = _run("DiLoCo H=25", True, [(0, 6.0), (200, 1.1), (400, 0.9)], 2.5)
+    late = _run("DiLoCo H=50", True, [(0, 6.0), (200, 1.3), (400, 1.1)], 2.5)
+    contrast = _run(sl.REFERENCE, True, [(0, 6.0)], 12.0)
+    for r, stop in ((ref, 300), (diloco, 400), (late, 400), (contrast, 30)):
+        r["stopped"] = stop
+    sbs = {"cpu": "A", "date": "2026-11-28", "commit": "abc", "seed": 42, "runs": [ref, diloco, late, contrast]}
+    text = sl.report({**_state(300, [ref, diloco]), "side_by_side": sbs})
+    table = text.split("Timed side by side")[1].splitlines()
+    rows = {line.split(" | ")[0][2:] + line.split(" | ")[1]: line for line in table if line.startswith("| ")}
+    # the target is the reference's eval at 300 (1.0, reached at 900 s); DiLoCo crosses 1.0 halfway between its
+    # evals at 200 (500 s) and 400 (1,000 s): 750 s, 0.83x
+    assert "(1.0000)" in text and "750 s (measured) | **0.83x**" in rows["DiLoCo H=25shaped"], rows
+    assert "not reached by step 400 | > 1.11x" in rows["DiLoCo H=50shaped"], rows
+    # the shaped synchronous run: 300 of its 12 s steps, projected
+    assert "3600 s (projected: 300 x its median step) | **4.00x**" in rows[sl.REFERENCE + "shaped"], rows
+    assert "900 s (measured) | **1.00x**" in rows[sl.REFERENCE + "unshaped"], rows
