@@ -172,8 +172,9 @@ def main() -> None:
                         help="data/tiny (repeated ~7 times in 1,000 steps) or a corpus of its kind seen once")
     parser.add_argument("--model", choices=tuple(MODELS), default="3m",
                         help="bench/compression.py's ~3M Llama or a ~30M one (hidden 512, 10 layers)")
-    parser.add_argument("--diloco", default="diloco50int8avg",
-                        help="the timed DiLoCo run's setting (a short name, as --add), the one the orders table shows")
+    parser.add_argument("--diloco", default="",
+                        help="the timed DiLoCo run's setting (a short name, as --add), the one the orders table shows "
+                             "(diloco50int8avg for a new measurement; adding to saved results: theirs)")
     parser.add_argument("--loss-seeds", default="", help="more data orders, eval loss only (comma-separated)")
     parser.add_argument("--contrast", default="powersgd,fp32",
                         help="shaped-link contrast runs: powersgd, fp32, diloco200, none")
@@ -220,11 +221,11 @@ def main() -> None:
         if not adding:
             state["args"] = {"steps": args.steps, "target_step": args.target_step, "rate": args.rate,
                              "delay": args.delay, "seed": args.seed, "corpus": args.corpus, "model": args.model,
-                             "diloco": CONTRAST[args.diloco]}
+                             "diloco": CONTRAST[args.diloco or "diloco50int8avg"]}
         diloco = state["args"].get("diloco", DILOCO)
         if args.side_by_side:
-            state["side_by_side"] = side_by_side(args, CONTRAST[args.diloco] if args.diloco != "diloco50int8avg"
-                                                 else diloco, work, saved, state)
+            state["side_by_side"] = side_by_side(args, CONTRAST[args.diloco] if args.diloco else diloco, work,
+                                                 saved, state)
             _print(report(state), args.write, *section)
             return
         added = [c for c in args.add.split(",") if c]
