@@ -494,10 +494,12 @@ def diloco_reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: floa
     sizes = stages or (numel,)
     assert sum(sizes) == numel, (sizes, numel)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    # fragment p: (lo, hi) of each stage, each stage's part cut as the whole vector is without stages
-    pieces = [[(o + min(n, (p * n // fragments) // 128 * 128), o + (min(n, ((p + 1) * n // fragments) // 128 * 128)
-                                                              if p + 1 < fragments else n))
-               for o, n in zip(starts, sizes)] for p in range(fragments)]
+
+    def cut(n):  # b_0 .. b_P of one stage's part (of the whole vector without stages)
+        return [min(n, (p * n // fragments) // 128 * 128) for p in range(fragments)] + [n]
+
+    # fragment p: its (lo, hi) in each stage
+    pieces = [[(o + b[p], o + b[p + 1]) for o, b in zip(starts, map(cut, sizes))] for p in range(fragments)]
     buf, flights = torch.zeros(numel), []
 
     def send(lo, hi):
