@@ -136,6 +136,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
         if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, log)
+    global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)
+    data.amount.check(len(prepared.train), global_batch, f"train.micro_batch_size {train.micro_batch_size} x "
+                      f"grad_accum_steps {train.grad_accum_steps} x {layout.data_parallel} data-parallel ranks")
     identity = resume.run_identity(recipe.to_dict())
     if start_from:  # a run directory holds one run; checked last, so a plain input mistake is named first
         resume.check_same_run(start_from, identity, run_dir)
@@ -187,6 +190,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                               pin_memory=engine.device.type == "cuda")
     val = data.eval_batches(prepared.val, train.micro_batch_size, layout, recipe.eval.max_batches) \
         if prepared.val is not None else []
+    eval_note = data.amount.eval_note(prepared.val_rows, len(prepared.val or []), len(val), layout.data_parallel,
+                                      train.seq_len)
+    if eval_note:
+        log(eval_note)
     background, said = checkpoint.background_decision(recipe.checkpoint, ds_cfg, layout, params_total, trained,
                                                        env.ranks_per_node())
     log(said)
@@ -202,7 +209,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                       flops_per_token, peak.flops * ctx.world_size,
                       lambda achieved: flops.record_achieved(engine.device, ds_config.precision(ds_cfg),
                                                              achieved / ctx.world_size))
-    metrics.message(f"data: {prepared.summary}")
+    metrics.message(f"data: {prepared.summary}; "
+                    f"{data.amount.describe(train.max_steps, global_batch, len(prepared.train))}")
     metrics.message(f"{'resumed from ' + str(start_from.path) if start_from else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}; "
                     f"MFU = tokens/s x {flops_per_token / 1e6:,.1f} MFLOP/token / ({ctx.world_size} x "
@@ -252,19 +260,24 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     watchdog.close()  # past the last collective: ranks may now leave at different times
     resume_hint = f"run the same command again (--resume auto) to continue from {final.name}"
     outcome = {"status": "finished", "max_steps": train.max_steps, "checkpoint": str(final), "export": None,
-               "next": None, "saves": {"background": background, "every": ckpt.every or recipe.checkpoint.every,
-                                       "stall_s": ckpt.stalls, "write_s": ckpt.writes}}
+               "next": None, "train_sequences": len(prepared.train),
+               "epochs": round(data.amount.epochs(max(start, last), global_batch, len(prepared.train)), 3),
+               "saves": {"background": background, "every": ckpt.every or recipe.checkpoint.every,
+                         "stall_s": ckpt.stalls, "write_s": ckpt.writes}}
     if stop.stopped_at:
         metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
                         f"run again with --resume auto to continue")
         outcome.update(status=f"stopped ({stop.reason})", next=resume_hint)
+        events.record_stop(run_dir, ctx, last, stop.reason)
     elif last < train.max_steps:
         metrics.message(f"stopped at step {last} (train.exit_at_step); run again with --resume auto to continue")
         outcome.update(status="stopped (train.exit_at_step)", next=resume_hint)
+        events.record_stop(run_dir, ctx, last, "train.exit_at_step")
     elif recipe.checkpoint.export_hf and not (start == last and (run_dir / "hf").exists()):
         export.at_end(final, run_dir / "hf", ds_cfg, ctx, metrics.message)
     if last >= train.max_steps and (run_dir / "hf").exists():
-        outcome["export"] = str(run_dir / "hf")
+        outcome.update(export=str(run_dir / "hf"), next=f"AutoModelForCausalLM.from_pretrained('{run_dir / 'hf'}'), "
+                       f"or train on from it: --model.name_or_path={run_dir / 'hf'}")
     memory.record(run_dir / "memory.json", ctx, baseline_memory, setup_peak,
                   memory.estimate(model_config, params_total, recipe, ds_cfg, layout, trained))
     metrics.close(outcome)

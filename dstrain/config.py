@@ -52,8 +52,11 @@ class DataConfig:
     # `text`: pretraining, documents joined with EOS and packed into `seq_len` blocks (no padding);
     # `prompt_response` or `chat`: SFT, loss only on response / assistant tokens. SFT examples longer than
     # `seq_len` are truncated (their end cut) and those left with no reply token dropped; both are counted;
+    # `alpaca`: SFT on Alpaca's `instruction`, `input`, `output` rows (the user turn is the instruction, then a
+    # newline and the input when there is one);
     # `preference`: pairs for DPO and its kin (the `preference` section), TRL's columns `prompt`, `chosen`,
-    # `rejected` as strings or as lists of messages (a missing `prompt` is the messages chosen and rejected share)
+    # `rejected` as strings or as lists of messages (a missing `prompt` is the messages chosen and rejected share;
+    # a text `prompt` beside message lists that repeat it is UltraFeedback's layout, read as TRL reads it)
     format: str = "text"
     # `true` with `prompt_response` / `chat`: several examples per `seq_len` row (first fit, in data order),
     # `position_ids` restarting at each, attention never crossing examples, loss masks unchanged: the same
@@ -68,6 +71,9 @@ class DataConfig:
     # the messages column (`format: chat`): `{role, content}` messages, or ShareGPT's `{from, value}` (`human` ->
     # user, `gpt` -> assistant, `system`, `tool`)
     messages_field: str = "messages"
+    instruction_field: str = "instruction"  # the instruction column (`format: alpaca`)
+    input_field: str = "input"  # the optional input column (`format: alpaca`), joined to the instruction
+    output_field: str = "output"  # the answer column (`format: alpaca`)
     chosen_field: str = "chosen"  # the preferred response (`format: preference`): a string or a list of messages
     rejected_field: str = "rejected"  # the dispreferred response (`format: preference`)
     # `format: preference`: the longest prompt kept (tokens). A pair longer than `train.seq_len` first loses the
@@ -86,7 +92,7 @@ class DataConfig:
     num_proc: int = 1  # worker processes for tokenization (`datasets.map`)
 
     def __post_init__(self) -> None:
-        _one_of("data.format", self.format, ("text", "prompt_response", "chat", "preference"))
+        _one_of("data.format", self.format, ("text", "prompt_response", "alpaca", "chat", "preference"))
         from .chat_templates import check
         check(self.chat_template)
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -552,6 +558,9 @@ def _unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:
         if key in names:
             if dataclasses.is_dataclass(hints[key]):
                 found += _unknown_keys(hints[key], value, f"{prefix}{key}.")
+        elif not prefix and _section_of(key):  # a dedented key: `max_steps:` at the top of the YAML
+            found.append(f"'{key}' at the top level (it belongs in the {_section_of(key)} section: "
+                         f"{_section_of(key)}.{key}; indent it under `{_section_of(key)}:`)")
         elif f"{prefix}{key}" in UNSUPPORTED:
             found.append(f"'{prefix}{key}': {UNSUPPORTED[prefix + key]}")
         elif key in ALIASES:
@@ -560,6 +569,14 @@ def _unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:
         else:
             found.append(f"'{prefix}{key}'{closest(key, names)}")
     return found
+
+
+def _section_of(key: str) -> str | None:
+    """The recipe section that has a field named `key`, if exactly one has."""
+    hints = typing.get_type_hints(Recipe)
+    sections = [name for name, hint in hints.items()
+                if dataclasses.is_dataclass(hint) and key in {f.name for f in dataclasses.fields(hint)}]
+    return sections[0] if len(sections) == 1 else None
 
 
 def _build(cls: type, data: dict, prefix: str) -> Any:

@@ -47,6 +47,10 @@ DOCUMENTED = {
     "DSTRAIN_ELASTIC": "set to 1 by `python -m dstrain.elastic_run` (launch/elastic.sh): a world the DeepSpeed config "
                        "or the checkpoint cannot use is fitted (the largest usable subset trains, the other ranks "
                        "stand by) instead of refused; set it yourself under a bare elastic `torchrun`",
+    "HF_ENDPOINT": "the Hugging Face Hub's address (default https://huggingface.co): probed once before a Hub id is "
+                   "loaded; unreachable, the run goes offline (cached files only) instead of retrying",
+    "HF_HUB_OFFLINE": "huggingface_hub's offline mode; set by dstrain for its own processes when the Hub is "
+                      "unreachable",
     "DSTRAIN_EXIT_BARRIER_TIMEOUT": "`python -m dstrain.elastic_run` (launch/elastic.sh): seconds torch's elastic "
                                     "agent waits at the end for the other agents, which may be gone (default 30; "
                                     "torchrun's own is 300)",
@@ -133,6 +137,10 @@ def omp_threads() -> str:
 
 def compiler() -> str:
     return _get("CXX", "c++")
+
+
+def hub_endpoint() -> str:
+    return _get("HF_ENDPOINT") or "https://huggingface.co"
 
 
 def malloc_mmap_threshold() -> str:

@@ -3,6 +3,9 @@ when the membership changed since the previous launch (a node lost or back, an e
 another world), who left, who joined, the old and new world, the steps recomputed and the seconds lost. That
 change is also said in one line.
 
+A deliberate stop (a signal, a STOP file, train.exit_at_step) writes a `stop` row after its checkpoint; the next
+launch then says "resumed after a stop" and counts no time lost: the pause was the user's, not a fault's.
+
 A node is a launcher process on a host (`host/pid`): torchrun's agent, DeepSpeed's launch.py, so two agents on
 one machine count as two nodes and a restarted agent as a node that joined.
 """
@@ -32,8 +35,16 @@ def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable
     now = time.time()
     row = {"event": "start", "time": now, "step": start_step, "world_size": ctx.world_size, "nodes": nodes,
            "elastic_restart": env.elastic_restart()}
-    previous = [r for r in read_metrics(path) if r.get("event") == "start"]
-    if previous:
+    events = read_metrics(path)
+    previous = [r for r in events if r.get("event") == "start"]
+    stopped = events[-1] if events and events[-1].get("event") == "stop" else None
+    if previous and stopped and stopped["step"] == start_step:
+        row.update(after_stop=stopped["reason"], old_world_size=previous[-1]["world_size"], seconds_lost=0.0,
+                   steps_recomputed=0, paused_s=round(now - stopped["time"], 1))
+        world = f"; world {row['old_world_size']} -> {ctx.world_size}" if row["old_world_size"] != ctx.world_size \
+            else ""
+        say(f"resumed after a stop ({stopped['reason']}) at step {start_step}{world}; nothing recomputed")
+    elif previous:
         before = previous[-1]
         left, joined = sorted(set(before["nodes"]) - set(nodes)), sorted(set(nodes) - set(before["nodes"]))
         done = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and "time" in r]
@@ -50,3 +61,10 @@ def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     return row
+
+
+def record_stop(run_dir: Path, ctx: DistContext, step: int, reason: str) -> None:
+    """Rank 0 notes a deliberate stop, once its checkpoint at `step` is written (see record_start)."""
+    if ctx.is_main:
+        with open(run_dir / NAME, "a") as f:
+            f.write(json.dumps({"event": "stop", "time": time.time(), "step": step, "reason": reason}) + "\n")

@@ -225,6 +225,9 @@ def format_summary(summary: dict) -> str:
              f"  {summary['tokens_this_session']:,} tokens in {summary['wall_s']:,.0f} s, median "
              f"{num(summary['median_tokens_per_s'], ',.0f')} tokens/s"
              + (f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else "")]
+    if summary.get("epochs") is not None:
+        lines.append(f"  data        {summary['epochs']:,.2f} epochs of {summary['train_sequences']:,} training "
+                     f"sequences")
     if summary.get("checkpoint"):
         lines.append(f"  checkpoint  {summary['checkpoint']}")
     if summary.get("export"):

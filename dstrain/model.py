@@ -13,6 +13,7 @@ import torch
 
 from .config import ModelConfig, TrainConfig
 from .errors import UserError, closest
+from .hub import offline_unless_hub_reachable
 from .paths import local_or_hub
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -31,19 +32,23 @@ def _unreachable(name: str, error: Exception) -> UserError:
                   f"make train)" if Path(name).name == "hf" else ""
         return UserError(f"cannot load '{name}': no such directory (it is not a hub id either); check the path "
                          f"in model.name_or_path / model.tokenizer{written}")
+    from huggingface_hub import is_offline_mode
+    if is_offline_mode():  # the Hub unreachable (paths.offline_unless_hub_reachable) or HF_HUB_OFFLINE set
+        return UserError(f"cannot load '{name}': the Hugging Face Hub is offline here and it is not cached; "
+                         f"`hf download {name} --local-dir DIR` where it is reachable (--preflight needs only "
+                         f"config.json), then model.name_or_path=DIR")
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     if len(first) > 80:
         first = first[:80].rsplit(" ", 1)[0] + " ..."
     return UserError(f"cannot load '{name}': not a local directory, and the Hugging Face Hub did not provide it "
-                     f"({first}); where the Hub is reachable run `hf download {name} --local-dir DIR` and set "
-                     f"model.name_or_path=DIR (--preflight and --plan need only its config: `hf download {name} "
-                     f"config.json --local-dir DIR`)")
+                     f"({first}); run `hf download {name} --local-dir DIR` and set model.name_or_path=DIR")
 
 
 def load_config(cfg: ModelConfig, seq_len: int):
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     location = local_or_hub(cfg.name_or_path)
+    offline_unless_hub_reachable(location)
     try:
         config = AutoConfig.from_pretrained(location, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -89,6 +94,7 @@ def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer or cfg.name_or_path
+    offline_unless_hub_reachable(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(local_or_hub(name), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:

@@ -24,3 +24,4 @@ def weights_fingerprint(name: str) -> str:
         return name
     files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
     return f"{path.resolve()}|" + "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+

@@ -48,7 +48,8 @@ def resolve_resume(mode: str, root: Path) -> Path | None:
 # What makes a run directory one run: a checkpoint trained on other weights, data or sequence layout cannot be
 # continued by this recipe (its optimizer state, data position and loss curve belong to the other run)
 _FORMAT_FIELDS = {"text": ("text_field",), "prompt_response": ("prompt_field", "response_field"),
-                  "chat": ("messages_field",)}
+                  "alpaca": ("instruction_field", "input_field", "output_field"), "chat": ("messages_field",),
+                  "preference": ("prompt_field", "chosen_field", "rejected_field")}
 
 
 def run_identity(recipe: dict) -> dict:

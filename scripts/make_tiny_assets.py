@@ -10,6 +10,9 @@ Outputs (all small enough to ship in git):
   data/tiny_chat/train.jsonl                   {"messages": [...]}    chat-format SFT
   data/tiny_dpo/train.jsonl                    {"prompt", "chosen", "rejected"} preference pairs (a right answer
                                                over a wrong one: learnable from the SFT data's facts)
+  data/examples/                               the same facts in every layout docs/data.md shows (text, .txt,
+                                               prompt/response, Alpaca, OpenAI messages, ShareGPT, TRL's
+                                               explicit/implicit/conversational preference and UltraFeedback's)
   recipes/tiny/model/                          config.json + tokenizer files of a tiny Llama
 """
 from __future__ import annotations
@@ -128,6 +131,40 @@ def make_data(out: Path, n_train: int, n_val: int, n_sft: int, seed: int) -> dic
     return files
 
 
+def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dict], n: int = 64) -> None:
+    """One small file per layout a user brings (docs/data.md trains on each), from the rows above."""
+    def user(text):
+        return {"role": "user", "content": text}
+
+    def assistant(text):
+        return {"role": "assistant", "content": text}
+
+    sft, pairs, texts = sft[:n], pairs[:n], texts[:n]
+    files = {
+        "text.jsonl": texts,
+        "prompt_response.jsonl": sft,
+        "alpaca.jsonl": [{"instruction": "Answer the question.", "input": r["prompt"], "output": r["response"]}
+                         if i % 2 else {"instruction": r["prompt"], "input": "", "output": r["response"]}
+                         for i, r in enumerate(sft)],
+        "chat.jsonl": [{"messages": [user(r["prompt"]), assistant(r["response"])]} for r in sft],
+        "sharegpt.jsonl": [{"conversations": [{"from": "human", "value": r["prompt"]},
+                                              {"from": "gpt", "value": r["response"]}]} for r in sft],
+        "preference.jsonl": pairs,
+        "preference_implicit.jsonl": [{"chosen": f"{r['prompt']} {r['chosen']}",
+                                       "rejected": f"{r['prompt']} {r['rejected']}"} for r in pairs],
+        "preference_conversational.jsonl": [{"prompt": [user(r["prompt"])], "chosen": [assistant(r["chosen"])],
+                                             "rejected": [assistant(r["rejected"])]} for r in pairs],
+        "preference_ultrafeedback.jsonl": [{"prompt": r["prompt"], "prompt_id": f"{i:04d}", "score_chosen": 8.0,
+                                            "score_rejected": 3.0,
+                                            "chosen": [user(r["prompt"]), assistant(r["chosen"])],
+                                            "rejected": [user(r["prompt"]), assistant(r["rejected"])]}
+                                           for i, r in enumerate(pairs)],
+    }
+    for name, rows in files.items():
+        _write_jsonl(out / "examples" / name, rows)
+    (out / "examples" / "text.txt").write_text("".join(r["text"] + "\n" for r in texts), encoding="utf-8")
+
+
 def make_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -163,7 +200,8 @@ def main() -> None:
     args = parser.parse_args()
 
     files = make_data(args.data_dir, n_train=6000, n_val=300, n_sft=3000, seed=args.seed)
-    make_preference(args.data_dir, n=800, seed=args.seed + 1)
+    pairs = make_preference(args.data_dir, n=800, seed=args.seed + 1)
+    make_examples(args.data_dir, files["tiny_sft/train.jsonl"], pairs, files["tiny/train.jsonl"])
     texts = [r["text"] for r in files["tiny/train.jsonl"]]
     texts += [r["prompt"] + " " + r["response"] for r in files["tiny_sft/train.jsonl"]]
     tokenizer = make_tokenizer(texts, args.vocab_size)

@@ -19,7 +19,7 @@ from ..config import DataConfig
 from ..ds_internals import dataset_fingerprint
 from ..errors import UserError
 from ..paths import local_or_hub
-from .formats import check_fields, report, tokenize, tokenizer_fingerprint
+from .formats import check_fields, check_rows, report, tokenize, tokenizer_fingerprint
 from .load import load_raw, split_train_val
 
 STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequences, truncated, dropped
@@ -43,6 +43,7 @@ class Prepared:
     cache_path: Path
     cache_hit: bool
     summary: str = ""  # what tokenization made of the training split (data.report)
+    val_rows: int | None = None  # raw rows of the validation split (None: there is none), for data.amount
 
 
 LARGE_CORPUS_BYTES = 300 * 2**20  # above this, tokenizing in the job costs more than prepare_data once
@@ -71,6 +72,9 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     if not hit:
         with CacheWriter(path) as writer:  # None: another rank (here or on a node sharing this disk) writes it
             if writer is not None:
+                for name, split in raw.items():  # numbered as in the files, before the validation carve-out
+                    if name in (cfg.train_split, cfg.val_split):
+                        check_rows(split, cfg, name)
                 _write_cache(writer.tmp, path, cfg, tokenizer, seq_len, train_raw, val_raw)
     stats = json.loads((path / STATS).read_text())
     if not stats["train"]["sequences"]:  # every rank reads the same record and gives the same answer
@@ -87,7 +91,9 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     loaded = datasets.load_from_disk(str(path))
     train = loaded["train"].with_format("torch")
     val = loaded["validation"].with_format("torch") if "validation" in loaded else None
-    return Prepared(train, val, path, hit, report(stats["train"], seq_len))
+    return Prepared(train, val, path, hit, report(stats["train"], seq_len),
+                    stats["validation"]["examples" if "examples" in stats["validation"] else "documents"]
+                    if "validation" in stats else None)
 
 
 def _write_cache(tmp: Path, path: Path, cfg: DataConfig, tokenizer, seq_len: int, train_raw, val_raw) -> None:

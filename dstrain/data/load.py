@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import DataConfig
 from ..errors import UserError
+from ..hub import offline_unless_hub_reachable
 from ..paths import local_or_hub
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
@@ -65,6 +66,7 @@ def load_raw(cfg: DataConfig):
         elif path.is_dir():
             loaded = datasets.load_dataset(str(path))
         else:
+            offline_unless_hub_reachable(location)  # a missing one fails at once, not after retries
             loaded = datasets.load_dataset(location, cfg.name)
     except UserError:
         raise

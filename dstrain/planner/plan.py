@@ -63,26 +63,34 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
         from . import trial
         best = trial.run(preds, args.trial, argv, out, ctx, log)
     if ctx.is_main:
-        write(out, meas, preds, best, recipe, args)
+        launch = command(out, best, args, argv, meas.nodes, meas.ranks_per_node)
+        write(out, meas, preds, best, recipe, args, launch)
         log(f"plan: best {best.candidate.name} micro {best.candidate.micro} x accumulation {best.candidate.accum}; "
-            f"train with:\n  {command(out, best, args)}")
+            f"train with:\n  {launch}")
     dist.barrier()
     return EXIT_OK
 
 
-def command(out: Path, best, args) -> str:
-    return " ".join(["deepspeed", "train.py", "--recipe", args.recipe, "--ds_config", str(out / "best.json"),
-                     *best.candidate.overrides()])
+def command(out: Path, best, args, argv: list[str], nodes: int, ranks_per_node: int) -> str:
+    """The launch that trains the best layout on the ranks it was measured on: the launcher's rank counts (a CPU
+    machine's `deepspeed` alone starts one rank), the plan's own recipe overrides and output_dir, then the
+    candidate's (later overrides win)."""
+    launcher = ["deepspeed", *(["--num_nodes", str(nodes), "--hostfile", "HOSTFILE"] if nodes > 1 else []),
+                "--num_gpus", str(ranks_per_node)]
+    own = [a for a in argv if a.startswith("--") and "=" in a and "." in a.split("=")[0] and not a.startswith("--ds.")]
+    where = ["--output_dir", args.output_dir] if args.output_dir else []
+    return " ".join([*launcher, "train.py", "--recipe", args.recipe, "--ds_config", str(out / "best.json"), *where,
+                     *own, *best.candidate.overrides()])
 
 
-def write(out: Path, meas, preds, best, recipe, args) -> None:
+def write(out: Path, meas, preds, best, recipe, args, said: str) -> None:
     from .cost import dumps
     tmp = out / ".plan.json.tmp"
     tmp.write_text(dumps({"measurements": meas.to_dict(), "predictions": [p.to_dict() for p in preds],
                           "best": best.to_dict(), "recipe": recipe.to_dict()}))
     os.replace(tmp, out / "plan.json")
     (out / "best.json").write_text(json.dumps(best.candidate.ds, indent=2) + "\n")
-    (out / "best.txt").write_text(command(out, best, args) + "\n")
+    (out / "best.txt").write_text(said + "\n")
 
 
 def _rate(nbytes_per_s: float) -> str:

@@ -138,7 +138,8 @@ def test_data_and_model_mistakes(cache, tmp_path, data_files):
     fails(["--recipe", str(data_files / "bad.yaml")], cache, tmp_path, "is not valid YAML (line 5, column 1)")
     # issue 29 item 7: the offline --preflight of a hub recipe did not say that a config alone is enough
     fails(["--preflight", "--recipe", "llama-3.2-1b/sft.yaml"], cache, tmp_path,
-          "--preflight and --plan need only its config: `hf download meta-llama/Llama-3.2-1B-Instruct config.json")
+          "`hf download meta-llama/Llama-3.2-1B-Instruct --local-dir DIR` where it is reachable (--preflight "
+          "needs only config.json)")
     # issue 29 item 7: chat data without an assistant turn was told to raise train.seq_len (also at 512)
     line = fails(["--recipe", "tiny/chat_sft", f"--data.path={data_files / 'no_reply.jsonl'}",
                   "--train.seq_len=512"], cache, tmp_path, "has a reply to learn from")
@@ -192,3 +193,22 @@ def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, da
     after = _digest(run)
     assert {k: v for k, v in after.items() if ".universal/" not in k} == before
     assert any(".universal/" in k for k in after)
+
+
+def test_an_unreachable_hub_fails_at_once_in_a_short_line(cache, tmp_path):
+    """Issue 54 item 8: the README's --preflight example spent 25 s in the Hub client's retries before its error, a
+    434-character line. Run as written (no HF_HUB_OFFLINE): one probe of the Hub, then offline mode."""
+    import time
+
+    from dstrain.hub import hub_reachable
+    from tests.helpers import readme_command
+    if hub_reachable():
+        pytest.skip("the Hugging Face Hub is reachable from here: nothing to fail")
+    argv = readme_command("--preflight")
+    began = time.monotonic()
+    proc = launch(argv, cache, launcher="python", check=False)
+    took = time.monotonic() - began
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the Hugging Face Hub is offline here and it is not cached" in lines[0] and len(lines[0]) <= 250, lines
+    assert took < 15, f"{took:.1f} s before the error"  # python and the imports: ~5 s; the retries were 25 s more

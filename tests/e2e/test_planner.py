@@ -77,7 +77,9 @@ def test_trials_are_real_runs_and_bytes_match_the_model(planned):
 def test_best_json_is_accepted_by_train_py(planned):
     plan_dir, _ = planned
     command = (plan_dir / "best.txt").read_text().split()
-    assert command[:2] == ["deepspeed", "train.py"] and str(plan_dir / "best.json") in command
+    # issue 54 item 5: the command dropped --num_gpus (one rank on a CPU machine) and the plan's own overrides
+    assert command[:4] == ["deepspeed", "--num_gpus", "2", "train.py"] and str(plan_dir / "best.json") in command
+    assert "--train.precision=fp32" in command and command[command.index("--output_dir") + 1] == str(plan_dir.parent)
     from dstrain import ds_config as dsc
     from dstrain.config import load_recipe, parse_overrides
     overrides = [a for a in command if a.startswith("--train.")]

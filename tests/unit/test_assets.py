@@ -16,7 +16,9 @@ def digest(path):
 def test_tiny_assets_regenerate_identically(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_assets.py"), "--data_dir", str(tmp_path / "data"),
                     "--model_dir", str(tmp_path / "model")], check=True, capture_output=True)
-    for rel in ("tiny/train.jsonl", "tiny/val.jsonl", "tiny_sft/train.jsonl", "tiny_chat/train.jsonl", "tiny_dpo/train.jsonl"):
+    examples = [f"examples/{p.name}" for p in sorted((ROOT / "data/examples").iterdir())]
+    for rel in ("tiny/train.jsonl", "tiny/val.jsonl", "tiny_sft/train.jsonl", "tiny_chat/train.jsonl", "tiny_dpo/train.jsonl",
+                *examples):
         assert digest(tmp_path / "data" / rel) == digest(ROOT / "data" / rel), rel
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert digest(tmp_path / "model" / name) == digest(ROOT / "recipes/tiny/model" / name), name

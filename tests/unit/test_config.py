@@ -48,7 +48,7 @@ def test_override_values_are_typed():
     (["--trian.lr=1"], "unknown recipe key 'trian' (did you mean 'train'?)"),
     (["--train.micro_batch_size=abc"], "train.micro_batch_size='abc' should be of type int"),
     (["--train.micro_batch_size=0"], "train.micro_batch_size=0 must be a positive integer"),
-    (["--data.format=txt"], "data.format='txt' is not one of text, prompt_response, chat, preference (did you mean 'text'?)"),
+    (["--data.format=txt"], "data.format='txt' is not one of text, prompt_response, alpaca, chat, preference (did you mean 'text'?)"),
     (["--train.precision=fp8"], "train.precision='fp8' is not one of"),
     (["--train.betas=[0.9]"], "train.betas=[0.9] must be two numbers"),
     (["--train.exit_at_step=999"], "train.exit_at_step=999 must be between 1 and train.max_steps"),

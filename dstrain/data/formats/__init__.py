@@ -1,10 +1,12 @@
 """One module per data format, each behind the same small interface:
 
-    fields(cfg) -> [(column, recipe key)]      the columns it reads (checked before anything is tokenized)
+    fields(cfg) -> [(column, recipe key)]      the columns it needs (checked before anything is tokenized)
+    reads(cfg) -> [column]                     optional: every column it reads, optional ones too (default: fields)
+    row_problem(row, cfg) -> str | None        what is wrong with one row, and the fix (checked before tokenizing)
     tokenize(dataset, cfg, tokenizer, seq_len, num_proc) -> (tokenized split, counts for the report)
 
-text (pretraining), prompt_response and chat (SFT, both through sft.py), preference (chosen/rejected pairs). A new
-format is one new module and one line in FORMATS, plus its name in config.DataConfig's check.
+text (pretraining), prompt_response, alpaca and chat (SFT, through sft.py), preference (chosen/rejected pairs). A
+new format is one new module and one line in FORMATS, plus its name in config.DataConfig's check.
 """
 from __future__ import annotations
 
@@ -14,30 +16,92 @@ from typing import Any
 
 from ...config import DataConfig
 from ...errors import UserError
-from . import chat, preference, prompt_response, text
+from . import alpaca, chat, preference, prompt_response, text
 
-FORMATS = {"text": text, "prompt_response": prompt_response, "chat": chat, "preference": preference}
+FORMATS = {"text": text, "prompt_response": prompt_response, "alpaca": alpaca, "chat": chat,
+           "preference": preference}
 
 
-def _require_field(dataset, field_name: str, key: str, path: str) -> None:
-    if field_name not in dataset.column_names:
-        raise UserError(f"dataset '{path}' has no field '{field_name}' (columns: {', '.join(dataset.column_names)});"
-                        f" set {key} to one of them")
+def reads(cfg: DataConfig) -> list[str]:
+    """Every column data.format reads."""
+    module = FORMATS[cfg.format]
+    return module.reads(cfg) if hasattr(module, "reads") else [name for name, _ in module.fields(cfg)]
+
+
+def looks_like(dataset) -> tuple[str, str] | None:
+    """(the data.format the columns look like, with the field overrides it needs) or None: what an error about a
+    missing column names, so that following it trains instead of meeting the next missing column."""
+    columns = set(dataset.column_names)
+    first = dataset[0] if len(dataset) else {}
+    if {"chosen", "rejected"} <= columns:
+        return "preference", ""
+    if {"instruction", "output"} <= columns:
+        return "alpaca", ""
+    for name in ("messages", "conversations", "conversation"):
+        if name in columns and isinstance(first.get(name), list):
+            return "chat", "" if name == "messages" else f" --data.messages_field={name}"
+    for prompt, response in (("prompt", "response"), ("prompt", "completion"), ("question", "answer"),
+                             ("query", "response"), ("input", "output")):
+        if {prompt, response} <= columns and isinstance(first.get(prompt), str):
+            fields = (f" --data.prompt_field={prompt}" if prompt != "prompt" else "") + \
+                     (f" --data.response_field={response}" if response != "response" else "")
+            return "prompt_response", fields
+    if "text" in columns:
+        return "text", ""
+    return None
 
 
 def check_fields(dataset, cfg: DataConfig) -> None:
+    columns = dataset.column_names
     for name, key in FORMATS[cfg.format].fields(cfg):
-        _require_field(dataset, name, key, cfg.path)
+        if name in columns:
+            continue
+        guess = looks_like(dataset)
+        if guess and guess[0] != cfg.format:  # another format's data: the field is not the knob to turn
+            fix = f"it looks like {guess[0]} data: set --data.format={guess[0]}{guess[1]} (docs/data.md)"
+        elif guess and guess[1]:
+            fix = f"set{guess[1]}"
+        else:
+            fix = f"set {key} to one of them"
+        raise UserError(f"dataset '{cfg.path}' has no field '{name}' (columns: {', '.join(columns)}); {fix}")
+
+
+def check_rows(dataset, cfg: DataConfig, split: str) -> None:
+    """Every row of a raw split checked by its format before tokenizing: a malformed one is one line naming the
+    dataset, the row (1-based: the line of a jsonl file) and the fix, instead of a traceback from inside map."""
+    module = FORMATS[cfg.format]
+    columns = [c for c in reads(cfg) if c in dataset.column_names]
+    number = 0
+    for batch in dataset.select_columns(columns).iter(batch_size=1000):
+        for values in zip(*batch.values()):
+            number += 1
+            problem = module.row_problem(dict(zip(batch, values)), cfg)
+            if problem:
+                where = "" if split == cfg.train_split else f" of split '{split}'"
+                raise UserError(f"dataset '{cfg.path}' row {number}{where}: {problem}")
 
 
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, dict]:
     """Raw split -> (model-ready split, counts for the report), by the recipe's data.format."""
     check_fields(dataset, cfg)
-    return FORMATS[cfg.format].tokenize(dataset, cfg, tokenizer, seq_len, cfg.num_proc if cfg.num_proc > 1 else None)
+    out, stats = FORMATS[cfg.format].tokenize(dataset, cfg, tokenizer, seq_len,
+                                              cfg.num_proc if cfg.num_proc > 1 else None)
+    used = reads(cfg)
+    stats["unused"] = [c for c in dataset.column_names if c not in used]  # said in the data line
+    stats["format"] = cfg.format
+    return out, stats
 
 
 def report(stats: dict, seq_len: int) -> str:
-    """One line on what tokenization made of the data."""
+    """One line on what tokenization made of the data, and the columns it did not read."""
+    unused = stats.get("unused")
+    if not unused:
+        return _counts(stats, seq_len)
+    return (f"{_counts(stats, seq_len)}; column{'s' if len(unused) > 1 else ''} {', '.join(unused)} not read by "
+            f"data.format={stats['format']} (docs/data.md)")
+
+
+def _counts(stats: dict, seq_len: int) -> str:
     if "documents" in stats:
         return (f"{stats['documents']:,} documents packed into {stats['sequences']:,} sequences of {seq_len} "
                 f"tokens (the last partial block dropped"

@@ -6,11 +6,20 @@ from typing import Any
 
 from ...chat_templates import normalize
 from ...config import DataConfig
+from ...errors import UserError
 from . import sft
 
 
 def fields(cfg: DataConfig) -> list[tuple[str, str]]:
     return [(cfg.messages_field, "data.messages_field")]
+
+
+def row_problem(row: dict, cfg: DataConfig) -> str | None:
+    try:
+        normalize(row.get(cfg.messages_field), cfg.role_map)
+    except UserError as error:
+        return str(error)
+    return None
 
 
 def to_messages(row: dict, cfg: DataConfig) -> list[dict]:

@@ -2,7 +2,10 @@
 
 TRL's two forms: strings (`prompt`, `chosen`, `rejected`; the responses get the tokenizer's EOS when they lack it)
 and conversations (lists of messages, rendered with the run's chat template; a missing prompt is the messages that
-chosen and rejected share, as TRL's `extract_prompt` finds it). The response starts where the tokenized prompt and
+chosen and rejected share, as TRL's `extract_prompt` finds it). A text prompt beside conversational responses is
+TRL's `maybe_extract_prompt` case: the responses repeat the user turn (UltraFeedback's layout), so the prompt is
+extracted from them and the text column is not read; where the responses hold no user turn at all, the text
+prompt becomes the user turn (TRL would drop it). The response starts where the tokenized prompt and
 the tokenized prompt + response part (TRL's rule too: templates and merges can change the prompt's last tokens).
 A pair longer than seq_len loses the start of its prompt down to data.max_prompt_length, then the ends of its
 responses; counted and reported. Each side is padded to seq_len; labels are the response tokens only.
@@ -13,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from ...chat_templates import normalize
 from ...config import DataConfig
+from ...errors import UserError
 from .sft import IGNORE_INDEX, _pad_id
 
 SIDES = ("chosen", "rejected")
@@ -24,8 +29,43 @@ def fields(cfg: DataConfig) -> list[tuple[str, str]]:
     return [(cfg.chosen_field, "data.chosen_field"), (cfg.rejected_field, "data.rejected_field")]
 
 
+def reads(cfg: DataConfig) -> list[str]:
+    return [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+
+
 def _conversational(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) for m in value)
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "missing (null)"
+    return "a list of messages" if _conversational(value) else f"a {type(value).__name__}"
+
+
+def row_problem(row: dict, cfg: DataConfig) -> str | None:
+    """What is wrong with one pair, with the fix; None when it can be trained."""
+    chosen, rejected, prompt = row.get(cfg.chosen_field), row.get(cfg.rejected_field), row.get(cfg.prompt_field)
+    forms = {"messages" if _conversational(v) else "text" if isinstance(v, str) else None for v in (chosen, rejected)}
+    if None in forms or len(forms) > 1:
+        return (f"'{cfg.chosen_field}' is {_kind(chosen)} and '{cfg.rejected_field}' {_kind(rejected)}; both should "
+                f"be text, or both lists of {{role, content}} messages")
+    if prompt is not None and not (isinstance(prompt, str) or _conversational(prompt)):
+        return f"'{cfg.prompt_field}' is {_kind(prompt)}; it should be text or a list of {{role, content}} messages"
+    if _conversational(prompt) and not _conversational(chosen):
+        return (f"'{cfg.prompt_field}' is a list of messages but the responses are text; make the responses "
+                f"assistant messages, or the prompt text")
+    for value in (prompt, chosen, rejected):
+        if _conversational(value):
+            try:
+                normalize(value, cfg.role_map)
+            except UserError as error:
+                return str(error)
+    return None
+
+
+def _messages(value, cfg: DataConfig) -> list[dict]:
+    return normalize(value, cfg.role_map)  # role/content from either role/content or ShareGPT's from/value
 
 
 def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
@@ -59,12 +99,18 @@ def pair_tokens(row: dict, cfg: DataConfig, tokenizer) -> tuple[list[int], list[
     """(prompt ids, chosen ids, rejected ids) of one pair, untruncated, as TRL tokenizes it."""
     chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
     prompt = row.get(cfg.prompt_field)
+    if _conversational(chosen):
+        chosen, rejected = _messages(chosen, cfg), _messages(rejected, cfg)
+        if isinstance(prompt, str) and not any(m["role"] == "user" for m in chosen):
+            prompt = [{"role": "user", "content": prompt}]  # the responses alone: the text is their user turn
+        elif prompt is not None:
+            prompt = _messages(prompt, cfg) if _conversational(prompt) else None  # text: TRL extracts it
     if prompt is None:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     if _conversational(chosen):
-        messages = [dict(m) for m in prompt]
+        messages = list(prompt)
         prompt_ids = _ids(tokenizer, messages, generation_prompt=True)
-        full = [_ids(tokenizer, messages + [dict(m) for m in side]) for side in (chosen, rejected)]
+        full = [_ids(tokenizer, messages + list(side)) for side in (chosen, rejected)]
     else:
         eos = tokenizer.eos_token or ""
         prompt_ids = _ids(tokenizer, str(prompt))

@@ -13,6 +13,14 @@ def fields(cfg: DataConfig) -> list[tuple[str, str]]:
     return [(cfg.text_field, "data.text_field")]
 
 
+def row_problem(row: dict, cfg: DataConfig) -> str | None:
+    value = row.get(cfg.text_field)
+    if not isinstance(value, str):
+        return (f"'{cfg.text_field}' is {'missing (null)' if value is None else 'a ' + type(value).__name__}, not "
+                f"text; remove the row or give it a document")
+    return None
+
+
 def pack_texts(texts: list[str], tokenizer, seq_len: int, separate: bool = False) -> dict[str, list[list[int]]]:
     """Concatenate documents, each followed by EOS, and cut into full seq_len blocks (no padding): input_ids, and
     with `separate` (data.packing) position_ids that restart after each EOS and at each block, so attention never
