@@ -29,17 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         from dstrain.planner import plan
         return plan.run(args, recipe, ds_overrides, sys.argv[1:] if argv is None else argv)
     run_dir = cli.run_dir_of(args)
-    created = not run_dir.exists()
-    cli.prepare_run_dir(run_dir)
+    created = cli.prepare_run_dir(run_dir)
     try:
-        return run(args, recipe, ds_overrides, run_dir)
-    except UserError:
-        if env.rank() == 0:  # bad input leaves no empty run directory behind
-            run_lock.remove_if_unused(run_dir, created)
+        return run(args, recipe, ds_overrides, run_dir, created)
+    except UserError:  # bad input leaves no empty run directory behind: the rank that made it removes it
+        run_lock.remove_if_unused(run_dir, created)
         raise
 
 
-def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path) -> int:
+def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path, created: bool) -> int:
     from dstrain import checkpoint, dist, ds_config, resume
     from dstrain.watchdog import Watchdog
 
@@ -60,6 +58,8 @@ def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path) -> int:
         if isinstance(error, UserError):  # said before anyone leaves: the launcher kills the rest when one exits
             cli.say(error)
             error.waited = True
+            # likewise the empty run directory's removal, by the rank that made it (main() for earlier errors)
+            run_lock.remove_if_unused(run_dir, created)
         watchdog.close()  # the ranks leave together (Watchdog.close)
         raise
     except checkpoint.SaveError as error:  # this rank could not write; the others may wait in a collective

@@ -74,15 +74,22 @@ def run_dir_of(args: argparse.Namespace) -> Path:
     return Path(args.output_dir) if args.output_dir else default_run_dir(args.recipe)
 
 
-def prepare_run_dir(path: Path) -> Path:
+def prepare_run_dir(path: Path) -> bool:
+    """Make the run directory (checked writable); True when this process made it (mkdir is atomic: one rank of
+    a launch does), so that rank removes it again if the run is refused before writing anything."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
         probe = path / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
         raise UserError(f"cannot write to output_dir {path}: {e.strerror}; choose a writable --output_dir") from None
-    return path
+    return made
 
 
 def load_inputs(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe, dict]:

@@ -24,7 +24,8 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
         raise UserError(f"--plan does not model sequence parallelism yet (sequence_parallel_size="
                         f"{parallel_sizes(raw_ds).sequence}); plan with a ZeRO config, or use --preflight for memory")
     model_config = load_config(recipe.model, recipe.train.seq_len)[1]
-    run_dir = cli.prepare_run_dir(cli.run_dir_of(args))
+    run_dir = cli.run_dir_of(args)
+    cli.prepare_run_dir(run_dir)
 
     from .. import dist
     from . import cost, probe
