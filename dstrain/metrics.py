@@ -184,7 +184,10 @@ class Metrics:
             self.bar.close()
         self.file.close()
         if self.cfg.plot:
-            plot_losses(self.path, self.run_dir / "loss.png")
+            recipe = self.resolved_config.get("recipe") or {}
+            loss = (recipe.get("preference") or {}).get("loss") if (recipe.get("data") or {}).get("format") == \
+                "preference" else None
+            plot_losses(self.path, self.run_dir / "loss.png", loss_label(loss))
         if self.wandb is not None:
             self._sink("wandb", self.wandb.finish)
         if self.tensorboard is not None:
@@ -238,7 +241,14 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(metrics_path: Path, out: Path) -> None:
+def loss_label(preference_loss: str | None) -> str:
+    """The loss axis: next-token cross-entropy is nats per token; a preference loss is a mean over pairs."""
+    if preference_loss is None:
+        return "loss (nats/token)"
+    return f"{preference_loss.upper()} loss (mean over pairs)"
+
+
+def plot_losses(metrics_path: Path, out: Path, ylabel: str = "loss (nats/token)") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -252,7 +262,7 @@ def plot_losses(metrics_path: Path, out: Path) -> None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

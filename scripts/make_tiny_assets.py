@@ -8,8 +8,8 @@ Outputs (all small enough to ship in git):
   data/tiny/train.jsonl, data/tiny/val.jsonl   {"text": ...}          raw-text pretraining
   data/tiny_sft/train.jsonl                    {"prompt", "response"} supervised fine-tuning
   data/tiny_chat/train.jsonl                   {"messages": [...]}    chat-format SFT
-  data/tiny_dpo/train.jsonl                    {"prompt", "chosen", "rejected"} preference pairs (a right answer
-                                               over a wrong one: learnable from the SFT data's facts)
+  data/tiny_dpo/train.jsonl                    {"prompt", "chosen", "rejected"} preference pairs: a right answer
+                                               over a wrong one, or over the same answer said twice
   data/examples/                               the same facts in every layout docs/data.md shows (text, .txt,
                                                prompt/response, Alpaca, OpenAI messages, ShareGPT, TRL's
                                                explicit/implicit/conversational preference and UltraFeedback's)
@@ -95,9 +95,14 @@ def _pair(rng: random.Random) -> dict:
 
 
 def make_preference(out: Path, n: int, seed: int) -> list[dict]:
-    """Its own random stream: the other files (and the tokenizer trained on them) do not change."""
+    """Its own random stream: the other files (and the tokenizer trained on them) do not change. Every other pair's
+    rejected answer is the right one said twice: a pretrained model rates such a repetition likely (it copies), so a
+    reference-free loss (SimPO, ORPO) has something to learn from its first step (issue 54: with hedged wrong answers
+    alone their reward accuracy was 1.0 before training); DPO measures against the reference and starts at 0."""
     rng = random.Random(seed)
     rows = [_pair(rng) for _ in range(n)]
+    for row in rows[1::2]:
+        row["rejected"] = f"{row['chosen']} {row['chosen']}"
     _write_jsonl(out / "tiny_dpo/train.jsonl", rows)
     return rows
 
@@ -139,6 +144,7 @@ def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dic
     def assistant(text):
         return {"role": "assistant", "content": text}
 
+    hedged = [r for r in pairs if not r["rejected"].startswith(r["chosen"])][:n]
     sft, pairs, texts = sft[:n], pairs[:n], texts[:n]
     files = {
         "text.jsonl": texts,
@@ -150,8 +156,9 @@ def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dic
         "sharegpt.jsonl": [{"conversations": [{"from": "human", "value": r["prompt"]},
                                               {"from": "gpt", "value": r["response"]}]} for r in sft],
         "preference.jsonl": pairs,
+        # implicit: the prompt is where the two texts part, so no pair whose rejected text starts with the chosen
         "preference_implicit.jsonl": [{"chosen": f"{r['prompt']} {r['chosen']}",
-                                       "rejected": f"{r['prompt']} {r['rejected']}"} for r in pairs],
+                                       "rejected": f"{r['prompt']} {r['rejected']}"} for r in hedged],
         "preference_conversational.jsonl": [{"prompt": [user(r["prompt"])], "chosen": [assistant(r["chosen"])],
                                              "rejected": [assistant(r["rejected"])]} for r in pairs],
         "preference_ultrafeedback.jsonl": [{"prompt": r["prompt"], "prompt_id": f"{i:04d}", "score_chosen": 8.0,

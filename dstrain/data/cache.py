@@ -19,7 +19,7 @@ from ..config import DataConfig
 from ..ds_internals import dataset_fingerprint
 from ..errors import UserError
 from ..paths import local_or_hub
-from .formats import check_fields, check_rows, report, tokenize, tokenizer_fingerprint
+from .formats import check_fields, check_rows, failing_row, report, tokenize, tokenizer_fingerprint
 from .load import load_raw, split_train_val
 
 STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequences, truncated, dropped
@@ -72,10 +72,19 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     if not hit:
         with CacheWriter(path) as writer:  # None: another rank (here or on a node sharing this disk) writes it
             if writer is not None:
-                for name, split in raw.items():  # numbered as in the files, before the validation carve-out
-                    if name in (cfg.train_split, cfg.val_split):
-                        check_rows(split, cfg, name)
-                _write_cache(writer.tmp, path, cfg, tokenizer, seq_len, train_raw, val_raw)
+                splits = {name: split for name, split in raw.items() if name in (cfg.train_split, cfg.val_split)}
+                for name, split in splits.items():  # numbered as in the files, before the validation carve-out
+                    check_rows(split, cfg, name)
+                try:
+                    _write_cache(writer.tmp, path, cfg, tokenizer, seq_len, train_raw, val_raw)
+                except UserError:
+                    raise
+                except Exception:  # a row the checks let through but the tokenizer or chat template refuses
+                    for name, split in splits.items():
+                        found = failing_row(split, cfg, tokenizer, seq_len, name)
+                        if found:
+                            raise found from None
+                    raise
     stats = json.loads((path / STATS).read_text())
     if not stats["train"]["sequences"]:  # every rank reads the same record and gives the same answer
         train_stats = stats["train"]

@@ -30,6 +30,9 @@ from ..errors import UserError
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
          "logps/rejected")
+# ORPO's own, under TRL's ORPOTrainer names: the chosen sequences' NLL (a mean over their tokens), the mean
+# log-sigmoid of the log odds ratio, and the mean log odds ratio
+ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 REFERENCE_FILE = "reference_logps.pt"
 
 
@@ -181,13 +184,21 @@ class Preference:
         summed = loss.sum()
         if self.cfg.loss == "orpo":  # NLL of the chosen sequences (prompt and response), a mean over tokens
             summed = summed + chosen_nll * (totals["pairs"] / max(totals["chosen_tokens"], 1.0))
-        stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
-                             (chosen_rewards > rejected_rewards).float().sum(),
-                             (chosen_rewards - rejected_rewards).sum(), lc.detach().sum(), lr.detach().sum()])
-        return summed, stats
+        stats = [chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).float().sum(),
+                 (chosen_rewards - rejected_rewards).sum(), lc.detach().sum(), lr.detach().sum()]
+        if self.cfg.loss == "orpo":
+            ac, ar = lc.detach(), lr.detach()
+            log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
+            stats += [chosen_nll.detach(), F.logsigmoid(log_odds).sum(), log_odds.sum()]
+        return summed, torch.stack(stats)
 
     def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
-        return {name: value / totals["pairs"] for name, value in zip(STATS, stats)}
+        out = {name: value / totals["pairs"] for name, value in zip(STATS, stats)}
+        if self.cfg.loss == "orpo":
+            nll, ratio, odds = stats[len(STATS):]
+            out.update(zip(ORPO_STATS, (nll / max(totals["chosen_tokens"], 1.0), ratio / totals["pairs"],
+                                        odds / totals["pairs"])))
+        return out
 
     @torch.no_grad()
     def _reference_now(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:

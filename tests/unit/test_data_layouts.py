@@ -162,3 +162,22 @@ def test_too_little_data_is_refused_and_epochs_counted():
     assert "give no sequences of 128 tokens" in data.amount.eval_note(3, 0, 0, 2, 128)
     assert "fewer than the 2 data-parallel ranks" in data.amount.eval_note(3, 1, 0, 2, 128)
     assert data.amount.eval_note(None, 0, 0, 2, 128) is None and data.amount.eval_note(30, 20, 3, 2, 128) is None
+
+
+def test_a_row_the_chat_template_refuses_is_a_data_error(tok, tmp_path):
+    """Rows that pass the checks but make the tokenizer or template raise inside `datasets.map` were a traceback and
+    exit 1: the failing row is found (bisected) and named, exit 2."""
+    import copy as copying
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom here') }}"
+                        "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    items = rows("chat.jsonl", 40)
+    items[22]["messages"][0]["content"] = "boom"
+    path = write(tmp_path / "chat.jsonl", items)
+    strict = copying.deepcopy(tok)
+    strict.chat_template = template.read_text()
+    with pytest.raises(UserError) as error:
+        data.prepare(DataConfig(path=path, format="chat", cache_dir=str(tmp_path / "c")), strict, 64, 0)
+    assert str(error.value) == (f"dataset '{path}' row 23 cannot be tokenized (TemplateError: no boom here); fix or "
+                                f"remove that row")

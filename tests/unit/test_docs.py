@@ -154,3 +154,35 @@ def test_readme_compression_figures_are_the_benchmarks():
     said = f"({ratios[0]:.1f}x, {ratios[1]:.1f}x, {ratios[2]:.1f}x fewer bytes a step than fp32 ZeRO-0 once " \
            f"compressing, at {gaps[0]:+.1f}%, {gaps[1]:+.1f}%, {gaps[2]:+.1f}% eval loss"
     assert said in row, said
+
+
+def test_readme_diloco_figures_are_the_benchmarks():
+    """The DiLoCo setting the README names, with the bytes and the loss bench/slow_links.py measured for it."""
+    import json
+    bench = json.loads((ROOT / "docs/slow_links_once_bench.json").read_text())
+    runs = {r["name"]: r for r in bench["runs"]}
+    name = "DiLoCo H=25 int4, outer lr 1, no momentum"
+    ratio = runs["fp32 all-reduce"]["bytes_per_step"] / runs[name]["bytes_per_step"]
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if "--diloco.every" in line)
+    assert "--diloco.every=25 --diloco.dtype=int4 --diloco.outer_lr=1 --diloco.outer_momentum=0" in row
+    assert f"{ratio:.0f}x fewer bytes than fp32 ZeRO-0" in row and len(bench["loss_seeds"]) == 7
+    table = next(line for line in (ROOT / "docs/benchmarks.md").read_text().splitlines()
+                 if line.startswith(f"| {name} | 188x |"))
+    assert f"eval loss {float(table.split('**')[3].rstrip('%')):+.1f}% at step 1,000 over 7 data orders" in row
+
+
+def test_the_loss_plot_names_the_loss_it_shows(tmp_path, monkeypatch):
+    """Issue 54 item 10: a DPO run's loss.png said "nats/token"."""
+    from dstrain import metrics
+    from dstrain.config import LogConfig
+    from dstrain.dist import DistContext
+    labels = []
+    for fmt, loss, want in (("preference", "dpo", "DPO loss (mean over pairs)"), ("text", "dpo", "loss (nats/token)")):
+        run = tmp_path / fmt
+        run.mkdir()
+        m = metrics.Metrics(run, LogConfig(wandb=False, progress_bar=False), DistContext(0, 0, 1), 0, 1,
+                            {"recipe": {"data": {"format": fmt}, "preference": {"loss": loss}}})
+        m.step(1, 1.0, 1e-3, 1.0, 10, 10, 0.1)
+        monkeypatch.setattr(metrics, "plot_losses", lambda path, out, ylabel: labels.append(ylabel))
+        m.close()
+        assert labels[-1] == want

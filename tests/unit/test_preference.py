@@ -166,6 +166,11 @@ def test_orpo_matches_trls_orpo_trainer(tiny):
         logps, lengths, _ = sequence_logps(policy, b)
         odds = ORPOTrainer.odds_ratio_loss(fake, *(logps / lengths).chunk(2))[0]
     torch.testing.assert_close(loss, nll - odds.mean(), rtol=1e-5, atol=1e-6)
+    # issue 54 item 10: TRL's ORPO metrics, logged under its names
+    _, _, _, log_odds_ratio, log_odds_chosen = ORPOTrainer.odds_ratio_loss(fake, *(logps / lengths).chunk(2))
+    assert metrics["nll_loss"] == pytest.approx(float(nll), rel=1e-5)
+    assert metrics["log_odds_ratio"] == pytest.approx(float(log_odds_ratio), rel=1e-5)
+    assert metrics["log_odds_chosen"] == pytest.approx(float(log_odds_chosen), rel=1e-5)
 
 
 @pytest.mark.parametrize("conversational", [False, True])

@@ -81,6 +81,31 @@ def check_rows(dataset, cfg: DataConfig, split: str) -> None:
                 raise UserError(f"dataset '{cfg.path}' row {number}{where}: {problem}")
 
 
+def failing_row(dataset, cfg: DataConfig, tokenizer, seq_len: int, split: str) -> UserError | None:
+    """After tokenizing raised: the first row that fails alone (bisected: about twice the split's work), as the one
+    line of a data error; None when no single row fails (then it is a bug, and its traceback stands)."""
+    def error(lo: int, hi: int) -> Exception | None:
+        try:
+            FORMATS[cfg.format].tokenize(dataset.select(range(lo, hi)), cfg, tokenizer, seq_len, None)
+        except Exception as e:  # noqa: BLE001 - whatever the row makes the tokenizer or template raise
+            return e
+        return None
+
+    lo, hi = 0, len(dataset)
+    if not hi or error(lo, hi) is None:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if error(lo, mid) else (mid, hi)
+    found = error(lo, hi)
+    if found is None:
+        return None
+    where = "" if split == cfg.train_split else f" of split '{split}'"
+    text = str(found).splitlines()[0][:200] if str(found) else ""
+    return UserError(f"dataset '{cfg.path}' row {lo + 1}{where} cannot be tokenized ({type(found).__name__}: {text}); "
+                     f"fix or remove that row")
+
+
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, dict]:
     """Raw split -> (model-ready split, counts for the report), by the recipe's data.format."""
     check_fields(dataset, cfg)
