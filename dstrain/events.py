@@ -37,7 +37,8 @@ def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable
            "elastic_restart": env.elastic_restart()}
     events = read_metrics(path)
     previous = [r for r in events if r.get("event") == "start"]
-    stopped = events[-1] if events and events[-1].get("event") == "stop" else None
+    ends = [r for r in events if r.get("event") in ("start", "stop")]  # elastic's fit/wait rows between them
+    stopped = ends[-1] if ends and ends[-1]["event"] == "stop" else None
     if previous and stopped and stopped["step"] == start_step:
         row.update(after_stop=stopped["reason"], old_world_size=previous[-1]["world_size"], seconds_lost=0.0,
                    steps_recomputed=0, paused_s=round(now - stopped["time"], 1))

@@ -121,6 +121,8 @@ def _lora_model(model_files: Path, config, state: dict, ckpt: Path):
                         f"({str(e).splitlines()[0]}): restore it there, or set base_model_name_or_path in "
                         f"{model_files / LORA_DIR / 'adapter_config.json'}") from None
     model = get_peft_model(base, lora)
+    where = Path(local_or_hub(base_name))  # adapter/ names its base absolutely, wherever it is loaded from
+    model.peft_config["default"].base_model_name_or_path = str(where.resolve()) if where.exists() else base_name
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     missing, unexpected = trained - set(state), set(state) - set(model.state_dict())
     if missing or unexpected:

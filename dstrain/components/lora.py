@@ -73,6 +73,9 @@ class Lora(Component):
         # peft's default (fp32 adapters on a 16-bit base) casts every adapted layer's input to fp32 and keeps that
         # copy for backward: measured +53% activation memory on a 100M Llama, 40 GB more at 8B x 8k tokens/rank
         model = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+        # peft records the base as the model's own name_or_path (a relative path resolves only from where the run
+        # started: issue 54): keep the absolute location, which adapter/ and hf/ carry
+        model.peft_config["default"].base_model_name_or_path = config.base_model_name_or_path = base
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         if setup.ctx.is_main:

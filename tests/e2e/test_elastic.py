@@ -154,7 +154,8 @@ def test_a_world_the_checkpoint_cannot_use_trains_on_its_largest_usable_part(tmp
     assert f"resumed from {run / 'checkpoints' / 'step_00000005'} at step 5" in said, said[-6000:]
     rows = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [(r["event"], r.get("world_used"), r.get("world_size")) for r in rows] == \
-        [("start", None, 2), ("fit", 2, None), ("start", None, 2)], rows
+        [("start", None, 2), ("stop", None, None), ("fit", 2, None), ("start", None, 2)], rows
+    assert rows[3]["after_stop"] == "train.exit_at_step" and rows[3]["seconds_lost"] == 0.0
     got = metrics(run)[0]
     assert len(got) == 12 and got == pytest.approx(uninterrupted(run, tiny_llama, 12), rel=1e-5, abs=0)
 
