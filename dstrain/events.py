@@ -38,27 +38,29 @@ def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable
     events = read_metrics(path)
     previous = [r for r in events if r.get("event") == "start"]
     ends = [r for r in events if r.get("event") in ("start", "stop")]  # elastic's fit/wait rows between them
-    stopped = ends[-1] if ends and ends[-1]["event"] == "stop" else None
-    if previous and stopped and stopped["step"] == start_step:
-        row.update(after_stop=stopped["reason"], old_world_size=previous[-1]["world_size"], seconds_lost=0.0,
-                   steps_recomputed=0, paused_s=round(now - stopped["time"], 1))
-        world = f"; world {row['old_world_size']} -> {ctx.world_size}" if row["old_world_size"] != ctx.world_size \
-            else ""
-        say(f"resumed after a stop ({stopped['reason']}) at step {start_step}{world}; nothing recomputed")
-    elif previous:
+    stopped = ends[-1] if ends and ends[-1]["event"] == "stop" and ends[-1]["step"] == start_step else None
+    if previous:
         before = previous[-1]
         left, joined = sorted(set(before["nodes"]) - set(nodes)), sorted(set(nodes) - set(before["nodes"]))
+        row.update(left=left, joined=joined, old_world_size=before["world_size"])
+        world = f"world {before['world_size']} -> {ctx.world_size}"
+    if previous and stopped:  # a checkpointed stop (a person, a scheduler, an elastic agent re-forming the world)
+        row.update(after_stop=stopped["reason"], seconds_lost=0.0, steps_recomputed=0,
+                   paused_s=round(now - stopped["time"], 1))
+        changed = f"; {world}" if before["world_size"] != ctx.world_size else ""
+        say(f"resumed after a stop ({stopped['reason']}) at step {start_step}{changed}; nothing recomputed")
+    elif previous:
         done = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and "time" in r]
         redone = [r for r in done if r["step"] > start_step]
         last = done[-1] if done else None
         # the wall time since the lost attempt's last step, plus what its steps past the checkpoint had cost
         lost = (now - last["time"] if last else 0.0) + sum(r.get("step_s", 0.0) for r in redone)
-        row.update(left=left, joined=joined, old_world_size=before["world_size"], steps_recomputed=len(redone),
-                   seconds_lost=round(lost, 1), last_logged_step=last["step"] if last else None)
+        row.update(steps_recomputed=len(redone), seconds_lost=round(lost, 1),
+                   last_logged_step=last["step"] if last else None)
         if left or joined or before["world_size"] != ctx.world_size:
-            say(f"membership changed: {', '.join(left) or 'none'} left, {', '.join(joined) or 'none'} joined; world "
-                f"{before['world_size']} -> {ctx.world_size}; {len(redone)} step(s) recomputed; {lost:.1f} s lost "
-                f"since step {row['last_logged_step']} was logged (events.jsonl)")
+            say(f"membership changed: {', '.join(left) or 'none'} left, {', '.join(joined) or 'none'} joined; "
+                f"{world}; {len(redone)} step(s) recomputed; {lost:.1f} s lost since step {row['last_logged_step']} "
+                f"was logged (events.jsonl)")
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     return row
