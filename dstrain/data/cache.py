@@ -2,6 +2,7 @@
 nodes wait on its file) and reused by later runs; or a prepared corpus (or mix) memory-mapped instead."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from ..ds_internals import dataset_fingerprint
 from ..errors import UserError
 from ..paths import local_or_hub
 from .formats import check_fields, check_rows, failing_row, report, tokenize, tokenizer_fingerprint
-from .load import load_raw, split_train_val
+from .load import load_raw, row_location, split_train_val
 
 STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequences, truncated, dropped
 
@@ -73,15 +74,17 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
         with CacheWriter(path) as writer:  # None: another rank (here or on a node sharing this disk) writes it
             if writer is not None:
                 splits = {name: split for name, split in raw.items() if name in (cfg.train_split, cfg.val_split)}
-                for name, split in splits.items():  # numbered as in the files, before the validation carve-out
-                    check_rows(split, cfg, name)
+                locate = {name: functools.partial(row_location, cfg, name, len(split))  # before the carve-out
+                          for name, split in splits.items()}
+                for name, split in splits.items():
+                    check_rows(split, cfg, locate[name])
                 try:
                     _write_cache(writer.tmp, path, cfg, tokenizer, seq_len, train_raw, val_raw)
                 except UserError:
                     raise
                 except Exception:  # a row the checks let through but the tokenizer or chat template refuses
                     for name, split in splits.items():
-                        found = failing_row(split, cfg, tokenizer, seq_len, name)
+                        found = failing_row(split, cfg, tokenizer, seq_len, locate[name])
                         if found:
                             raise found from None
                     raise

@@ -46,6 +46,31 @@ def _is_json(file: Path) -> bool:
         return False
 
 
+def row_location(cfg: DataConfig, split: str, rows: int, number: int) -> str:
+    """Where the `number`th row (1-based) of a split of `rows` rows lives: 'dataset file F line L' for JSON-lines
+    files (datasets skips blank lines and reads a directory's files in sorted order, the split's name starting
+    theirs), else "dataset 'X' row N"."""
+    path = Path(local_or_hub(cfg.path))
+    files = []
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        files = [path]
+    elif path.is_dir():
+        every = sorted(path.glob("*.jsonl"))
+        named = [f for f in every if f.name.startswith(split)]
+        files = named or ([] if any(f.name.startswith(("train", "valid", "test", "dev")) for f in every) else every)
+    seen, found = 0, None
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            for line_number, line in enumerate(handle, 1):
+                if line.strip():
+                    seen += 1
+                    if seen == number and found is None:
+                        found = f"dataset file {file} line {line_number}"
+    if found and seen == rows:  # the files are the split, line for row
+        return found
+    return f"dataset '{cfg.path}' row {number}" + ("" if split == cfg.train_split else f" of split '{split}'")
+
+
 def load_raw(cfg: DataConfig):
     """A DatasetDict from a hub id, a local file, a local directory, or a dataset saved with save_to_disk."""
     import datasets

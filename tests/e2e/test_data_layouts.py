@@ -77,7 +77,7 @@ def test_data_mistakes_through_the_launcher(tmp_path, cache, tiny_llama):
     line = _one_error(launch([*COMMANDS["preference.jsonl"], *QUICK, f"--data.path={bad}",
                               f"--model.name_or_path={tiny_llama}", "--output_dir", str(tmp_path / "a")],
                              cache, launcher="deepspeed", check=False))
-    assert f"dataset '{bad}' row 7: 'chosen' is a list of messages and 'rejected' a str" in line
+    assert f"dataset file {bad} line 7: 'chosen' is a list of messages and 'rejected' a str" in line
     line = _one_error(launch([*COMMANDS["prompt_response.jsonl"], *QUICK, "--train.micro_batch_size=32",
                               "--output_dir", str(tmp_path / "b")], cache, launcher="deepspeed", check=False))
     assert "the global batch of 64 sequences (train.micro_batch_size 32 x grad_accum_steps 1 x 2 data-parallel " \

@@ -74,35 +74,53 @@ def test_a_text_prompt_beside_replies_alone_becomes_their_user_turn(tok):
 
 @pytest.mark.parametrize("bad,expected", [
     ({"prompt": "Q?", "chosen": "A.", "rejected": [{"role": "assistant", "content": "B."}]},
-     "row 3: 'chosen' is a str and 'rejected' a list of messages; both should be text, or both lists"),
-    ({"prompt": "Q?", "chosen": "A.", "rejected": None}, "row 3: 'chosen' is a str and 'rejected' missing (null)"),
+     "line 3: 'chosen' is a str and 'rejected' a list of messages; both should be text, or both lists"),
+    ({"prompt": "Q?", "chosen": "A.", "rejected": None}, "line 3: 'chosen' is a str and 'rejected' missing (null)"),
     ({"prompt": [{"role": "user", "content": "Q?"}], "chosen": "A.", "rejected": "B."},
-     "row 3: 'prompt' is a list of messages but the responses are text"),
+     "line 3: 'prompt' is a list of messages but the responses are text"),
     ({"chosen": [{"role": "human", "text": "Q?"}], "rejected": [{"role": "user", "content": "B"}]},
-     "row 3: a chat message has no 'content'"),
+     "line 3: a chat message has no 'content'"),
 ])
 def test_a_malformed_pair_is_one_line_naming_the_file_and_row(tok, tmp_path, bad, expected):
     good = rows("preference.jsonl", 2)
     path = write(tmp_path / "pairs.jsonl", good + [bad] + good)
     with pytest.raises(UserError) as error:
         data.prepare(DataConfig(path=path, format="preference", cache_dir=str(tmp_path / "c")), tok, 48, 0)
-    assert f"dataset '{path}' {expected}" in str(error.value) and "\n" not in str(error.value)
+    assert f"dataset file {path} {expected}" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_row_in_a_directory_of_files_names_its_file_and_line(tok, tmp_path):
+    """datasets reads a directory's files in sorted order and skips blank lines: the row is found in its file."""
+    good = rows("chat.jsonl", 5)
+    (tmp_path / "d").mkdir()
+    write(tmp_path / "d" / "train-0.jsonl", good)
+    (tmp_path / "d" / "train-1.jsonl").write_text(json.dumps(good[0]) + "\n\n" + json.dumps({"messages": None}) + "\n")
+    write(tmp_path / "d" / "validation.jsonl", good[:2])
+    with pytest.raises(UserError) as error:
+        data.prepare(DataConfig(path=str(tmp_path / "d"), format="chat", cache_dir=str(tmp_path / "c")), tok, 64, 0)
+    assert str(error.value).startswith(f"dataset file {tmp_path / 'd' / 'train-1.jsonl'} line 3: a chat example is "
+                                       f"NoneType"), error.value
+    bad_val = good[:1] + [{"messages": [{"role": "user"}]}]
+    write(tmp_path / "d" / "train-1.jsonl", good)
+    write(tmp_path / "d" / "validation.jsonl", bad_val)
+    with pytest.raises(UserError, match=f"dataset file {tmp_path / 'd' / 'validation.jsonl'} line 2: a chat message"):
+        data.prepare(DataConfig(path=str(tmp_path / "d"), format="chat", cache_dir=str(tmp_path / "c")), tok, 64, 0)
 
 
 def test_malformed_rows_of_the_other_formats(tok, tmp_path):
     for cfg, items, expected in (
             (DataConfig(format="chat"), [{"messages": [{"role": "user", "content": "Q"}]}, {"messages": "Q"}],
-             "row 2: a chat example is str, not a list of messages"),
+             "line 2: a chat example is str, not a list of messages"),
             (DataConfig(format="prompt_response"), [{"prompt": "Q", "response": "A"}, {"prompt": "Q", "response": None}],
-             "row 2: 'response' is missing (null), not text"),
+             "line 2: 'response' is missing (null), not text"),
             (DataConfig(format="alpaca"), [{"instruction": "Q", "output": "A", "input": 3}],
-             "row 1: 'input' is a int, not text"),
-            (DataConfig(), [{"text": "a"}, {"text": ["a"]}], "row 2: 'text' is a list, not text")):
+             "line 1: 'input' is a int, not text"),
+            (DataConfig(), [{"text": "a"}, {"text": ["a"]}], "line 2: 'text' is a list, not text")):
         path = write(tmp_path / f"{cfg.format}.jsonl", items * 3 if cfg.format == "alpaca" else items)
         cfg = DataConfig(**{**cfg.__dict__, "path": path, "cache_dir": str(tmp_path / "c"), "val_fraction": 0.0})
         with pytest.raises(UserError) as error:
             data.prepare(cfg, tok, 32, 0)
-        assert f"dataset '{path}' {expected}" in str(error.value)
+        assert f"dataset file {path} {expected}" in str(error.value)
 
 
 def test_alpaca_joins_instruction_and_input_into_the_user_turn(tok, tmp_path):
@@ -179,5 +197,5 @@ def test_a_row_the_chat_template_refuses_is_a_data_error(tok, tmp_path):
     strict.chat_template = template.read_text()
     with pytest.raises(UserError) as error:
         data.prepare(DataConfig(path=path, format="chat", cache_dir=str(tmp_path / "c")), strict, 64, 0)
-    assert str(error.value) == (f"dataset '{path}' row 23 cannot be tokenized (TemplateError: no boom here); fix or "
-                                f"remove that row")
+    assert str(error.value) == (f"dataset file {path} line 23 cannot be tokenized (TemplateError: no boom here); fix "
+                                f"or remove that row")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ...config import DataConfig
@@ -66,9 +67,10 @@ def check_fields(dataset, cfg: DataConfig) -> None:
         raise UserError(f"dataset '{cfg.path}' has no field '{name}' (columns: {', '.join(columns)}); {fix}")
 
 
-def check_rows(dataset, cfg: DataConfig, split: str) -> None:
-    """Every row of a raw split checked by its format before tokenizing: a malformed one is one line naming the
-    dataset, the row (1-based: the line of a jsonl file) and the fix, instead of a traceback from inside map."""
+def check_rows(dataset, cfg: DataConfig, locate: Callable[[int], str]) -> None:
+    """Every row of a raw split checked by its format before tokenizing: a malformed one is one line naming where
+    it is (`locate(row number)`: the file and line of a jsonl file) and the fix, instead of a traceback from inside
+    map."""
     module = FORMATS[cfg.format]
     columns = [c for c in reads(cfg) if c in dataset.column_names]
     number = 0
@@ -77,11 +79,10 @@ def check_rows(dataset, cfg: DataConfig, split: str) -> None:
             number += 1
             problem = module.row_problem(dict(zip(batch, values)), cfg)
             if problem:
-                where = "" if split == cfg.train_split else f" of split '{split}'"
-                raise UserError(f"dataset '{cfg.path}' row {number}{where}: {problem}")
+                raise UserError(f"{locate(number)}: {problem}")
 
 
-def failing_row(dataset, cfg: DataConfig, tokenizer, seq_len: int, split: str) -> UserError | None:
+def failing_row(dataset, cfg: DataConfig, tokenizer, seq_len: int, locate: Callable[[int], str]) -> UserError | None:
     """After tokenizing raised: the first row that fails alone (bisected: about twice the split's work), as the one
     line of a data error; None when no single row fails (then it is a bug, and its traceback stands)."""
     def error(lo: int, hi: int) -> Exception | None:
@@ -100,10 +101,8 @@ def failing_row(dataset, cfg: DataConfig, tokenizer, seq_len: int, split: str) -
     found = error(lo, hi)
     if found is None:
         return None
-    where = "" if split == cfg.train_split else f" of split '{split}'"
     text = str(found).splitlines()[0][:200] if str(found) else ""
-    return UserError(f"dataset '{cfg.path}' row {lo + 1}{where} cannot be tokenized ({type(found).__name__}: {text}); "
-                     f"fix or remove that row")
+    return UserError(f"{locate(lo + 1)} cannot be tokenized ({type(found).__name__}: {text}); fix or remove that row")
 
 
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, dict]:
