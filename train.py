@@ -124,7 +124,11 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     model_config = models.load_config(recipe.model, train.seq_len)[1]
     if init_from:
         resume.check_init_from(init_from, model_config)
-    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, ds_config.DeviceCaps.detect(),
+    device = ds_config.DeviceCaps.detect()
+    lone = cli.one_cpu_rank_note(ctx.world_size, device.name, env.launched())  # `deepspeed` counts GPUs
+    if lone:
+        log(lone)
+    ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, device,
                                models.hidden_size(model_config), env.ranks_per_node(), layout.replicas)
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
                              init_from or started_from)

@@ -101,6 +101,16 @@ def load_inputs(argv: list[str] | None) -> tuple[argparse.Namespace, Recipe, dic
     return args, recipe, ds_overrides
 
 
+def one_cpu_rank_note(world_size: int, device: str, launched: bool) -> str | None:
+    """A launcher that started one rank on a machine without GPUs was most likely not told how many: `deepspeed`
+    counts GPUs (issue 54: the docs' commands gave 1 rank where `make train` gives 2)."""
+    if world_size == 1 and device == "cpu" and launched:
+        return ("note: 1 rank: on a machine without GPUs the launcher starts one CPU rank unless told; "
+                "`deepspeed --num_gpus 2 train.py ...` (or `torchrun --nproc_per_node 2`) starts two, as `make train` "
+                "does")
+    return None
+
+
 def say(error: UserError) -> None:
     """The one line of a bad input, on rank 0, once (run() says it before the ranks leave together)."""
     if env.rank() == 0 and not getattr(error, "said", False):

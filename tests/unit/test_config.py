@@ -103,3 +103,11 @@ def test_not_found_errors_stay_short():
     assert len(str(err.value)) < 160 and "(ls ds_configs)" in str(err.value), str(err.value)
 
 
+
+
+def test_one_cpu_rank_under_a_launcher_is_said():
+    """Issue 54 item 5: `deepspeed train.py` on a machine without GPUs starts one rank, `make train` two."""
+    from dstrain.cli import one_cpu_rank_note
+    assert "`deepspeed --num_gpus 2 train.py ...`" in one_cpu_rank_note(1, "cpu", True)
+    assert one_cpu_rank_note(2, "cpu", True) is None and one_cpu_rank_note(1, "cuda", True) is None
+    assert one_cpu_rank_note(1, "cpu", False) is None  # plain `python train.py` asked for one process
