@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -93,6 +93,14 @@ docs-serve: docs
 BENCH_ARGS ?=
 bench: setup
 	$(PY) bench/speed.py --write $(BENCH_ARGS)
+
+# where train.py's step time goes against the plain loop's (torch.profiler traces of the same steps, side by side)
+bench-profile: setup
+	$(PY) bench/profile_steps.py $(BENCH_ARGS)
+
+# the final-loss gap to the Trainer, its four settings aligned with train.py's one at a time
+bench-loss-gap: setup
+	$(PY) bench/loss_gap.py --results docs/loss_gap_bench.json --write $(BENCH_ARGS)
 
 # on a CUDA machine: tests/gpu (QLoRA; bf16 and fp16 against the fp32 loop), the gpu-1b speed bench against the
 # Trainer and ZeRO++ (scripts/gpu_checks.sh; logs in /tmp/dstrain-gpu-checks)

@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""dstrain's train.py against the Hugging Face Trainer on the same job, side by side.
+"""dstrain's train.py against a plain PyTorch loop and the Hugging Face Trainer on the same job, side by side.
+
+The plain loop (bench/plain_loop.py, eager and torch.compile'd) is the floor: what the chip does with no framework,
+on the same model, blocks, data order, schedule, weight decay and clipping, so train.py's losses equal its step by
+step (fp32) and every speed is also a ratio against it.
 
 Same model (random init from one saved checkpoint), data (data/tiny packed into seq_len blocks, documents
 joined by EOS), sequence length, global batch, optimizer and schedule (AdamW, cosine to 10% of the peak LR
@@ -15,7 +19,13 @@ Measured the same way for both, outside their own logging:
                     that started before it)
   first step        launch of the `deepspeed` command -> end of the first optimizer step
   last step         launch -> end of the last step: the whole job, start-up and warm-up included
-  peak memory       each rank's VmHWM (peak RSS) polled from /proc; on GPUs also nvidia-smi's per-process use
+  peak memory       each rank's VmHWM (peak RSS) polled from /proc; on GPUs also nvidia-smi's per-process use and
+                    rank 0's torch.cuda.max_memory_allocated() over the whole run (train.py's memory.json: the
+                    larger of set-up's and training's peaks; the others report it at their end)
+  MFU               on GPUs with a known bf16 peak: tokens/s x dstrain.flops' FLOPs per token / (ranks x peak)
+  step time ratio   train.py's seconds per step over the plain loop's (its overhead; the inverse of the tokens/s
+                    ratio), eager against eager and compiled against compiled
+  loss gap          the largest per-step |loss difference| between train.py and the plain loop (first runs)
   final loss        mean training loss of the last 5 steps
 The Trainer's run must have built a DeepSpeedEngine (checked from trainer.model_wrapped), or the bench stops.
 
@@ -60,8 +70,11 @@ PRESETS = {
                    seq_len=2048, micro_batch_size=4, grad_accum_steps=1, steps=30, skip=5, precision="bf16"),
 }
 SYSTEMS = {  # name: (label, compiled); the Trainer with torch_compile only with --peer-compile
+    "plain": ("plain PyTorch loop", False), "plain_compile": ("plain PyTorch loop, torch.compile", True),
     "dstrain": ("dstrain train.py", False), "dstrain_compile": ("dstrain train.py, train.compile=true", True),
     "hf_trainer": ("HF Trainer", False), "hf_trainer_compile": ("HF Trainer, torch_compile=True", True)}
+RATIOS = (("dstrain", "plain"), ("dstrain_compile", "plain_compile"), ("dstrain_compile", "plain"),
+          ("dstrain", "hf_trainer"), ("dstrain_compile", "hf_trainer"), ("dstrain_compile", "hf_trainer_compile"))
 
 
 def gpu_count() -> int:
@@ -163,13 +176,21 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
                         "--eval.max_batches=0", "--log.wandb=false", "--log.progress_bar=false", "--log.plot=false",
                         "--checkpoint.every=0", "--checkpoint.export_hf=false", f"--train.compile={str(compiled).lower()}",
                         *args.dstrain_args]
+    elif system.startswith("plain"):
+        cmd = common + ["bench/plain_loop.py", "--model", str(model), "--data", str(ROOT / "data/tiny"),
+                        "--result", str(out / "result.json"), f"--max_steps={steps}", f"--seq_len={preset['seq_len']}",
+                        f"--micro_batch_size={preset['micro_batch_size']}",
+                        f"--grad_accum_steps={preset['grad_accum_steps']}", f"--precision={preset['precision']}",
+                        "--lr=3e-3", "--warmup_steps=10", *(["--compile"] if compiled else []),
+                        *getattr(args, "plain_args", [])]
     else:
         cmd = common + ["bench/hf_trainer_peer.py", "--model", str(model), "--data", str(ROOT / "data/tiny"),
                         "--ds_config", str(ds_json), "--output_dir", str(out), "--result", str(out / "result.json"),
                         f"--max_steps={steps}", f"--seq_len={preset['seq_len']}",
                         f"--micro_batch_size={preset['micro_batch_size']}",
                         f"--grad_accum_steps={preset['grad_accum_steps']}", f"--precision={preset['precision']}",
-                        "--lr=3e-3", "--warmup_steps=10", *(["--torch_compile"] if compiled else [])]
+                        "--lr=3e-3", "--warmup_steps=10", *(["--torch_compile"] if compiled else []),
+                        *getattr(args, "peer_args", [])]
     out.mkdir(parents=True)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
                DSTRAIN_CACHE=str(out / "cache"), HF_DATASETS_CACHE=str(out / "hf_datasets"),  # cold caches,
@@ -195,11 +216,20 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
         ends, losses, tokens = [r["time"] for r in rows], [r["loss"] for r in rows], rows[0]["tokens"]
         stage = json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"]
         engine = "DeepSpeedEngine"
+        mem = json.loads((out / "memory.json").read_text())
+        cuda_peak = max(mem["peak_bytes"], mem["baseline_bytes"] + mem["setup_peak_above_baseline_bytes"]) \
+            if mem["device"] == "cuda" else None
+    elif system.startswith("plain"):
+        result = json.loads((out / "result.json").read_text())
+        ends, losses, stage, engine, cuda_peak = (result["step_end"], result["losses"], None, None,
+                                                  result["peak_cuda_bytes"])
+        tokens = preset["micro_batch_size"] * preset["grad_accum_steps"] * result["world_size"] * preset["seq_len"]
     else:
         result = json.loads((out / "result.json").read_text())
         if not result["deepspeed_engine"]:
             raise SystemExit("the Trainer did not build a DeepSpeed engine: the comparison would be meaningless")
         ends, losses, stage, engine = result["step_end"], result["losses"], result["zero_stage"], result["deepspeed_engine"]
+        cuda_peak = result.get("peak_cuda_bytes")
         tokens = preset["micro_batch_size"] * preset["grad_accum_steps"] * result["world_size"] * preset["seq_len"]
     if len(ends) != steps:
         raise SystemExit(f"{system} run {index}: {len(ends)} step times for {steps} steps")
@@ -209,48 +239,71 @@ def run(system: str, args, preset: dict, model: Path, ds_json: Path, work: Path,
             "tokens_per_s": tokens * (steps - skip) / (ends[-1] - ends[skip - 1]),
             "first_step_s": ends[0] - launched, "last_step_s": ends[-1] - launched,
             "compiled_from_step": int(switched.group(1)) if switched else None, "final_loss": statistics.mean(losses[-5:]), "losses": losses,
-            "peak_rss_bytes": sorted(memory.rss.values()), "peak_gpu_bytes": sorted(memory.gpu.values())}
+            "peak_rss_bytes": sorted(memory.rss.values()), "peak_gpu_bytes": sorted(memory.gpu.values()),
+            "peak_cuda_allocated_bytes": cuda_peak}
 
 
-def summarize(runs: list[dict]) -> dict:
-    out: dict = {"systems": {}}
+def summarize(runs: list[dict], flops_per_token: float, peak_flops: float | None) -> dict:
+    """Medians per system; MFU when the device's peak is known (`peak_flops`: all ranks together); ratios of
+    each pair in RATIOS that ran; the loss gap of train.py to the plain loop (the same job: ~1e-6 in fp32)."""
+    out: dict = {"systems": {}, "flops_per_token": flops_per_token, "peak_flops": peak_flops}
     for system in dict.fromkeys(r["system"] for r in runs):
         mine = [r for r in runs if r["system"] == system]
+        tokens_per_s = statistics.median(r["tokens_per_s"] for r in mine)
+        cuda = [r["peak_cuda_allocated_bytes"] for r in mine if r.get("peak_cuda_allocated_bytes")]
         out["systems"][system] = {
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "tokens_per_s": tokens_per_s, "step_s": mine[0]["tokens_per_step"] / tokens_per_s,
+            "mfu": tokens_per_s * flops_per_token / peak_flops if peak_flops else None,
             "first_step_s": statistics.median(r["first_step_s"] for r in mine),
             "last_step_s": statistics.median(r["last_step_s"] for r in mine),
             "peak_rss_bytes": statistics.median(max(r["peak_rss_bytes"] or [0]) for r in mine),
             "peak_gpu_bytes": statistics.median(max(r["peak_gpu_bytes"] or [0]) for r in mine),
+            "peak_cuda_allocated_bytes": statistics.median(cuda) if cuda else None,
             "final_loss": statistics.median(r["final_loss"] for r in mine),
             "zero_stage": mine[0]["zero_stage"], "engine": mine[0]["engine"]}
     got = out["systems"]
     out["ratios"] = {f"{ours} / {peer}": {"tokens_per_s": got[ours]["tokens_per_s"] / got[peer]["tokens_per_s"],
+                                          "step_s": got[ours]["step_s"] / got[peer]["step_s"],
                                           "first_step_s": got[ours]["first_step_s"] / got[peer]["first_step_s"],
                                           "last_step_s": got[ours]["last_step_s"] / got[peer]["last_step_s"]}
-                     for ours, peer in (("dstrain", "hf_trainer"), ("dstrain_compile", "hf_trainer"),
-                                        ("dstrain_compile", "hf_trainer_compile"))
-                     if ours in got and peer in got}
+                     for ours, peer in RATIOS if ours in got and peer in got}
+    out["loss_gap_to_plain"] = {}
+    for ours, peer in (("dstrain", "plain"), ("dstrain_compile", "plain_compile"), ("hf_trainer", "plain")):
+        if ours in got and peer in got:
+            a, b = (next(r["losses"] for r in runs if r["system"] == name) for name in (ours, peer))
+            gaps = [abs(x - y) for x, y in zip(a, b)]
+            out["loss_gap_to_plain"][f"{ours} - {peer}"] = {"max": max(gaps), "final": got[ours]["final_loss"]
+                                                              - got[peer]["final_loss"]}
     return out
 
 
 def table(summary: dict, runs: list[dict], setup: str, skip: int) -> str:
     got = summary["systems"]
     gpu = any(s["peak_gpu_bytes"] for s in got.values())
-    mem, key = ("peak GPU MiB per rank (max)", "peak_gpu_bytes") if gpu else ("peak RSS MiB per rank (max)",
-                                                                                 "peak_rss_bytes")
+    mem, key = ("peak GPU MiB per rank (nvidia-smi)", "peak_gpu_bytes") if gpu else ("peak RSS MiB per rank (max)",
+                                                                                      "peak_rss_bytes")
+    cuda = any(s["peak_cuda_allocated_bytes"] for s in got.values())
+    mfu = summary["peak_flops"] is not None
     lines = [setup, "",
-             f"| | tokens/s (median) | launch to first step, s | launch to last step, s | {mem} | "
-             f"final loss (last 5 steps) | engine, ZeRO |",
-             "|---|---|---|---|---|---|---|"]
+             f"| | tokens/s (median) | s/step | {'MFU | ' if mfu else ''}launch to first step, s | launch to last step, s"
+             f" | {mem} | {'max allocated GiB (rank 0) | ' if cuda else ''}final loss (last 5 steps) | engine, ZeRO |",
+             "|---|---|---|" + ("---|" if mfu else "") + "---|---|---|" + ("---|" if cuda else "") + "---|---|"]
     for system, s in got.items():
-        lines.append(f"| {SYSTEMS[system][0]} | {s['tokens_per_s']:,.0f} | {s['first_step_s']:.1f} | "
-                     f"{s['last_step_s']:.1f} | {s[key] / 2**20:,.0f} | {s['final_loss']:.4f} | "
-                     f"{s['engine']}, {s['zero_stage']} |")
-    lines += ["", "| ratio | tokens/s (target >= 1.2x) | time to first step (target <= 1) | launch to last step |",
-              "|---|---|---|---|"]
-    lines += [f"| {pair} | **{r['tokens_per_s']:.2f}x** | {r['first_step_s']:.2f} | {r['last_step_s']:.2f} |"
-              for pair, r in summary["ratios"].items()]
+        lines.append(f"| {SYSTEMS[system][0]} | {s['tokens_per_s']:,.0f} | {s['step_s']:.3f} | "
+                     + (f"{s['mfu']:.1%} | " if mfu else "")
+                     + f"{s['first_step_s']:.1f} | {s['last_step_s']:.1f} | {s[key] / 2**20:,.0f} | "
+                     + (f"{(s['peak_cuda_allocated_bytes'] or 0) / 2**30:.1f} | " if cuda else "")
+                     + f"{s['final_loss']:.4f} | " + (f"{s['engine']}, {s['zero_stage']} |" if s["engine"] else
+                                                      "none (torch DDP past 1 rank) |"))
+    lines += ["", "| ratio | tokens/s | step time (train.py's overhead against the plain loop) | time to first step "
+                  "| launch to last step |", "|---|---|---|---|---|"]
+    lines += [f"| {pair} | **{r['tokens_per_s']:.2f}x** | {r['step_s']:.3f} | {r['first_step_s']:.2f} | "
+              f"{r['last_step_s']:.2f} |" for pair, r in summary["ratios"].items()]
+    for pair, gap in summary["loss_gap_to_plain"].items():
+        lines.append(f"\nLoss, {pair}: largest per-step difference {gap['max']:.2e}, final loss {gap['final']:+.4f}"
+                     + (" (the Trainer's own blocks, data order, schedule and weight decay: bench/loss_gap.py "
+                        "measures each)." if pair.startswith("hf_trainer") else
+                        " (the same blocks, order and update: only the order of summation differs)."))
     switches = [r["compiled_from_step"] for r in runs if r["compiled_from_step"] is not None]
     if switches:
         lines += ["", f"train.compile switched to the compiled blocks at step {', '.join(map(str, switches))} "
@@ -304,7 +357,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=None, help="steps left out of tokens/s (warm-up; default: "
                                                                 "the preset's)")
     parser.add_argument("--ds_config", default="zero2.json")
-    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=["dstrain", "dstrain_compile", "hf_trainer"])
+    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=["plain", "plain_compile", "dstrain", "dstrain_compile", "hf_trainer"])
     parser.add_argument("--peer-compile", action="store_true", help="also run the Trainer with torch_compile=True")
     parser.add_argument("--write", action="store_true", help=f"update docs/benchmarks.md, {CHART.name}, {RESULTS.name}")
     parser.add_argument("--results", default=None, help="also write every figure to this JSON file")
@@ -324,6 +377,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dstrain-speed-"))
     try:
         params = make_llama(work / "model", **preset["sizes"])
+        from transformers import AutoConfig
+
+        from dstrain import flops
+        flops_per_token = flops.flops_per_token(AutoConfig.from_pretrained(work / "model"), params, preset["seq_len"])
         ds_json = bench_ds_config(args.ds_config, preset["precision"], work / "ds_config.json")
         print(f"{args.preset}: {params / 1e6:.1f}M parameters, {ranks} ranks, seq {preset['seq_len']}, global batch "
               f"{preset['micro_batch_size'] * preset['grad_accum_steps'] * ranks}, {preset['steps']} steps, "
@@ -342,15 +399,18 @@ def main() -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
 
-    summary = summarize(runs)
     device = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True).stdout.splitlines()[0] if gpus else
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU ranks (gloo)")
+    peak = flops.table_peak(device, preset["precision"]) if gpus else None  # a CPU has no data-sheet peak
+    summary = summarize(runs, flops_per_token, peak * ranks if peak else None)
     setup = (f"Preset `{args.preset}`: {params / 1e6:.1f}M-parameter Llama, {ranks} ranks on {device}, "
              f"{preset['precision']}, seq {preset['seq_len']}, micro batch {preset['micro_batch_size']} x accum "
              f"{preset['grad_accum_steps']} (global {preset['micro_batch_size'] * preset['grad_accum_steps'] * ranks}"
              f" sequences), {preset['steps']} steps per run (tokens/s over steps {args.skip + 1}-{preset['steps']}), "
-             f"{args.repeats} runs of each alternating, `{args.ds_config}` for both. "
+             f"{args.repeats} runs of each alternating, `{args.ds_config}` for both DeepSpeed sides"
+             + (f"; MFU at {flops_per_token / 1e9:.2f} GFLOP/token over {peak / 1e12:.1f} TFLOP/s per GPU" if peak
+                else "") + ". "
              f"Versions: {versions()}.")
     text = table(summary, runs, setup, args.skip)
     print(text)
@@ -360,8 +420,8 @@ def main() -> None:
     if args.write:
         chart(summary, runs, CHART)
         RESULTS.write_text(json.dumps(record, indent=1))
-        write_section("bench/speed.py", "Speed against the Hugging Face Trainer",
-                      text + f"\n![tokens/s, first step, memory and loss of both]({CHART.name})\n")
+        write_section("bench/speed.py", "Speed against a plain PyTorch loop and the Hugging Face Trainer",
+                      text + f"\n![tokens/s, first step, memory and loss of each system]({CHART.name})\n")
 
 
 def versions() -> str:

@@ -230,8 +230,25 @@ class LogConfig:
     comm_bytes: bool = True  # log the bytes each rank sends in collectives per step (ring-algorithm count)
     # run DeepSpeed's flops profiler on this step: per-module parameters, FLOPs and latency in `flops_profile.txt`
     flops_profile_step: int | None = None
+    # a torch.profiler trace of steps `A-B` (A >= 2) on every rank: `trace/rank<R>.json` for ui.perfetto.dev and
+    # `trace/rank<R>_ops.txt`, the ops by their own time (docs/benchmarks.md: what a profile of train.py showed)
+    trace_steps: Any = None
+
+    def trace_range(self) -> tuple[int, int] | None:
+        """log.trace_steps as (first, last), or None when off."""
+        if self.trace_steps is None:
+            return None
+        first, _, last = str(self.trace_steps).partition("-")
+        try:
+            return int(first), int(last or first)
+        except ValueError:
+            return 0, 0
 
     def __post_init__(self) -> None:
+        steps = self.trace_range()
+        if steps is not None and not 2 <= steps[0] <= steps[1]:
+            raise UserError(f"log.trace_steps={self.trace_steps} must be steps A-B with 2 <= A <= B (e.g. 10-12: "
+                            f"step 1 holds one-off costs), or null")
         if self.flops_profile_step is not None and self.flops_profile_step < 1:
             raise UserError(f"log.flops_profile_step={self.flops_profile_step} must be a step number >= 1 "
                             f"(or null to leave the profiler off)")

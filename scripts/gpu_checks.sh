@@ -2,8 +2,9 @@
 # The checks only a CUDA GPU can run, in one go (docs/testing.md, "On a GPU"): tests/gpu (QLoRA, bf16/fp16 against
 # the fp32 loop, issue 33's compressors and DiLoCo encodings against the CPU's), the gpu-1b speed bench against the
 # Hugging Face Trainer, and the GPU-only configs (ZeRO++).
-# Each step has its own time limit and log (together under 11 minutes: a lent GPU comes with 15 minutes, its start
-# included); a failing step does not stop the next. `make bench-gpu` runs it with
+# Each step has its own time limit and log (the default steps together under 11 minutes: a lent GPU comes with 15
+# minutes, its start included); a failing step does not stop the next. Issue 55's profile: `adam profile speed_plain
+# loss_gap` (about 10 minutes). `make bench-gpu` runs it with
 # the project's venv; elsewhere: PY=python3 OUT=/some/dir bash scripts/gpu_checks.sh [step ...]
 set -u
 cd "$(dirname "$0")/.." || exit
@@ -41,6 +42,14 @@ for s in $steps; do
     adam) step adam 150 "$PY" scripts/prebuild_ops.py FusedAdamBuilder ;;  # ops without ZeRO++'s quantizer
     gpu_tests) step gpu_tests 280 "$PY" -m pytest tests/gpu -q -s -p no:cacheprovider -o addopts="" ;;
     speed) step speed 170 "$PY" bench/speed.py --preset gpu-1b --repeats 1 --systems dstrain hf_trainer --results "$OUT/speed.json" ;;
+    # issue 55's first call: where train.py's step time goes against the plain loop's (kernel tables, host gaps;
+    # both traces gzipped into $OUT), the floor (plain eager and compiled) beside train.py and the Trainer, and
+    # the loss gap to the Trainer with and without its four settings aligned (bench/loss_gap.py)
+    profile) step profile 200 "$PY" bench/profile_steps.py --preset gpu-1b --steps 12 --trace 9-10 --rows 30 \
+        --keep "$OUT" --results "$OUT/profile.json" ;;
+    speed_plain) step speed_plain 330 "$PY" bench/speed.py --preset gpu-1b --repeats 1 \
+        --systems plain plain_compile dstrain hf_trainer --results "$OUT/speed_plain.json" ;;
+    loss_gap) step loss_gap 200 "$PY" bench/loss_gap.py --preset gpu-1b --stages 0 4 ;;  # 8 files come back: the log only
     zeropp) step zeropp 50 "$PY" train.py --ds_config zero3_zeropp.json --train.max_steps=20 --train.precision=bf16 \
         --eval.every=0 --log.wandb=false --log.progress_bar=false --checkpoint.every=0 --output_dir "$(mktemp -d)/run" ;;
     *) echo "unknown step $s" ;;

@@ -101,13 +101,14 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
         sequence_parallel,
         tensor_parallel,
         tiled_mlp,
+        trace,
     )
 
     # the chunked loss patches the HF model before lora wraps it (peft passes its keyword arguments through)
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
     found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
              tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(recipe),
-             diloco.make(recipe), flops_profile.make(recipe), compile.make(recipe)]
+             diloco.make(recipe), flops_profile.make(recipe), compile.make(recipe), trace.make(recipe)]
     return [c for c in found if c is not None]
 
 

@@ -92,3 +92,27 @@ def test_the_side_by_side_table_times_each_run_against_its_own_reference(monkeyp
     # the shaped synchronous run: 300 of its 12 s steps, projected
     assert "3600 s (projected: 300 x its median step) | **4.00x**" in rows[sl.REFERENCE + "shaped"], rows
     assert "900 s (measured) | **1.00x**" in rows[sl.REFERENCE + "unshaped"], rows
+
+
+def test_profile_analysis_of_a_known_trace(monkeypatch, tmp_path):
+    """bench/profile_steps.py: own time is an op's time less its children's; device busy time is the union of the
+    kernels' intervals; idle gaps over 50 us are counted; everything per traced step."""
+    import json
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import profile_steps
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+    events = [op("aten::linear", 0, 100), op("aten::mm", 10, 60), op("aten::add", 80, 10),
+              op("aten::mm", 0, 30, tid=2),  # another thread: no parent
+              kernel("gemm", 20, 40), kernel("gemm", 50, 30),  # overlapping: 20-80 busy
+              kernel("add", 200, 10)]  # 120 us idle before it: one gap over 50 us
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events + [{"ph": "i", "name": "marker", "ts": 5}]}))
+    got = profile_steps.analyse(path, steps=2)
+    assert got["self_cpu"] == {"aten::linear": (100 - 60 - 10) / 2e3, "aten::mm": 90 / 2e3, "aten::add": 10 / 2e3}
+    assert got["device_busy_ms"] == (60 + 10) / 2e3 and got["wall_ms"] == 210 / 2e3
+    assert got["idle_gaps_over_50us"] == 0.5 and got["kernels"]["gemm"] == (70 / 2e3, 1.0)

@@ -54,6 +54,9 @@ def test_override_values_are_typed():
     (["--train.exit_at_step=999"], "train.exit_at_step=999 must be between 1 and train.max_steps"),
     (["--train.lr"], "override --train.lr has no value"),
     (["--log.flops_profile_step=0"], "log.flops_profile_step=0 must be a step number >= 1"),
+    (["--log.trace_steps=1-3"], "log.trace_steps=1-3 must be steps A-B with 2 <= A <= B"),
+    (["--log.trace_steps=5-3"], "log.trace_steps=5-3 must be steps A-B with 2 <= A <= B"),
+    (["--log.trace_steps=ten"], "log.trace_steps=ten must be steps A-B"),
     # issue 16: the names users bring from other trainers, and a feature we lack, get a hint that fits
     (["--train.learning_rate=1e-4"], "unknown recipe key 'train.learning_rate' (here it is 'train.lr')"),
     (["--train.gradient_accumulation_steps=4"], "(here it is 'train.grad_accum_steps')"),
@@ -111,3 +114,9 @@ def test_one_cpu_rank_under_a_launcher_is_said():
     assert "`deepspeed --num_gpus 2 train.py ...`" in one_cpu_rank_note(1, "cpu", True)
     assert one_cpu_rank_note(2, "cpu", True) is None and one_cpu_rank_note(1, "cuda", True) is None
     assert one_cpu_rank_note(1, "cpu", False) is None  # plain `python train.py` asked for one process
+
+
+@pytest.mark.parametrize("value,steps", [("10-12", (10, 12)), ("4", (4, 4)), (None, None)])
+def test_trace_steps_range(value, steps):
+    args = [f"--log.trace_steps={value}"] if value else []
+    assert load_recipe(None, parse_overrides(args)).log.trace_range() == steps
