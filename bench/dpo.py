@@ -10,7 +10,10 @@ per rank, launch to first step (both reference passes included), mean loss of th
 in AdamW betas and schedule floor, so losses are indicative). Target (issue 31): >= 1.3x TRL's default pairs/s and
 no slower than its fastest, at no more memory. --write replaces this script's section of docs/benchmarks.md.
 
-    python bench/dpo.py [--repeats 3] [--steps 30] [--write]
+On a GPU machine every GPU is a rank and both sides run in bf16; `--preset gpu-1b` takes bench/speed.py's
+Llama-3.2-1B shape, and the table adds each side's torch.cuda.max_memory_allocated() (rank 0).
+
+    python bench/dpo.py [--preset cpu|gpu-1b] [--repeats 3] [--steps 30] [--write]
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import time
 from pathlib import Path
 
 from common import free_port, make_llama, write_section
-from speed import PeakMemory, bench_ds_config
+from speed import PRESETS, PeakMemory, bench_ds_config, gpu_count
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -39,14 +42,14 @@ def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -
     out = work / f"{system}-{index}"
     out.mkdir(parents=True)
     port = free_port()
-    common = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    common = [str(BIN / "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(port)]
     lr, beta, pairs = "5e-4", "0.1", args.micro_batch_size * 2
     if system == "dstrain":
         cmd = common + ["train.py", "--ds_config", str(ds_json), "--output_dir", str(out),
                         f"--model.name_or_path={model}", "--data.path=data/tiny_dpo", "--data.format=preference",
                         "--data.val_fraction=0", f"--preference.beta={beta}", f"--train.max_steps={args.steps}",
                         f"--train.seq_len={args.seq_len}", f"--train.micro_batch_size={args.micro_batch_size}",
-                        "--train.precision=fp32", f"--train.lr={lr}", "--train.warmup_steps=2",
+                        f"--train.precision={args.precision}", f"--train.lr={lr}", "--train.warmup_steps=2",
                         "--train.min_lr_ratio=0", "--train.weight_decay=0", "--log.wandb=false",
                         "--log.progress_bar=false", "--log.plot=false", "--checkpoint.every=0",
                         "--checkpoint.export_hf=false"]
@@ -55,7 +58,7 @@ def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -
                         "--ds_config", str(ds_json), "--output_dir", str(out), "--result", str(out / "result.json"),
                         f"--max_steps={args.steps}", f"--max_length={args.seq_len}",
                         f"--micro_batch_size={args.micro_batch_size}", f"--lr={lr}", f"--beta={beta}",
-                        *(["--fast"] if system == "trl_fast" else [])]
+                        f"--precision={args.precision}", *(["--fast"] if system == "trl_fast" else [])]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
                HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     # no MALLOC_MMAP_THRESHOLD_ default (it slows CPU steps ~1.5x, docs/planning.md): both sides get the caller's
@@ -73,21 +76,26 @@ def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "loss" in r]
         ends, losses = [r["time"] for r in rows], [r["loss"] for r in rows]
+        mem = json.loads((out / "memory.json").read_text())
+        cuda_peak = max(mem["peak_bytes"], mem["baseline_bytes"] + mem["setup_peak_above_baseline_bytes"]) \
+            if mem["device"] == "cuda" else 0
     else:
         result = json.loads((out / "result.json").read_text())
         if not result["deepspeed_engine"]:
             raise SystemExit("TRL did not build a DeepSpeed engine: the comparison would be meaningless")
-        ends, losses = result["step_end"], result["losses"]
+        ends, losses, cuda_peak = result["step_end"], result["losses"], result.get("peak_cuda_bytes") or 0
     if len(ends) != args.steps:
         raise SystemExit(f"{system} run {index}: {len(ends)} step times for {args.steps} steps")
     return {"system": system, "run": index,
             "pairs_per_s": pairs * (args.steps - args.skip) / (ends[-1] - ends[args.skip - 1]),
             "first_step_s": ends[0] - launched, "final_loss": statistics.mean(losses[-5:]),
-            "peak_rss_bytes": max(memory.rss.values() or [0])}
+            "peak_rss_bytes": max(memory.rss.values() or [0]), "peak_cuda_bytes": cuda_peak}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=("cpu", "gpu-1b"), default="cpu",
+                        help="gpu-1b: bench/speed.py's Llama-3.2-1B shape (--layers/--hidden ignored)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="steps left out of pairs/s (warm-up)")
@@ -99,11 +107,15 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    args.ranks = gpu_count() or 2
+    args.precision = "bf16" if gpu_count() else "fp32"
+    sizes = PRESETS["gpu-1b"]["sizes"] if args.preset == "gpu-1b" else dict(
+        hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875), num_hidden_layers=args.layers,
+        num_attention_heads=4, num_key_value_heads=2)
     with tempfile.TemporaryDirectory(prefix="bench-dpo-") as tmp:
         work = Path(tmp)
-        params = make_llama(work / "model", hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875),
-                            num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)
-        ds_json = bench_ds_config(args.ds_config, "fp32", work / "ds_config.json")
+        params = make_llama(work / "model", **sizes)
+        ds_json = bench_ds_config(args.ds_config, args.precision, work / "ds_config.json")
         runs = []
         for index in range(args.repeats):
             for system in args.systems:
@@ -113,18 +125,24 @@ def main() -> None:
                       f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, final loss {r['final_loss']:.4f}",
                       flush=True)
     got = {s: {k: statistics.median(r[k] for r in runs if r["system"] == s)
-               for k in ("pairs_per_s", "first_step_s", "peak_rss_bytes", "final_loss")} for s in args.systems}
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    lines = [f"{time.strftime('%Y-%m-%d')}, {machine}, 2 CPU ranks, `{args.ds_config}` (scheduler dropped), fp32; "
-             f"a {params / 1e6:.1f}M-parameter Llama ({args.layers} x {args.hidden}); data/tiny_dpo; "
+               for k in ("pairs_per_s", "first_step_s", "peak_rss_bytes", "final_loss", "peak_cuda_bytes")}
+           for s in args.systems}
+    machine = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.splitlines()[0] + f" x {args.ranks}" if gpu_count() else
+               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 2 CPU ranks")
+    lines = [f"{time.strftime('%Y-%m-%d')}, {machine}, `{args.ds_config}` (scheduler dropped), {args.precision}; "
+             f"a {params / 1e6:.1f}M-parameter Llama ({sizes['num_hidden_layers']} x {sizes['hidden_size']}); "
+             f"data/tiny_dpo; "
              f"{args.micro_batch_size} pairs per rank per step, seq_len/max_length {args.seq_len}; {args.steps} "
              f"steps, pairs/s over steps {args.skip + 1}-{args.steps}; medians of {args.repeats} alternating runs.",
-             "", "| | pairs/s | launch to first step, s | peak RSS per rank, MiB | final loss (last 5) |",
-             "|---|---|---|---|---|"]
+             "", "| | pairs/s | launch to first step, s | peak RSS per rank, MiB | final loss (last 5) |"
+             + (" max allocated GiB (rank 0) |" if gpu_count() else ""),
+             "|---|---|---|---|---|" + ("---|" if gpu_count() else "")]
     for s in args.systems:
         g = got[s]
         lines.append(f"| {SYSTEMS[s]} | {g['pairs_per_s']:.1f} | {g['first_step_s']:.1f} | "
-                     f"{g['peak_rss_bytes'] / 2**20:,.0f} | {g['final_loss']:.4f} |")
+                     f"{g['peak_rss_bytes'] / 2**20:,.0f} | {g['final_loss']:.4f} |"
+                     + (f" {g['peak_cuda_bytes'] / 2**30:.1f} |" if gpu_count() else ""))
     if "dstrain" in got:
         lines.append("")
         for peer in ("trl", "trl_fast"):

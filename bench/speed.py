@@ -58,7 +58,7 @@ PRESETS = {
     # a few minutes on 2 CPU cores: ~3M parameters, 2 ranks x 8 x 256 tokens per step
     "cpu": dict(sizes=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=32),
-                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=40, skip=20, precision="fp32"),
+                seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=64, skip=36, precision="fp32"),
     # ~100M parameters: minutes per run on CPU, seconds on a GPU
     "large": dict(sizes=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                              num_key_value_heads=12, head_dim=64),
@@ -305,6 +305,10 @@ def table(summary: dict, runs: list[dict], setup: str, skip: int) -> str:
                         "measures each)." if pair.startswith("hf_trainer") else
                         " (the same blocks, order and update: only the order of summation differs)."))
     switches = [r["compiled_from_step"] for r in runs if r["compiled_from_step"] is not None]
+    never = [r["run"] for r in runs if r["system"] == "dstrain_compile" and r["compiled_from_step"] is None]
+    if never:
+        lines += ["", f"WARNING: train.compile's run {', '.join(map(str, never))} never switched to the compiled "
+                      f"blocks (its log says why): its tokens/s is eager"]
     if switches:
         lines += ["", f"train.compile switched to the compiled blocks at step {', '.join(map(str, switches))} "
                       f"(tokens/s counts steps {skip + 1} on)."]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The peer in bench/dpo.py: TRL's DPOTrainer with a DeepSpeed config, written as TRL's DPO quick start writes it
 (`DPOConfig(...)`, `DPOTrainer(model=..., args=..., train_dataset=..., processing_class=...)`, `trainer.train()`),
-in fp32 (`bf16=False`: DPOConfig turns bf16 on by default),
+in fp32 (`bf16=False`: DPOConfig turns bf16 on by default) or, with --precision bf16 (GPUs), bf16,
 plus `TrainingArguments(deepspeed=...)`. `--fast` adds TRL's own speed settings: `precompute_ref_log_probs` (the
 reference's log-probs computed in one pass before training, its model then dropped) with a larger
 `precompute_ref_batch_size`; `padding_free` is not offered by TRL 1.16's DPOTrainer (it warns and pads).
@@ -32,6 +32,7 @@ def main() -> None:
     for name, default in (("lr", 5e-4), ("beta", 0.1), ("weight_decay", 0.0)):
         parser.add_argument(f"--{name}", type=float, default=default)
     parser.add_argument("--fast", action="store_true", help="TRL's own speed settings")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's
     args = parser.parse_args()
     started = time.time()
@@ -48,7 +49,8 @@ def main() -> None:
         output_dir=args.output_dir, deepspeed=args.ds_config, use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.grad_accum_steps,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay, beta=args.beta, max_length=args.max_length, logging_steps=1, bf16=False,
+        weight_decay=args.weight_decay, beta=args.beta, max_length=args.max_length, logging_steps=1,
+        bf16=args.precision == "bf16",
         save_strategy="no", eval_strategy="no", report_to=[], seed=args.seed, disable_tqdm=True, **extra)
 
     record = step_recorder()
@@ -59,7 +61,8 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.result).write_text(json.dumps({
             "started": started, "step_end": record.step_end, "losses": record.losses,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **engine_of(trainer)}))
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **engine_of(trainer),
+            "peak_cuda_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}))
 
 
 if __name__ == "__main__":

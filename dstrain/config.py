@@ -126,7 +126,8 @@ class TrainConfig:
     precision: str = "auto"
     activation_checkpointing: bool = False  # recompute activations in backward (transformers' gradient checkpointing)
     # `torch.compile` (inductor) each decoder block, in a background thread while the first steps run eager: the
-    # first step is not delayed, later steps are faster. ZeRO-3, tensor parallelism and activation checkpointing
+    # first step is not delayed, later steps run compiled (what that buys depends on the model and machine:
+    # docs/benchmarks.md, "Speed switches"). ZeRO-3, tensor parallelism and activation checkpointing
     # compile the whole model in step 1 instead (DeepSpeed's `engine.compile`)
     compile: bool = False
     # with `compile`: compile in step 1 instead, so every step runs compiled and a rerun repeats the same losses

@@ -49,6 +49,7 @@ for s in $steps; do
         --keep "$OUT" --results "$OUT/profile.json" ;;
     speed_plain) step speed_plain 330 "$PY" bench/speed.py --preset gpu-1b --repeats 1 \
         --systems plain plain_compile dstrain hf_trainer --results "$OUT/speed_plain.json" ;;
+    dpo) step dpo 240 "$PY" bench/dpo.py --preset gpu-1b --repeats 1 --steps 20 --skip 5 ;;  # issue 55 item 4
     loss_gap) step loss_gap 200 "$PY" bench/loss_gap.py --preset gpu-1b --stages 0 4 ;;  # 8 files come back: the log only
     zeropp) step zeropp 50 "$PY" train.py --ds_config zero3_zeropp.json --train.max_steps=20 --train.precision=bf16 \
         --eval.every=0 --log.wandb=false --log.progress_bar=false --checkpoint.every=0 --output_dir "$(mktemp -d)/run" ;;

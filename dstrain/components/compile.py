@@ -24,8 +24,10 @@ model, compiled on the first step.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,8 +80,9 @@ class RegionalCompile:
 
     def __init__(self, blocks: list[torch.nn.Module], wait: bool, leader: bool = True, marker: Path | None = None,
                  follow_timeout: float = 900.0, count: Callable[[list[float]], list[float]] = lambda v: v,
-                 world: int = 1):
+                 world: int = 1, attempts: int = 3):
         self.blocks, self.leader, self.marker = blocks, leader, marker
+        self.attempts, self.tries = attempts, 0
         self.count, self.world = count, world  # sums [ready, failed] over the ranks
         self.follow_timeout = follow_timeout
         self.eager = [block.forward for block in blocks]
@@ -115,15 +118,24 @@ class RegionalCompile:
             cuda = [d for d in devices if d.type == "cuda"]
             if cuda:  # the current GPU is per thread: a new thread would start on GPU 0, not this rank's
                 torch.cuda.set_device(cuda[0])
-            for compiled in self.compiled:  # one graph for all blocks: the later calls only check guards
-                inputs, named = _copy(args), _copy(kwargs)
-                out = compiled(*inputs, **named)
-                out = out[0] if isinstance(out, (tuple, list)) else out
-                wrt = [t for t in (*inputs, *named.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if wrt:  # compiles the backward graph; gradients of the copies only
-                    torch.autograd.grad(out.float().sum(), wrt)
+            # Tracing reads the blocks' parameters, their .grad included, while the training thread's backward
+            # and ZeRO's reduction replace those .grad tensors: now and then the trace sees one mid-change and
+            # fails ("AssertionError: int(sym)=0 != hint=2176768" in fake-tensor conversion; 2 of 6 launches of
+            # the cpu bench preset on 2 ranks under ZeRO-2, 2026-11-28). The race is transient and a new attempt
+            # finds inductor's caches warm, so a failed attempt is retried before the run is left eager.
+            for attempt in range(1, self.attempts + 1):
+                self.tries = attempt
+                try:
+                    self._trace_all(args, kwargs)
+                    break
+                except Exception:  # noqa: BLE001 -- the last attempt's error is the one reported
+                    if attempt == self.attempts:
+                        raise
         except Exception as error:  # noqa: BLE001 -- reported by poll; training goes on eager
             self.error = error
+            if not self.leader:  # poll's line on rank 0 can only count the other ranks' failures: say it here
+                print(f"train.compile failed in the background on a rank other than local rank 0: "
+                      f"{''.join(traceback.format_exception(error))[-3000:]}", file=sys.stderr, flush=True)
         finally:
             if self.leader and self.marker is not None:  # done or failed: the followers go on either way
                 try:
@@ -134,6 +146,15 @@ class RegionalCompile:
         self.seconds = time.perf_counter() - began
         self.ready.set()
         faults.release("compiled")
+
+    def _trace_all(self, args, kwargs) -> None:
+        for compiled in self.compiled:  # one graph for all blocks: the later calls only check guards
+            inputs, named = _copy(args), _copy(kwargs)
+            out = compiled(*inputs, **named)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            wrt = [t for t in (*inputs, *named.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if wrt:  # compiles the backward graph; gradients of the copies only
+                torch.autograd.grad(out.float().sum(), wrt)
 
     def poll(self, step: int, say: Callable[[str], None]) -> None:
         """At a step boundary: start the compile after the first step (which it must not slow down), switch
@@ -156,14 +177,15 @@ class RegionalCompile:
         self.switched_at = step + 1
         self.captured = None
         if failed:
-            error = self.error or RuntimeError(f"on {int(failed)} other rank(s); see their logs")
+            error = self.error or RuntimeError(f"on {int(failed)} other rank(s); their error is above")
             first = str(error).splitlines()[0] if str(error) else ""
             say(f"warning: train.compile failed in the background ({type(error).__name__}: {first[:300]}); "
                 f"training continues eager")
             return
         self.active = True
         say(f"compiled {len(self.blocks)} x {type(self.blocks[0]).__name__} in {self.seconds:.1f} s in the "
-            f"background; steps from {self.switched_at} use them")
+            f"background{f' ({self.tries} attempts)' if self.tries > 1 else ''}; steps from {self.switched_at} "
+            f"use them")
 
 
 def node_marker() -> Path:
