@@ -1,0 +1,100 @@
+"""dstrain/objectives/rl_math.py against TRL 1.16: GRPOTrainer._compute_loss run on the same log-probabilities,
+advantages and masks (its own code, its model call replaced by the tensors), and advantages worked by hand."""
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dstrain.objectives import rl_math
+
+pytest.importorskip("trl")
+
+
+def _trl_loss(logps, old, ref, advantages, mask, loss_type, beta, eps_low, eps_high, max_len):
+    """TRL's GRPOTrainer._compute_loss with one process, no gradient accumulation, one generation step."""
+    from trl import GRPOTrainer
+
+    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, gather=lambda x: x,
+                                  reduce=lambda x, reduction: x, gather_for_metrics=lambda x: x)
+    fake = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, max_completion_length=max_len,
+        accelerator=accelerator, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list)})
+    batch, length = logps.shape
+    inputs = {"prompt_ids": torch.zeros(batch, 2, dtype=torch.long), "prompt_mask": torch.ones(batch, 2),
+              "completion_ids": torch.zeros(batch, length, dtype=torch.long), "completion_mask": mask,
+              "advantages": advantages, "num_items_in_batch": mask.sum()}
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    return GRPOTrainer._compute_loss(fake, None, inputs), fake._metrics["train"]
+
+
+@pytest.mark.parametrize("loss_type", rl_math.LOSS_TYPES)
+@pytest.mark.parametrize("beta,iterations", [(0.0, 1), (0.04, 1), (0.04, 2)])
+def test_policy_loss_and_gradient_equal_trls(loss_type, beta, iterations):
+    g = torch.Generator().manual_seed(0)
+    batch, length, max_len = 6, 7, 9
+    base = -torch.rand(batch, length, generator=g) * 3
+    # num_iterations > 1: the sampling policy's log-probs differ from the current ones (ratios clip both ways)
+    old = base + 0.4 * torch.randn(batch, length, generator=g) if iterations > 1 else None
+    ref = base + 0.3 * torch.randn(batch, length, generator=g) if beta else None
+    advantages = torch.randn(batch, generator=g)
+    mask = (torch.arange(length) < torch.tensor([7, 3, 5, 1, 6, 7]).unsqueeze(1)).float()
+    ours_in, trl_in = base.clone().requires_grad_(), base.clone().requires_grad_()
+
+    loss_sum, divisor, sums = rl_math.policy_loss(ours_in, old, advantages, mask, loss_type, 0.2, 0.28, beta, ref,
+                                                  max_len)
+    ours = loss_sum / divisor
+    theirs, logged = _trl_loss(trl_in, old, ref, advantages, mask, loss_type, beta, 0.2, 0.28, max_len)
+    ours.backward()
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(ours_in.grad, trl_in.grad, rtol=1e-6, atol=1e-7)
+    # the metrics' sums give TRL's logged means
+    tokens = sums["tokens"]
+    assert (sums["clip_low"] / tokens).item() == pytest.approx(logged["clip_ratio/low_mean"][0])
+    assert (sums["clip_high"] / tokens).item() == pytest.approx(logged["clip_ratio/high_mean"][0])
+    if beta:
+        assert (sums["kl"] / tokens).item() == pytest.approx(logged["kl"][0], rel=1e-6)
+    if iterations > 1:  # the test means something only if some ratios were clipped
+        assert sums["clip_low"] + sums["clip_high"] > 0
+
+
+def test_grpo_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])  # two prompts, G = 4
+    std = torch.tensor([1.0, 1.0, 0.0, 0.0]).std().item()  # group 1: mean 0.5, sample std 0.5774
+    got = rl_math.advantages(rewards, 4, "group")
+    want = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 2
+    assert got[:4].tolist() == pytest.approx([want[0], want[1], want[1], want[0]])
+    assert got[4:].tolist() == [0.0] * 4  # equal rewards: no signal
+    assert rl_math.advantages(rewards, 4, "none").tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    batch_std = rewards.std().item()
+    assert rl_math.advantages(rewards, 4, "batch")[0].item() == pytest.approx(0.5 / (batch_std + 1e-4))
+
+
+def test_unscorable_completions_get_no_advantage_and_no_say_in_the_baseline():
+    nan = float("nan")
+    rewards = torch.tensor([1.0, nan, 0.0, 1.0])  # G = 4: mean and std over the three scorable ones
+    got = rl_math.advantages(rewards, 4, "none")
+    assert got.tolist() == pytest.approx([1 / 3, 0.0, -2 / 3, 1 / 3])
+    one = rl_math.advantages(torch.tensor([nan, nan, 3.0, nan]), 4, "group")  # one scorable: std NaN -> 0
+    assert one.tolist() == [0.0] * 4
+
+
+def test_rloo_leave_one_out_baseline_by_hand():
+    nan = float("nan")
+    got = rl_math.rloo_advantages(torch.tensor([3.0, 1.0, 2.0, 0.0, nan, 4.0]), 3)
+    # group 1: 3 - (1+2)/2, 1 - (3+2)/2, 2 - (3+1)/2; group 2: 0 - 4/1, unscorable 0, 4 - 0/1
+    assert got.tolist() == pytest.approx([1.5, -1.5, 0.0, -4.0, 0.0, 4.0])
+    normalized = rl_math.rloo_advantages(torch.tensor([3.0, 1.0, 2.0, 0.0, 1.0, 4.0]), 3, normalize=True)
+    assert normalized.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert normalized.std().item() == pytest.approx(1.0, rel=1e-3)
+    with pytest.raises(ValueError, match="at least 2"):
+        rl_math.rloo_advantages(torch.tensor([1.0]), 1)
