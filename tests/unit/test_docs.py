@@ -171,6 +171,21 @@ def test_readme_diloco_figures_are_the_benchmarks():
     assert f"eval loss {float(table.split('**')[3].rstrip('%')):+.1f}% at step 1,000 over 7 data orders" in row
 
 
+def test_readme_speed_figures_are_the_benchmarks():
+    """Issue 55: the README's speed line quotes bench/speed.py's saved CPU run (ratios of medians) and the H200 run
+    recorded in docs/benchmarks.md."""
+    import json
+    import re
+    ratios = json.loads((ROOT / "docs/speed_bench.json").read_text())["summary"]["ratios"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"runs at {ratios['dstrain / plain']['tokens_per_s']:.2f}x a plain PyTorch loop's tokens/s and "
+            f"{ratios['dstrain / hf_trainer']['tokens_per_s']:.2f}x the Hugging Face Trainer's") in readme
+    bench = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
+    found = re.search(r"On one H200 \(`--preset gpu-1b`, eager, one run each; \"On one GPU\" above\): ([\d.]+x) the "
+                      r"Trainer's tokens/s, MFU ([\d.]+%)", bench)
+    assert found and f"at {found[1]} the Trainer's, {found[2]} MFU" in readme
+
+
 def test_the_loss_plot_names_the_loss_it_shows(tmp_path, monkeypatch):
     """Issue 54 item 10: a DPO run's loss.png said "nats/token"."""
     from dstrain import metrics
