@@ -164,6 +164,10 @@ class TrainConfig:
         if self.compile_wait and not self.compile:
             raise UserError("train.compile_wait=true only applies with train.compile=true; set both or neither")
         _one_of("train.lr_schedule", self.lr_schedule, ("cosine", "linear", "constant"))
+        if self.precision == "fp8":  # issue 55: FP8 ships only once measured faster than bf16 and within 1% in loss
+            raise UserError("train.precision=fp8 is not offered yet: FP8 training has not been measured faster than "
+                            "bf16 and within 1% of its loss on a Hopper GPU here (docs/strategies.md, Precision); "
+                            "use train.precision=bf16")
         _one_of("train.precision", self.precision, ("auto", "bf16", "fp16", "fp32"))
 
 
