@@ -56,7 +56,9 @@ class DataConfig:
     # newline and the input when there is one);
     # `preference`: pairs for DPO and its kin (the `preference` section), TRL's columns `prompt`, `chosen`,
     # `rejected` as strings or as lists of messages (a missing `prompt` is the messages chosen and rejected share;
-    # a text `prompt` beside message lists that repeat it is UltraFeedback's layout, read as TRL reads it)
+    # a text `prompt` beside message lists that repeat it is UltraFeedback's layout, read as TRL reads it);
+    # `prompt`: learning from rewards (the `rl` section): a `prompt` column, text or messages; the other columns
+    # (e.g. a reference `answer`) reach the reward functions
     format: str = "text"
     # `true` with `prompt_response` / `chat`: several examples per `seq_len` row (first fit, in data order),
     # `position_ids` restarting at each, attention never crossing examples, loss masks unchanged: the same
@@ -92,7 +94,7 @@ class DataConfig:
     num_proc: int = 1  # worker processes for tokenization (`datasets.map`)
 
     def __post_init__(self) -> None:
-        _one_of("data.format", self.format, ("text", "prompt_response", "alpaca", "chat", "preference"))
+        _one_of("data.format", self.format, ("text", "prompt_response", "alpaca", "chat", "preference", "prompt"))
         from .chat_templates import check
         check(self.chat_template)
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -435,6 +437,56 @@ PREFERENCE_LOSSES = ("dpo", "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"
 
 
 @dataclass
+class RLSection:
+    """Learning from rewards (`data.format: prompt`, dstrain/objectives/rl.py): GRPO and its kin, with completions
+    sampled from the current weights each step. The names and their meaning are TRL's (`GRPOConfig`)."""
+    # reward functions: `path/to/file.py:function` (relative to the recipe's folder or the working directory),
+    # `package.module:function`, or a built-in (`exact_answer`: the final answer equals the `answer` column;
+    # `format_regex`: the completion matches rl.format_pattern); each `(prompts, completions, **columns) -> [float]`
+    reward_funcs: list = field(default_factory=list)
+    reward_weights: list | None = None  # one weight per reward function (default 1 each)
+    format_pattern: str | None = None  # the regular expression of the `format_regex` reward
+    num_generations: int = 8  # completions sampled per prompt (the group GRPO normalises over)
+    max_completion_length: int = 256  # tokens per completion at most (the prompt keeps train.seq_len minus this)
+    temperature: float = 1.0  # sampling temperature of the completions; 0: greedy
+    top_p: float = 1.0  # nucleus sampling: the most likely tokens whose probability reaches top_p
+    top_k: int = 0  # sample among the k most likely tokens; 0: off
+    # `dapo` (tokens of the whole batch weigh equally; TRL's default), `grpo` (each completion's mean token loss,
+    # then the mean over completions), `dr_grpo` (token sum over completions x max_completion_length), `bnpo`
+    # (as dapo here: TRL divides per micro-batch)
+    loss_type: str = "dapo"
+    epsilon: float = 0.2  # the clipping range of the probability ratio
+    epsilon_high: float | None = None  # its upper side (DAPO: 0.28); default: epsilon
+    beta: float = 0.0  # KL to the reference model; only 0 (no reference) so far
+    num_iterations: int = 1  # updates per rollout batch; only 1 so far
+    scale_rewards: str = "group"  # advantages divided by the group's reward std (`group`) or not (`none`)
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
+
+    def __post_init__(self) -> None:
+        _one_of("rl.loss_type", self.loss_type, ("dapo", "grpo", "dr_grpo", "bnpo"))
+        _one_of("rl.scale_rewards", self.scale_rewards, ("group", "none"))
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise UserError(f"rl.num_generations={self.num_generations} must be an integer >= 2 (GRPO compares a "
+                            f"prompt's completions with each other)")
+        if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
+            raise UserError(f"rl.max_completion_length={self.max_completion_length} must be a positive integer")
+        if self.beta != 0.0:
+            raise UserError(f"rl.beta={self.beta}: a KL term to a reference model is not supported yet; set rl.beta=0 "
+                            f"(TRL's default)")
+        if self.num_iterations != 1:
+            raise UserError(f"rl.num_iterations={self.num_iterations}: several updates per rollout batch are not "
+                            f"supported yet; set rl.num_iterations=1 (TRL's default)")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError(f"rl.temperature={self.temperature}, rl.top_p={self.top_p}, rl.top_k={self.top_k}: need "
+                            f"temperature >= 0 (0: greedy), 0 < top_p <= 1, top_k >= 0")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise UserError(f"rl.reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                            f"reward functions; give one per function")
+
+
+@dataclass
 class Recipe:
     """A recipe: two keys at its top level, then one section per concern."""
     # the DeepSpeed config used when `--ds_config` is not given: a file in `ds_configs/` or a path
@@ -450,6 +502,7 @@ class Recipe:
     compression: CompressionSection = field(default_factory=CompressionSection)
     diloco: DilocoSection = field(default_factory=DilocoSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    rl: RLSection = field(default_factory=RLSection)
     # the world size a real recipe was written for. Its global batch (micro x accumulation x data-parallel size at
     # that world) is a hyper-parameter: on another world `train.py` re-derives `grad_accum_steps` to keep it and
     # says so, or refuses naming sizes that work; `--world_size=N` (the world you launch) accepts the batch as written
@@ -459,6 +512,12 @@ class Recipe:
         if self.data.format != "preference" and self.preference != PreferenceSection():
             raise UserError(f"preference.* keys are set but data.format={self.data.format}: set "
                             f"--data.format=preference for preference pairs, or drop the preference keys")
+        if self.data.format == "prompt" and not self.rl.reward_funcs:
+            raise UserError("data.format=prompt learns from rewards: name at least one in rl.reward_funcs (e.g. "
+                            "`exact_answer`, `path/to/rewards.py:function`; docs/fine-tuning.md)")
+        if self.data.format != "prompt" and self.rl != RLSection():
+            raise UserError(f"rl.* keys are set but data.format={self.data.format}: set --data.format=prompt to "
+                            f"learn from rewards, or drop the rl keys")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

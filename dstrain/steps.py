@@ -72,11 +72,14 @@ def _add(acc: torch.Tensor | None, summed: torch.Tensor, stats: torch.Tensor | N
 
 
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout, objective,
-               before_update: Callable[[], None] = lambda: None) -> tuple[float, dict, int, dict]:
+               before_update: Callable[[], None] = lambda: None, step: int = 0) -> tuple[float, dict, int, dict]:
     """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, the objective's counts
     over the global batch, its input tokens that are not padding, the objective's metrics): throughput and MFU
     count work, not padding. before_update() runs just before the optimizer changes the weights (a background
-    save's copy of them is finished there)."""
+    save's copy of them is finished there). An objective with `prepare` makes its micro-batches first (RL: the
+    rollout of step `step`)."""
+    if hasattr(objective, "prepare"):
+        micro_batches = objective.prepare(engine, micro_batches, layout, step)
     if layout.is_pipeline:
         before_update()  # the pipeline engine's train_batch runs the whole step
         loss, label_tokens, real = _pipe_step(engine, micro_batches, layout, train=True)
@@ -108,6 +111,8 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, obj
         size = batches[0]["input_ids"].shape[0] if batches else 0
         full = [b for b in batches if b["input_ids"].shape[0] == size]  # the pipe schedule needs fixed shapes
         return _pipe_step(engine, full, layout, train=False)[0], {}
+    if hasattr(objective, "prepare"):  # RL: the validation prompts' completions (step 0's keys)
+        batches = objective.prepare(engine, batches, layout, 0)
     was_training = engine.module.training
     engine.eval()
     totals, _ = _totals(objective, batches, layout, engine.device)

@@ -10,6 +10,8 @@ Outputs (all small enough to ship in git):
   data/tiny_chat/train.jsonl                   {"messages": [...]}    chat-format SFT
   data/tiny_dpo/train.jsonl                    {"prompt", "chosen", "rejected"} preference pairs: a right answer
                                                over a wrong one, or over the same answer said twice
+  data/tiny_grpo/train.jsonl                   {"prompt", "answer"} stories up to their count, to learn it from a
+                                               reward (tiny/grpo.yaml)
   data/examples/                               the same facts in every layout docs/data.md shows (text, .txt,
                                                prompt/response, Alpaca, OpenAI messages, ShareGPT, TRL's
                                                explicit/implicit/conversational preference and UltraFeedback's)
@@ -104,6 +106,22 @@ def make_preference(out: Path, n: int, seed: int) -> list[dict]:
     for row in rows[1::2]:
         row["rejected"] = f"{row['chosen']} {row['chosen']}"
     _write_jsonl(out / "tiny_dpo/train.jsonl", rows)
+    return rows
+
+
+def make_prompts(out: Path, n: int, seed: int) -> list[dict]:
+    """Prompts to learn from rewards (tiny/grpo.yaml): a story up to "Now <name> has", its `answer` the count the
+    story's numbers add up to, in words (what the pretraining corpus writes there). Its own random stream."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.sample(NAMES, 2)
+        item, color, place = rng.choice(ITEMS), rng.choice(COLORS), rng.choice(PLACES)
+        x, y = rng.randint(1, 9), rng.randint(1, 9)
+        prompt = (f"It was a {rng.choice(WEATHER)} day. {a} {rng.choice(VERBS_PAST)} {place}. {a} had "
+                  f"{NUMBER_WORDS[x]} {color} {item}. {b} gave {a} {NUMBER_WORDS[y]} more {color} {item}. Now {a} has")
+        rows.append({"prompt": prompt, "answer": NUMBER_WORDS[x + y]})
+    _write_jsonl(out / "tiny_grpo/train.jsonl", rows)
     return rows
 
 
@@ -208,6 +226,7 @@ def main() -> None:
 
     files = make_data(args.data_dir, n_train=6000, n_val=300, n_sft=3000, seed=args.seed)
     pairs = make_preference(args.data_dir, n=800, seed=args.seed + 1)
+    make_prompts(args.data_dir, n=600, seed=args.seed + 2)
     make_examples(args.data_dir, files["tiny_sft/train.jsonl"], pairs, files["tiny/train.jsonl"])
     texts = [r["text"] for r in files["tiny/train.jsonl"]]
     texts += [r["prompt"] + " " + r["response"] for r in files["tiny_sft/train.jsonl"]]

@@ -11,7 +11,9 @@ from .order import EpochOrder
 
 
 def _stack(rows: dict) -> dict[str, torch.Tensor]:
-    batch = {k: v if v.is_floating_point() else v.long() for k, v in rows.items()}  # floats: reference log-probs
+    # floats: reference log-probs; not tensors: what data.format=prompt keeps for the reward functions (text,
+    # messages, ragged prompt_ids), which the objective turns into tensors (objectives/rl.py)
+    batch = {k: v if not isinstance(v, torch.Tensor) or v.is_floating_point() else v.long() for k, v in rows.items()}
     if "labels" not in batch and "input_ids" in batch:  # pretraining rows; preference pairs carry their own
         batch["labels"] = batch["input_ids"].clone()
     return batch
@@ -76,7 +78,8 @@ class TrainStream:
             start = step * self.global_batch + self.offset + (m * self.dp_size + self.dp_rank) * self.micro
             idx = [self.sample_index(k) for k in range(start, start + self.micro)]
             batch = _for_layout(_stack(self.dataset[idx]), self.layout)
-            out.append({k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch)
+            out.append({k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                       if self.pin_memory else batch)
         return out
 
 

@@ -8,12 +8,16 @@ An objective owns, for its data format:
                                       totals[primary], summed statistics: a 1-d tensor or None)
   metrics(stats, totals) -> dict      the logged figures from the statistics summed over the global batch
   perplexity                          whether exp(eval loss) means anything
-  validate(setup), prepare(...)       the one validation pass; work before the first step (reference log-probs)
+  validate(setup), before_training(...) the one validation pass; work before the first step (reference log-probs)
+  prepare(engine, batches, layout, step)  optional: makes a step's micro-batches from the stream's before anything
+                                      is counted (RL: the rollout, the rewards and the advantages); evaluation too
 steps.py runs any objective the same way: the gradient of a step is that of the loss normalised over the whole
 global batch, however it is spread over micro-batches and ranks.
 
   causal_lm.py   next-token cross-entropy: pretraining and SFT (chunked head, sequence parallel, pipeline)
   preference.py  DPO and its kin on chosen/rejected pairs (`data.format: preference`, the `preference` section)
+  rl.py          GRPO and its kin on prompts, learning from rewards (`data.format: prompt`, the `rl` section), with
+                 rl_math.py (losses, advantages), rewards.py (reward functions), rollout.py (seeded sampling)
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from ..config import Recipe
 def sequences_per_sample(recipe: Recipe) -> int:
     """Rows of seq_len tokens one sample puts through the model: a preference pair is two (chosen and rejected,
     one forward of 2B rows). The preflight's activations and the planner's step time count them."""
+    if recipe.data.format == "prompt":  # each prompt becomes rl.num_generations prompt + completion rows
+        return recipe.rl.num_generations
     return 2 if recipe.data.format == "preference" else 1
 
 
@@ -30,5 +36,8 @@ def make(recipe: Recipe):
     if recipe.data.format == "preference":
         from .preference import Preference
         return Preference(recipe.preference)
+    if recipe.data.format == "prompt":
+        from .rl import RL
+        return RL(recipe.rl)
     from .causal_lm import CausalLM
     return CausalLM()

@@ -117,7 +117,7 @@ def load(spec: str, base: Path | None = None, **params) -> Reward:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"reward {spec!r}: {where} has no function {name}")
-    return Reward(spec, fn)
+    return Reward(name, fn)  # TRL's metric names use the function's name: rewards/<name>/mean
 
 
 def score(rewards: list[Reward], weights: list[float] | None, prompts: list, completions: list,

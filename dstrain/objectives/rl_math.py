@@ -1,7 +1,6 @@
 """The arithmetic of reinforcement learning from rewards (GRPO and its kin, RLOO), in TRL's conventions.
 
-A first slice of issue 56: the objective that generates rollouts and trains on them is not wired yet; these
-functions are what it will call, each checked against TRL 1.16's GRPOTrainer on the same inputs
+What objectives/rl.py calls, each checked against TRL 1.16's GRPOTrainer on the same inputs
 (tests/unit/test_rl_math.py). Written here rather than imported because TRL computes them inside its trainer's
 methods, tied to its accelerator and its batch layout; the formulas are TRL's (and the papers').
 

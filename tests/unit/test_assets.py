@@ -18,6 +18,7 @@ def test_tiny_assets_regenerate_identically(tmp_path):
                     "--model_dir", str(tmp_path / "model")], check=True, capture_output=True)
     examples = [f"examples/{p.name}" for p in sorted((ROOT / "data/examples").iterdir())]
     for rel in ("tiny/train.jsonl", "tiny/val.jsonl", "tiny_sft/train.jsonl", "tiny_chat/train.jsonl", "tiny_dpo/train.jsonl",
+                "tiny_grpo/train.jsonl",
                 *examples):
         assert digest(tmp_path / "data" / rel) == digest(ROOT / "data" / rel), rel
     for name in ("tokenizer.json", "chat_template.jinja"):

@@ -199,3 +199,22 @@ def test_a_row_the_chat_template_refuses_is_a_data_error(tok, tmp_path):
         data.prepare(DataConfig(path=path, format="chat", cache_dir=str(tmp_path / "c")), strict, 64, 0)
     assert str(error.value) == (f"dataset file {path} line 23 cannot be tokenized (TemplateError: no boom here); fix "
                                 f"or remove that row")
+
+
+def test_prompts_to_learn_from_rewards(tok, tmp_path):
+    """Issue 56: data.format=prompt keeps every column for the reward functions (none is "not read"), tokenizes a
+    text prompt as it is and a conversation with the chat template's generation prompt, and names a bad row."""
+    items = [{"prompt": "Now Sam has", "answer": "five"},
+             {"prompt": [{"role": "user", "content": "What is 2 plus 2?"}], "answer": "four"}]
+    path = write(tmp_path / "p.jsonl", items)
+    cfg = DataConfig(format="prompt", path=path, cache_dir=str(tmp_path / "c"), val_fraction=0.0)
+    prepared = data.prepare(cfg, tok, 32, 0)
+    train = prepared.train
+    assert train[0]["prompt_ids"].tolist() == tok("Now Sam has", add_special_tokens=False)["input_ids"]
+    rendered = tok.apply_chat_template(items[1]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert train[1]["prompt_ids"].tolist() == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert rendered.endswith("<|assistant|>") and train[1]["answer"] == "four"
+    assert "2 prompts" in prepared.summary and "not read" not in prepared.summary
+    bad = write(tmp_path / "bad.jsonl", [items[0], {"prompt": "", "answer": "x"}])
+    with pytest.raises(UserError, match=f"dataset file {bad} line 2: 'prompt' is empty; a prompt is text"):
+        data.prepare(DataConfig(**{**cfg.__dict__, "path": bad}), tok, 32, 0)

@@ -5,7 +5,8 @@
     row_problem(row, cfg) -> str | None        what is wrong with one row, and the fix (checked before tokenizing)
     tokenize(dataset, cfg, tokenizer, seq_len, num_proc) -> (tokenized split, counts for the report)
 
-text (pretraining), prompt_response, alpaca and chat (SFT, through sft.py), preference (chosen/rejected pairs). A
+text (pretraining), prompt_response, alpaca and chat (SFT, through sft.py), preference (chosen/rejected pairs),
+prompt (prompts to learn from rewards). A
 new format is one new module and one line in FORMATS, plus its name in config.DataConfig's check.
 """
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Any
 
 from ...config import DataConfig
 from ...errors import UserError
-from . import alpaca, chat, preference, prompt_response, text
+from . import alpaca, chat, preference, prompt, prompt_response, text
 
 FORMATS = {"text": text, "prompt_response": prompt_response, "alpaca": alpaca, "chat": chat,
-           "preference": preference}
+           "preference": preference, "prompt": prompt}
 
 
 def reads(cfg: DataConfig) -> list[str]:
@@ -41,10 +42,10 @@ def looks_like(dataset) -> tuple[str, str] | None:
     for name in ("messages", "conversations", "conversation"):
         if name in columns and isinstance(first.get(name), list):
             return "chat", "" if name == "messages" else f" --data.messages_field={name}"
-    for prompt, response in (("prompt", "response"), ("prompt", "completion"), ("question", "answer"),
-                             ("query", "response"), ("input", "output")):
-        if {prompt, response} <= columns and isinstance(first.get(prompt), str):
-            fields = (f" --data.prompt_field={prompt}" if prompt != "prompt" else "") + \
+    for asked, response in (("prompt", "response"), ("prompt", "completion"), ("question", "answer"),
+                            ("query", "response"), ("input", "output")):
+        if {asked, response} <= columns and isinstance(first.get(asked), str):
+            fields = (f" --data.prompt_field={asked}" if asked != "prompt" else "") + \
                      (f" --data.response_field={response}" if response != "response" else "")
             return "prompt_response", fields
     if "text" in columns:
@@ -111,7 +112,8 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, di
     out, stats = FORMATS[cfg.format].tokenize(dataset, cfg, tokenizer, seq_len,
                                               cfg.num_proc if cfg.num_proc > 1 else None)
     used = reads(cfg)
-    stats["unused"] = [c for c in dataset.column_names if c not in used]  # said in the data line
+    stats["unused"] = [] if getattr(FORMATS[cfg.format], "KEEPS_COLUMNS", False) else [  # said in the data line
+        c for c in dataset.column_names if c not in used]
     stats["format"] = cfg.format
     return out, stats
 
@@ -130,6 +132,9 @@ def _counts(stats: dict, seq_len: int) -> str:
         return (f"{stats['documents']:,} documents packed into {stats['sequences']:,} sequences of {seq_len} "
                 f"tokens (the last partial block dropped"
                 f"{'; attention kept within each document' if stats.get('separated') else ''})")
+    if "prompts" in stats:
+        return (f"{stats['prompts']:,} prompts (the longest {stats['longest_prompt']:,} tokens), their completions "
+                f"sampled in training")
     if "pairs" in stats:
         text = f"{stats['pairs']:,} preference pairs, each side padded to {seq_len} tokens"
         if "padding" in stats:

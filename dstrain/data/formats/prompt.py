@@ -1,0 +1,53 @@
+"""`data.format: prompt`: prompts to learn from rewards (dstrain/objectives/rl.py), in TRL's GRPO layout: a `prompt`
+column, text (tokenized as it is) or a list of messages (rendered with the run's chat template and its generation
+prompt, as TRL does). Every other column stays in the row: the reward functions receive them (e.g. `answer`).
+The completion is sampled during training; what tokenization makes here is `prompt_ids` and the row's index."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...config import DataConfig
+from ...errors import UserError
+
+KEEPS_COLUMNS = True  # every column reaches the reward functions: none is "not read"
+
+
+def fields(cfg: DataConfig) -> list[tuple[str, str]]:
+    return [(cfg.prompt_field, "data.prompt_field")]
+
+
+def _conversational(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
+
+
+def row_problem(row: dict, cfg: DataConfig) -> str | None:
+    value = row.get(cfg.prompt_field)
+    if isinstance(value, str) and value:
+        return None
+    if _conversational(value):
+        return None
+    kind = "missing (null)" if value is None else "empty" if value in ("", []) else f"a {type(value).__name__}"
+    return (f"'{cfg.prompt_field}' is {kind}; a prompt is text or a list of {{role, content}} messages: give every "
+            f"row one or remove the row")
+
+
+def prompt_ids(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not tokenizer.chat_template:
+        raise UserError("the prompts are messages but the tokenizer has no chat template; set data.chat_template "
+                        "(docs/data.md) or give text prompts")
+    return tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)[
+        "input_ids"]
+
+
+def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
+    """Raw split -> the same rows with `prompt_ids` and `prompt_index` added (nothing dropped: a prompt longer than
+    the room train.seq_len leaves beside rl.max_completion_length keeps its end, cut when it is sampled)."""
+    def fn(batch):
+        return {"prompt_ids": [prompt_ids(p, tokenizer) for p in batch[cfg.prompt_field]]}
+    out = dataset.map(fn, batched=True, batch_size=1000, num_proc=num_proc, desc="tokenizing prompts")
+    out = out.add_column("prompt_index", list(range(len(out))))
+    lengths = [len(ids) for ids in out["prompt_ids"]]
+    return out, {"examples": len(dataset), "sequences": len(out), "prompts": len(out),
+                 "longest_prompt": max(lengths, default=0)}

@@ -1,0 +1,165 @@
+"""Learning from rewards: GRPO and its kin (`data.format: prompt`, the `rl` section), in TRL's conventions.
+
+A sample of the stream is a prompt. Before a step's forward passes, `prepare` (the seam's hook, called by
+steps.train_step) turns this rank's prompts into rl.num_generations completions each, sampled from the current
+weights (rollout.py: completion c of the prompt at place p of global batch s is drawn with a generator seeded by
+(train.seed, s, p, c), so neither the rank count nor the batch's neighbours change it), scores them with the reward
+functions (rewards.py), and gives each completion its advantage within its prompt's group (rl_math.py; a group
+never spans ranks). The micro-batches it returns hold prompt + completion sequences; loss_sum is the clipped
+surrogate on the completion tokens, normalised by the seam over the whole global batch: by completions for
+`grpo` and `dr_grpo`, by completion tokens for `dapo` and `bnpo`.
+
+This first version trains with one update per rollout (rl.num_iterations = 1: the ratio is 1, its gradient is
+the policy gradient) and no reference model (rl.beta = 0); both are refused otherwise, in config.RLSection.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..config import RLSection
+from ..errors import UserError
+from . import rewards as reward_fns
+from . import rl_math, rollout
+
+
+class RL:
+    name = "rl"
+    perplexity = False
+
+    def __init__(self, cfg: RLSection):
+        self.cfg = cfg
+        self.primary = "completion_tokens" if cfg.loss_type in ("dapo", "bnpo") else "completions"
+        self.sampling = rollout.Sampling(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k)
+
+    def validate(self, setup) -> None:
+        recipe, layout = setup.recipe, setup.layout
+        if layout.is_pipeline or layout.tensor_parallel > 1 or layout.sequence_parallel > 1:
+            raise UserError("data.format=prompt (learning from rewards) runs on ZeRO configs only so far: not with "
+                            "pipeline stages, tensor or sequence parallelism")
+        room = recipe.train.seq_len - self.cfg.max_completion_length
+        if room < 1:
+            raise UserError(f"train.seq_len={recipe.train.seq_len} leaves no room for a prompt beside "
+                            f"rl.max_completion_length={self.cfg.max_completion_length}; raise train.seq_len")
+        self.prompt_room, self.seed, self.micro = room, recipe.train.seed, recipe.train.micro_batch_size
+        self.prompt_field = recipe.data.prompt_field
+        params = {"pattern": self.cfg.format_pattern} if self.cfg.format_pattern else {}
+        if "format_regex" in self.cfg.reward_funcs and not params:
+            raise UserError("the format_regex reward needs rl.format_pattern (a regular expression)")
+        self.rewards = [reward_fns.load(spec, Path.cwd(), **(params if spec == "format_regex" else {}))
+                        for spec in self.cfg.reward_funcs]
+        from ..model import load_tokenizer
+        self.tokenizer = load_tokenizer(recipe.model)
+        self.eos = self.tokenizer.eos_token_id
+        if self.eos is None:
+            raise UserError("the tokenizer has no eos_token: a completion could not end; set one on the model")
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+
+    # ------------------------------------------------------------------ the rollout
+    def prepare(self, engine, micro_batches: list[dict], layout, step: int) -> list[dict]:
+        """This rank's prompts -> micro-batches of completions with their advantages (see the module docstring)."""
+        from ..dist import all_reduce_sum
+        G = self.cfg.num_generations
+        ids, columns, keys = [], {}, []
+        for m, batch in enumerate(micro_batches):
+            # the columns as the reward functions take them: numbers the torch format made tensors, back to lists
+            batch = {k: v.tolist() if isinstance(v, torch.Tensor) and k != "prompt_ids" else v
+                     for k, v in batch.items()}
+            for i in range(len(batch["prompt_ids"])):
+                place = (m * layout.data_parallel + layout.data_parallel_rank) * self.micro + i
+                for c in range(G):
+                    keys.append((self.seed, step, place, c))
+                    ids.append([int(t) for t in batch["prompt_ids"][i][-self.prompt_room:]])
+                    for name, values in batch.items():
+                        if name not in ("prompt_ids", "prompt_index"):
+                            columns.setdefault(name, []).append(values[i])
+        prompts = columns.pop(self.prompt_field)
+        if torch.distributed.is_initialized():  # ZeRO-3 gathers parameters in every forward: ranks run as many
+            def keep_going(active: bool) -> bool:
+                return all_reduce_sum([float(active)], engine.device)[0] > 0
+        else:
+            keep_going = None
+        out = rollout.sample(engine.module, ids, keys, self.sampling, self.eos, self.pad, keep_going)
+        texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
+        per_func, total = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
+                                           out.completion_ids, columns)
+        advantages = rl_math.advantages(total, G, self.cfg.scale_rewards)
+        made, start = [], 0
+        for batch in micro_batches:
+            n = len(batch["prompt_ids"]) * G
+            made.append(self._tensors(ids[start:start + n], out.completion_ids[start:start + n],
+                                      out.truncated[start:start + n], advantages[start:start + n],
+                                      total[start:start + n], per_func[start:start + n]))
+            start += n
+        return made
+
+    def _tensors(self, prompts: list[list[int]], completions: list[list[int]], truncated: list[bool],
+                 advantages: torch.Tensor, total: torch.Tensor, per_func: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Left-padded prompts and right-padded completions in one row each; completion_mask marks what trains."""
+        width_p, width_c = max(len(p) for p in prompts), max(max(len(c) for c in completions), 1)
+        rows = len(prompts)
+        ids = torch.full((rows, width_p + width_c), self.pad, dtype=torch.long)
+        attention = torch.zeros(rows, width_p + width_c, dtype=torch.long)
+        completion_mask = torch.zeros(rows, width_c)
+        for r, (p, c) in enumerate(zip(prompts, completions)):
+            ids[r, width_p - len(p):width_p] = torch.tensor(p, dtype=torch.long)
+            ids[r, width_p:width_p + len(c)] = torch.tensor(c, dtype=torch.long)
+            attention[r, width_p - len(p):width_p + len(c)] = 1
+            if not (truncated[r] and self.cfg.mask_truncated_completions):
+                completion_mask[r, :len(c)] = 1
+        return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion_mask,
+                "advantages": advantages.float(), "rewards": total.float(), "rewards_per_func": per_func.float(),
+                "completion_length": torch.tensor([float(len(c)) for c in completions]),
+                "truncated": torch.tensor([float(t) for t in truncated])}
+
+    # ------------------------------------------------------------------ counts and the loss
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        tokens = int(batch["completion_mask"].sum())  # label_tokens: what the log counts as trained on
+        return {"completions": int(batch["input_ids"].shape[0]), "completion_tokens": tokens, "label_tokens": tokens}
+
+    def real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def host_batch(self, batch: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+        return batch
+
+    def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
+        ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+        width_c = mask.shape[1]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
+        logits = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)
+        cfg = self.cfg
+        summed, _, sums = rl_math.policy_loss(logps, None, batch["advantages"], mask, cfg.loss_type, cfg.epsilon,
+                                              cfg.epsilon_high, 0.0, None, cfg.max_completion_length)
+        rewards, per_func = batch["rewards"], batch["rewards_per_func"]
+        scored = ~torch.isnan(rewards)
+        stats = [torch.nansum(rewards), torch.nansum(rewards ** 2), scored.float().sum(),
+                 batch["completion_length"].sum(), batch["truncated"].sum(), sums["clip_low"], sums["clip_high"],
+                 sums["tokens"]]
+        stats += [torch.nansum(per_func, dim=0), (~torch.isnan(per_func)).float().sum(dim=0)]
+        return summed, torch.cat([torch.stack(stats[:8]).float(), stats[8].float(), stats[9].float()])
+
+    def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
+        """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean, the mean
+        completion length, the share cut at max_completion_length, the share of tokens clipped each way."""
+        total, squares, scored, length, truncated, low, high, tokens = stats[:8]
+        funcs = len(self.rewards)
+        sums, counts = stats[8:8 + funcs], stats[8 + funcs:8 + 2 * funcs]
+        completions = max(totals["completions"], 1.0)
+        mean = total / scored if scored else math.nan
+        variance = (squares - scored * mean ** 2) / (scored - 1) if scored > 1 else math.nan
+        out = {"reward": mean, "reward_std": math.sqrt(max(variance, 0.0)) if scored > 1 else math.nan,
+               "completions/mean_length": length / completions, "completions/clipped_ratio": truncated / completions,
+               "clip_ratio/low_mean": low / max(tokens, 1.0), "clip_ratio/high_mean": high / max(tokens, 1.0)}
+        for reward, s, c in zip(self.rewards, sums, counts):
+            out[f"rewards/{reward.name}/mean"] = s / c if c else math.nan
+        return out
+
+    def before_training(self, engine, datasets: list, *args) -> list:
+        return datasets
