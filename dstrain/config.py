@@ -440,7 +440,7 @@ PREFERENCE_LOSSES = ("dpo", "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"
 class RLSection:
     """Learning from rewards (`data.format: prompt`, dstrain/objectives/rl.py): GRPO and its kin, with completions
     sampled from the current weights each step. The names and their meaning are TRL's (`GRPOConfig`)."""
-    # reward functions: `path/to/file.py:function` (relative to the recipe's folder or the working directory),
+    # reward functions: `path/to/file.py:function` (relative to the working directory, as data.path is),
     # `package.module:function`, or a built-in (`exact_answer`: the final answer equals the `answer` column;
     # `format_regex`: the completion matches rl.format_pattern); each `(prompts, completions, **columns) -> [float]`
     reward_funcs: list = field(default_factory=list)

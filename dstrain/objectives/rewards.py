@@ -3,7 +3,7 @@
 the function does not apply (a completion every function skips is unscorable: advantage 0).
 
 A reward is named in the recipe as
-  `path/to/file.py:function`   a file (relative to the recipe's folder, else to the working directory)
+  `path/to/file.py:function`   a file (relative to the working directory, as data.path is)
   `package.module:function`    anything importable, e.g. `trl.rewards:think_format_reward`
   `exact_answer`               built in: the completion's final answer equals the row's `answer` column
   `format_regex`               built in, made with a pattern: the whole completion matches it

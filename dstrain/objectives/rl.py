@@ -15,7 +15,6 @@ the policy gradient) and no reference model (rl.beta = 0); both are refused othe
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -48,7 +47,7 @@ class RL:
         params = {"pattern": self.cfg.format_pattern} if self.cfg.format_pattern else {}
         if "format_regex" in self.cfg.reward_funcs and not params:
             raise UserError("the format_regex reward needs rl.format_pattern (a regular expression)")
-        self.rewards = [reward_fns.load(spec, Path.cwd(), **(params if spec == "format_regex" else {}))
+        self.rewards = [reward_fns.load(spec, **(params if spec == "format_regex" else {}))
                         for spec in self.cfg.reward_funcs]
         from ..model import load_tokenizer
         self.tokenizer = load_tokenizer(recipe.model)
