@@ -444,6 +444,15 @@ class RLSection:
     # `package.module:function`, or a built-in (`exact_answer`: the final answer equals the `answer` column;
     # `format_regex`: the completion matches rl.format_pattern); each `(prompts, completions, **columns) -> [float]`
     reward_funcs: list = field(default_factory=list)
+    # `grpo`: advantages against the group's mean (and std), loss per token (rl.loss_type picks the normalisation);
+    # `rloo`: RLOO's leave-one-out baseline, loss on whole-sequence ratios averaged over completions (TRL's
+    # RLOOTrainer; rl.loss_type and rl.scale_rewards do not apply, rl.normalize_advantages does)
+    algorithm: str = "grpo"
+    normalize_advantages: bool = False  # rloo: advantages centred and scaled over the batch (TRL's RLOOConfig)
+    # what samples the completions: `sampler` (built in: the policy's own forward, each completion seeded by
+    # (train.seed, step, prompt place, completion index)), or an engine of yours, `path/to/file.py:Name` or
+    # `package.module:Name` (vLLM on GPUs: dstrain/objectives/rollout.py says what it is given and returns)
+    rollout_engine: str = "sampler"
     reward_weights: list | None = None  # one weight per reward function (default 1 each)
     format_pattern: str | None = None  # the regular expression of the `format_regex` reward
     num_generations: int = 8  # completions sampled per prompt (the group GRPO normalises over)
@@ -463,6 +472,7 @@ class RLSection:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
 
     def __post_init__(self) -> None:
+        _one_of("rl.algorithm", self.algorithm, ("grpo", "rloo"))
         _one_of("rl.loss_type", self.loss_type, ("dapo", "grpo", "dr_grpo", "bnpo"))
         _one_of("rl.scale_rewards", self.scale_rewards, ("group", "none"))
         if not isinstance(self.num_generations, int) or self.num_generations < 2:

@@ -88,36 +88,41 @@ class Reward:
     fn: Callable
 
 
-def load(spec: str, base: Path | None = None, **params) -> Reward:
+def load(spec: str, **params) -> Reward:
     """The reward function `spec` names (see the module docstring); `params` make a built-in factory's."""
     if spec in BUILTINS:
         return Reward(spec, BUILTINS[spec])
     if spec in FACTORIES:
         return Reward(spec, FACTORIES[spec](**params))
+    fn = load_named(spec, "reward", f"name a built-in ({', '.join([*BUILTINS, *FACTORIES])}) or ")
+    return Reward(spec.rpartition(":")[2], fn)  # TRL's metric names use the function's name: rewards/<name>/mean
+
+
+def load_named(spec: str, what: str, hint: str = "") -> Callable:
+    """The callable `path/to/file.py:name` (relative to the working directory) or `package.module:name` names;
+    a spec that does not resolve is one line saying why (`what` names the recipe key's kind)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise UserError(f"reward {spec!r}: name a built-in ({', '.join([*BUILTINS, *FACTORIES])}) or "
-                        f"'path/to/file.py:function' or 'package.module:function'")
+        raise UserError(f"{what} {spec!r}: {hint}'path/to/file.py:name' or 'package.module:name'")
     if where.endswith(".py"):
-        path = next((p for p in ([base / where] if base else []) + [Path(where)] if p.is_file()), None)
-        if path is None:
-            raise UserError(f"reward {spec!r}: no file {where}" + (f" (looked in {base} and the working directory)"
-                                                                  if base else ""))
-        module_spec = importlib.util.spec_from_file_location(f"dstrain_reward_{path.stem}", path)
+        path = Path(where)
+        if not path.is_file():
+            raise UserError(f"{what} {spec!r}: no file {where} (paths are relative to the working directory)")
+        module_spec = importlib.util.spec_from_file_location(f"dstrain_{what.replace(' ', '_')}_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
         except Exception as e:  # noqa: BLE001 -- the user's file: one line, not our traceback
-            raise UserError(f"reward {spec!r}: {path} failed to load ({type(e).__name__}: {e})") from None
+            raise UserError(f"{what} {spec!r}: {path} failed to load ({type(e).__name__}: {e})") from None
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as e:
-            raise UserError(f"reward {spec!r}: cannot import {where} ({e})") from None
+            raise UserError(f"{what} {spec!r}: cannot import {where} ({e})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"reward {spec!r}: {where} has no function {name}")
-    return Reward(name, fn)  # TRL's metric names use the function's name: rewards/<name>/mean
+        raise UserError(f"{what} {spec!r}: {where} has no function {name}")
+    return fn
 
 
 def score(rewards: list[Reward], weights: list[float] | None, prompts: list, completions: list,

@@ -7,7 +7,10 @@ weights (rollout.py: completion c of the prompt at place p of global batch s is 
 functions (rewards.py), and gives each completion its advantage within its prompt's group (rl_math.py; a group
 never spans ranks). The micro-batches it returns hold prompt + completion sequences; loss_sum is the clipped
 surrogate on the completion tokens, normalised by the seam over the whole global batch: by completions for
-`grpo` and `dr_grpo`, by completion tokens for `dapo` and `bnpo`.
+`grpo` and `dr_grpo`, by completion tokens for `dapo` and `bnpo`. rl.algorithm=rloo: RLOO's leave-one-out
+advantages and its loss on whole-sequence ratios, by completions. The log-probs are those of the sampling
+distribution (logits / rl.temperature), as TRL's. What samples is rl.rollout_engine (rollout.py: the built-in
+seeded sampler, or an engine of the user's such as vLLM).
 
 This first version trains with one update per rollout (rl.num_iterations = 1: the ratio is 1, its gradient is
 the policy gradient) and no reference model (rl.beta = 0); both are refused otherwise, in config.RLSection.
@@ -30,7 +33,8 @@ class RL:
 
     def __init__(self, cfg: RLSection):
         self.cfg = cfg
-        self.primary = "completion_tokens" if cfg.loss_type in ("dapo", "bnpo") else "completions"
+        by_tokens = cfg.algorithm == "grpo" and cfg.loss_type in ("dapo", "bnpo")
+        self.primary = "completion_tokens" if by_tokens else "completions"
         self.sampling = rollout.Sampling(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k)
 
     def validate(self, setup) -> None:
@@ -55,6 +59,17 @@ class RL:
         if self.eos is None:
             raise UserError("the tokenizer has no eos_token: a completion could not end; set one on the model")
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        self.engine_name = self.cfg.rollout_engine
+        if self.engine_name == "sampler":
+            self.engine = None  # made in prepare: its keep_going needs the engine's device
+        else:
+            factory = reward_fns.load_named(self.engine_name, "rollout engine", "name `sampler` (built in) or ")
+            try:
+                self.engine = factory(tokenizer=self.tokenizer, sampling=self.sampling, eos_token_id=self.eos,
+                                      pad_token_id=self.pad)
+            except Exception as e:  # noqa: BLE001 -- the user's engine: one line, not our traceback
+                raise UserError(f"rollout engine {self.engine_name}: could not be made ({type(e).__name__}: {e})"
+                                ) from None
 
     # ------------------------------------------------------------------ the rollout
     def prepare(self, engine, micro_batches: list[dict], layout, step: int) -> list[dict]:
@@ -75,18 +90,25 @@ class RL:
                         if name not in ("prompt_ids", "prompt_index"):
                             columns.setdefault(name, []).append(values[i])
         prompts = columns.pop(self.prompt_field)
-        if torch.distributed.is_initialized():  # ZeRO-3 gathers parameters in every forward: ranks run as many
-            def keep_going(active: bool) -> bool:
-                return all_reduce_sum([float(active)], engine.device)[0] > 0
-        else:
+        if self.engine is None:
             keep_going = None
-        out = rollout.sample(engine.module, ids, keys, self.sampling, self.eos, self.pad, keep_going)
+            if torch.distributed.is_initialized():  # ZeRO-3 gathers parameters in every forward: ranks run as many
+                def keep_going(active: bool) -> bool:
+                    return all_reduce_sum([float(active)], engine.device)[0] > 0
+            self.engine = rollout.Sampler(self.sampling, self.eos, self.pad, keep_going)
+        completion_ids = self._check(self.engine(engine.module, ids, keys), len(ids))
+        # TRL's rule: a completion that does not end with EOS was cut at max_completion_length
+        truncated = [not c or c[-1] not in (self.eos, self.pad) for c in completion_ids]
+        out = rollout.Rollouts(completion_ids, truncated)
         texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(prompts, texts)]
         per_func, total = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
                                            out.completion_ids, columns)
-        advantages = rl_math.advantages(total, G, self.cfg.scale_rewards)
+        if self.cfg.algorithm == "rloo":
+            advantages = rl_math.rloo_advantages(total, G, self.cfg.normalize_advantages)
+        else:
+            advantages = rl_math.advantages(total, G, self.cfg.scale_rewards)
         made, start = [], 0
         for batch in micro_batches:
             n = len(batch["prompt_ids"]) * G
@@ -95,6 +117,22 @@ class RL:
                                       total[start:start + n], per_func[start:start + n]))
             start += n
         return made
+
+    def _check(self, completions, rows: int) -> list[list[int]]:
+        """An engine's answer, checked: one list of token ids per prompt, none longer than allowed."""
+        limit = self.cfg.max_completion_length
+        if not isinstance(completions, (list, tuple)) or len(completions) != rows:
+            got = len(completions) if isinstance(completions, (list, tuple)) else type(completions).__name__
+            raise UserError(f"rollout engine {self.engine_name} returned {got} completions for {rows} prompts; it "
+                            f"must return one list of token ids per prompt")
+        out = []
+        for i, c in enumerate(completions):
+            c = [int(t) for t in (c.tolist() if hasattr(c, "tolist") else c)]
+            if len(c) > limit:
+                raise UserError(f"rollout engine {self.engine_name} returned {len(c)} tokens for prompt row {i}; "
+                                f"rl.max_completion_length is {limit}: stop it there")
+            out.append(c)
+        return out
 
     def _tensors(self, prompts: list[list[int]], completions: list[list[int]], truncated: list[bool],
                  advantages: torch.Tensor, total: torch.Tensor, per_func: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -132,30 +170,40 @@ class RL:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
         logits = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)
+        if self.cfg.temperature > 0:  # the sampling distribution's log-probs, as TRL computes them
+            logits = logits / self.cfg.temperature
+        every = torch.log_softmax(logits, dim=-1)
+        logps = every.gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)
+        entropy = -(every.exp() * every).sum(-1).detach()  # of the sampling distribution, per completion token
         cfg = self.cfg
-        summed, _, sums = rl_math.policy_loss(logps, None, batch["advantages"], mask, cfg.loss_type, cfg.epsilon,
-                                              cfg.epsilon_high, 0.0, None, cfg.max_completion_length)
+        if cfg.algorithm == "rloo":
+            summed, _, sums = rl_math.sequence_policy_loss(logps, None, batch["advantages"], mask, cfg.epsilon,
+                                                           cfg.epsilon_high)
+        else:
+            summed, _, sums = rl_math.policy_loss(logps, None, batch["advantages"], mask, cfg.loss_type,
+                                                  cfg.epsilon, cfg.epsilon_high, 0.0, None, cfg.max_completion_length)
         rewards, per_func = batch["rewards"], batch["rewards_per_func"]
         scored = ~torch.isnan(rewards)
         stats = [torch.nansum(rewards), torch.nansum(rewards ** 2), scored.float().sum(),
                  batch["completion_length"].sum(), batch["truncated"].sum(), sums["clip_low"], sums["clip_high"],
-                 sums["tokens"]]
+                 sums["tokens"], (entropy * mask).sum(), mask.sum()]
         stats += [torch.nansum(per_func, dim=0), (~torch.isnan(per_func)).float().sum(dim=0)]
-        return summed, torch.cat([torch.stack(stats[:8]).float(), stats[8].float(), stats[9].float()])
+        return summed, torch.cat([torch.stack(stats[:10]).float(), stats[10].float(), stats[11].float()])
 
     def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
         """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean, the mean
-        completion length, the share cut at max_completion_length, the share of tokens clipped each way."""
-        total, squares, scored, length, truncated, low, high, tokens = stats[:8]
+        completion length, the share cut at max_completion_length, the share of tokens (RLOO: sequences) clipped each
+        way, the mean entropy of the sampling distribution over completion tokens."""
+        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens = stats[:10]
         funcs = len(self.rewards)
-        sums, counts = stats[8:8 + funcs], stats[8 + funcs:8 + 2 * funcs]
+        sums, counts = stats[10:10 + funcs], stats[10 + funcs:10 + 2 * funcs]
         completions = max(totals["completions"], 1.0)
         mean = total / scored if scored else math.nan
         variance = (squares - scored * mean ** 2) / (scored - 1) if scored > 1 else math.nan
         out = {"reward": mean, "reward_std": math.sqrt(max(variance, 0.0)) if scored > 1 else math.nan,
                "completions/mean_length": length / completions, "completions/clipped_ratio": truncated / completions,
-               "clip_ratio/low_mean": low / max(tokens, 1.0), "clip_ratio/high_mean": high / max(tokens, 1.0)}
+               "clip_ratio/low_mean": low / max(clippable, 1.0), "clip_ratio/high_mean": high / max(clippable, 1.0),
+               "entropy": entropy / max(tokens, 1.0)}
         for reward, s, c in zip(self.rewards, sums, counts):
             out[f"rewards/{reward.name}/mean"] = s / c if c else math.nan
         return out

@@ -5,8 +5,8 @@ What objectives/rl.py calls, each checked against TRL 1.16's GRPOTrainer on the 
 methods, tied to its accelerator and its batch layout; the formulas are TRL's (and the papers').
 
   advantages(rewards, G, scale)     GRPO: reward minus its group's mean, over the group's (or the batch's) std
-  rloo_advantages(rewards, G)       RLOO: reward minus the mean of the group's other G-1 rewards (its loss,
-                                    on whole-sequence ratios, comes with the objective)
+  rloo_advantages(rewards, G)       RLOO: reward minus the mean of the group's other G-1 rewards
+  sequence_policy_loss(...)         RLOO's loss: the clipped surrogate of whole-sequence ratios, mean over sequences
   policy_loss(...)                  the clipped surrogate with an optional KL to a reference, per token, and
                                     the sum and divisor the objective seam normalises by (see its docstring)
 """
@@ -107,3 +107,21 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
             raise ValueError("dr_grpo divides by max_completion_length: give it")
         return masked.sum() / max_completion_length, torch.tensor(float(logps.shape[0])), sums
     return masked.sum(), mask.sum().clamp(min=1.0), sums
+
+
+def sequence_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
+                         mask: torch.Tensor, epsilon_low: float = 0.2, epsilon_high: float = 0.2
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """RLOO's loss (TRL's RLOOTrainer): each sequence's ratio is exp of its summed token log-prob difference,
+    clipped as PPO clips it; the loss is the mean over sequences (returned as (sum, sequences, sums) as
+    policy_loss does). old_logps: per-token, (B, T), or None for the same weights (ratio 1)."""
+    mask = mask.to(logps.dtype)
+    seq = (logps * mask).sum(-1)
+    old = seq.detach() if old_logps is None else (old_logps * mask).sum(-1)
+    ratio = torch.exp(seq - old)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_sequence = -torch.min(ratio * advantages, clipped * advantages)
+    sums = {"clip_low": ((ratio < 1 - epsilon_low) & (advantages < 0)).to(mask.dtype).sum().detach(),
+            "clip_high": ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype).sum().detach(),
+            "tokens": torch.tensor(float(logps.shape[0]))}  # RLOO clips sequences: its clip ratios count them
+    return per_sequence.sum(), torch.tensor(float(logps.shape[0])), sums

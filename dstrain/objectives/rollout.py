@@ -13,6 +13,16 @@ over the probabilities after temperature, top-k and top-p). temperature 0 is gre
 EOS (kept in the completion); the batch stops when every row has stopped or at `max_new_tokens` (a completion
 that reached it without EOS is `truncated`). `keep_going(active)`, when given, decides for the batch, so ranks
 that must run the same number of forwards (ZeRO-3 gathers parameters inside each) can agree on it.
+
+Rollout engines. `rl.rollout_engine` names what samples: `sampler` (the above, the default) or a user's engine,
+`path/to/file.py:Name` or `package.module:Name`, for vLLM (a server, or colocated) or any other backend on GPUs:
+  engine = Name(tokenizer=..., sampling=Sampling(...), eos_token_id=..., pad_token_id=...)   once, at start
+  engine(model, prompt_ids, keys) -> list[list[int]]     each rollout: the completion of every prompt (EOS kept
+                                                        where one ended it), at most sampling.max_new_tokens each
+`model` is the policy being trained (the engine's module: push its weights to the server before generating;
+under ZeRO-3 gather them with deepspeed.zero.GatheredParameters on every rank together), `keys` the
+(seed, step, prompt place, completion index) of each row, for engines that can seed a row's sampling. An
+engine that ignores the keys still trains; only the sampler's rank-count invariance needs them.
 """
 from __future__ import annotations
 
@@ -66,6 +76,16 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cumulative = torch.cumsum(probs, dim=-1)
     picked = torch.searchsorted(cumulative, uniforms.to(cumulative.dtype).unsqueeze(-1) * cumulative[..., -1:])
     return picked.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+class Sampler:
+    """The built-in engine (`rl.rollout_engine: sampler`): `sample` below on the policy's own forward."""
+
+    def __init__(self, sampling: Sampling, eos_token_id: int, pad_token_id: int, keep_going=None, **_):
+        self.sampling, self.eos, self.pad, self.keep_going = sampling, eos_token_id, pad_token_id, keep_going
+
+    def __call__(self, model, prompt_ids: list[list[int]], keys: list[Sequence[int]]) -> list[list[int]]:
+        return sample(model, prompt_ids, keys, self.sampling, self.eos, self.pad, self.keep_going).completion_ids
 
 
 @torch.no_grad()

@@ -23,10 +23,11 @@ def test_exact_answer_reads_final_answers():
         rewards.exact_answer(PROMPTS, COMPLETIONS)
 
 
-def test_a_file_a_module_and_the_built_ins_load(tmp_path):
+def test_a_file_a_module_and_the_built_ins_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a file is found relative to the working directory, as data.path is
     (tmp_path / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
                                             "    return [1.0 if len(c) < 8 else None for c in completions]\n")
-    short = rewards.load("my_rewards.py:short", base=tmp_path)
+    short = rewards.load("my_rewards.py:short")
     assert short.fn(PROMPTS, COMPLETIONS) == [1.0, None, 1.0, 1.0]
     think = rewards.load("trl.rewards:think_format_reward")  # TRL's own, as users name it
     assert think.fn(completions=[[{"content": "<think>\nhm\n</think>\n4"}]]) == [1.0]
@@ -35,7 +36,7 @@ def test_a_file_a_module_and_the_built_ins_load(tmp_path):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("nothing", "name a built-in (exact_answer, format_regex) or 'path/to/file.py:function'"),
+    ("nothing", "name a built-in (exact_answer, format_regex) or 'path/to/file.py:name'"),
     ("missing.py:f", "no file missing.py"),
     ("json:nope", "json has no function nope"),
     ("no_such_package_x:f", "cannot import no_such_package_x"),

@@ -98,3 +98,33 @@ def test_rloo_leave_one_out_baseline_by_hand():
     assert normalized.std().item() == pytest.approx(1.0, rel=1e-3)
     with pytest.raises(ValueError, match="at least 2"):
         rl_math.rloo_advantages(torch.tensor([1.0]), 1)
+
+
+def test_rloo_sequence_loss_clips_whole_sequences():
+    """RLOO's ratio is exp(summed log-prob difference) per sequence: a sequence whose tokens each moved a little
+    can be clipped as a whole; the loss is the mean over sequences of -min(r A, clip(r) A)."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    old = torch.zeros(2, 3)
+    logps = torch.tensor([[0.1, 0.1, 5.0], [-0.05, 0.0, 0.0]], requires_grad=True)  # masked token ignored
+    adv = torch.tensor([1.0, -1.0])
+    summed, divisor, sums = rl_math.sequence_policy_loss(logps, old, adv, mask, 0.2, 0.2)
+    r0, r1 = torch.exp(torch.tensor(0.2)), torch.exp(torch.tensor(-0.05))
+    assert float(summed) == pytest.approx(float(-min(r0, 1.2) * 1.0 - min(-r1, -max(r1, 0.8))), rel=1e-6)
+    assert float(divisor) == 2 and float(sums["clip_high"]) == 1 and float(sums["clip_low"]) == 0
+    summed.backward()
+    assert torch.count_nonzero(logps.grad[0]) == 0  # clipped: no gradient
+    assert torch.allclose(logps.grad[1], torch.tensor([r1, r1, r1]))  # -(-1) x r x dlogp for each unmasked token
+
+
+def test_a_rollout_engines_answer_is_checked():
+    """An engine of the user's (rl.rollout_engine) answering too few rows or too many tokens is one line."""
+    from dstrain.config import RLSection
+    from dstrain.errors import UserError
+    from dstrain.objectives.rl import RL
+    rl = RL(RLSection(reward_funcs=["exact_answer"], max_completion_length=3))
+    rl.engine_name = "mine.py:Engine"
+    assert rl._check([torch.tensor([4, 5]), [6]], 2) == [[4, 5], [6]]
+    with pytest.raises(UserError, match="returned 1 completions for 2 prompts"):
+        rl._check([[4]], 2)
+    with pytest.raises(UserError, match="returned 4 tokens for prompt row 1; rl.max_completion_length is 3"):
+        rl._check([[4], [5, 6, 7, 8]], 2)

@@ -1,7 +1,8 @@
 """`data.format: prompt`: prompts to learn from rewards (dstrain/objectives/rl.py), in TRL's GRPO layout: a `prompt`
-column, text (tokenized as it is) or a list of messages (rendered with the run's chat template and its generation
-prompt, as TRL does). Every other column stays in the row: the reward functions receive them (e.g. `answer`).
-The completion is sampled during training; what tokenization makes here is `prompt_ids` and the row's index."""
+column, text (tokenized as TRL does: with the tokenizer's special tokens, a BOS where it adds one) or a list of
+messages (rendered with the run's chat template and its generation prompt, as TRL does). Every other column stays
+in the row: the reward functions receive them (e.g. `answer`). The completion is sampled during training; what
+tokenization makes here is `prompt_ids` and the row's index."""
 from __future__ import annotations
 
 from typing import Any
@@ -33,7 +34,7 @@ def row_problem(row: dict, cfg: DataConfig) -> str | None:
 
 def prompt_ids(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return tokenizer(prompt)["input_ids"]
     if not tokenizer.chat_template:
         raise UserError("the prompts are messages but the tokenizer has no chat template; set data.chat_template "
                         "(docs/data.md) or give text prompts")

@@ -1,0 +1,94 @@
+"""Learning from rewards against TRL 1.16 itself (issue 56): the same prompts, the same completions (fed to both,
+tests/fed_rollouts.py: nothing is sampled twice), the same reward functions and starting weights. A 2-rank ZeRO-3
+run (parameters partitioned, persistence threshold 0) against TRL's GRPOTrainer / RLOOTrainer in this process on
+one CPU, both fp32 with AdamW at a constant learning rate: per-step loss, pre-clip gradient norm, entropy and the
+reward metrics, for each GRPO loss type and for RLOO. With one update per rollout the loss is a function of the
+advantages and masks; the gradient norm and the entropy, steps 2 and 3, are what the weights after each update
+make of the same sequences, so a wrong gradient, normalisation or update shows there."""
+import json
+
+import pytest
+import torch
+
+from tests import fed_rollouts
+from tests.helpers import launch
+
+STEPS, LR, G, PROMPTS = 3, 1e-3, 4, ["Ada had two red lamps. Now Ada has", "Sam ran. Sam has",
+                                     "It was a warm day. Yuki had one stone and Kofi gave Yuki eight more. Now Yuki has",
+                                     "Lena has"]
+TEMPERATURE = 0.9  # the log-probs are those of logits / temperature on both sides
+PARTITIONED = ["--ds.zero_optimization.stage3_param_persistence_threshold=0"]
+COMPARED = ["loss", "grad_norm", "entropy", "reward", "reward_std", "rewards/vowels/mean", "rewards/brevity/mean",
+            "completions/mean_length", "completions/clipped_ratio"]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "three"}) + "\n" for p in PROMPTS))
+    return path
+
+
+def ours(tmp_path, cache, model_dir, data, extra) -> list[dict]:
+    run = tmp_path / "run"
+    launch(["--ds_config", "zero3.json", *PARTITIONED, f"--model.name_or_path={model_dir}", f"--data.path={data}",
+            "--data.format=prompt", "--data.val_fraction=0", "--output_dir", str(run),
+            "--rl.reward_funcs=[tests/fed_rollouts.py:vowels,tests/fed_rollouts.py:brevity]",
+            "--rl.reward_weights=[1.0,2.0]", "--rl.rollout_engine=tests/fed_rollouts.py:Fed",
+            f"--rl.num_generations={G}", f"--rl.max_completion_length={fed_rollouts.MAX_LEN}",
+            f"--rl.temperature={TEMPERATURE}", f"--train.max_steps={STEPS}", f"--train.lr={LR}",
+            "--train.warmup_steps=0", "--train.min_lr_ratio=1.0", "--train.weight_decay=0.0",
+            "--train.precision=fp32", "--train.micro_batch_size=2", "--train.seq_len=48", "--eval.every=0",
+            "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=0", "--checkpoint.export_hf=false",
+            *extra], cache)
+    return [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+def theirs(tmp_path, model_dir, algorithm: str, **config) -> list[dict]:
+    import datasets
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from tests.fed_rollouts import brevity, for_trl, vowels
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    common = dict(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, per_device_train_batch_size=len(PROMPTS) * G,
+                  gradient_accumulation_steps=1, num_generations=G, max_completion_length=fed_rollouts.MAX_LEN,
+                  temperature=TEMPERATURE, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                  weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,
+                  max_steps=STEPS, logging_steps=1, report_to=[], save_strategy="no", gradient_checkpointing=False,
+                  beta=0.0, reward_weights=[1.0, 2.0], dataloader_num_workers=0, seed=42, **config)
+    data = datasets.Dataset.from_list([{"prompt": p, "answer": "three"} for p in PROMPTS])
+    if algorithm == "grpo":
+        def rollout(prompts, trainer):
+            ids = trainer._tokenize_prompts(prompts)[0]  # TRL's own tokenization of the prompts
+            tok = trainer.processing_class
+            return {"prompt_ids": ids, "logprobs": None,
+                    "completion_ids": for_trl(ids, trainer.state.global_step + 1, len(tok), tok.eos_token_id)}
+        trainer = GRPOTrainer(model=model, reward_funcs=[vowels, brevity], args=GRPOConfig(**common),
+                              train_dataset=data, rollout_func=rollout)
+    else:
+        class Fed(RLOOTrainer):  # RLOOTrainer has no rollout_func: its one generation method, replaced
+            def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+                tok = self.processing_class
+                return for_trl(prompt_ids, self.state.global_step + 1, len(tok), tok.eos_token_id)
+        trainer = Fed(model=model, reward_funcs=[vowels, brevity], args=RLOOConfig(**common), train_dataset=data)
+    trainer.train()
+    return [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+
+
+@pytest.mark.parametrize("algorithm,loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("grpo", "dr_grpo"),
+                                                 ("grpo", "bnpo"), ("rloo", None)])
+def test_zero3_on_two_ranks_equals_trl(tmp_path, cache, tiny_llama, prompts_file, algorithm, loss_type):
+    extra = [f"--rl.algorithm={algorithm}"] + ([f"--rl.loss_type={loss_type}"] if loss_type else [])
+    got = ours(tmp_path, cache, tiny_llama, prompts_file, extra)
+    want = theirs(tmp_path, tiny_llama, algorithm, **({"loss_type": loss_type} if loss_type else {}))
+    assert len(got) == len(want) == STEPS
+    for name in COMPARED:
+        print(f"{algorithm}/{loss_type} {name}: ours {[r[name] for r in got]}\n{' ' * len(name)}  TRL  "
+              f"{[r[name] for r in want]}")
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        for name in COMPARED:
+            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (step, name)
+    assert got[-1]["grad_norm"] != pytest.approx(got[0]["grad_norm"], rel=1e-3)  # the updates changed the weights
