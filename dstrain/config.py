@@ -466,7 +466,11 @@ class RLSection:
     loss_type: str = "dapo"
     epsilon: float = 0.2  # the clipping range of the probability ratio
     epsilon_high: float | None = None  # its upper side (DAPO: 0.28); default: epsilon
-    beta: float = 0.0  # KL to the reference model; only 0 (no reference) so far
+    # weight of the KL to the reference (the starting weights; with LoRA the base, adapters off): GRPO adds beta x
+    # the k3 estimate per token to the loss, RLOO subtracts beta x the summed log-ratio from the reward (TRL's);
+    # 0 keeps no reference model (a second frozen copy otherwise, partitioned under ZeRO-3)
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True  # GRPO's KL term times the ratio: an unbiased gradient (TRL 1.16's default)
     num_iterations: int = 1  # updates per rollout batch; only 1 so far
     scale_rewards: str = "group"  # advantages divided by the group's reward std (`group`) or not (`none`)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
@@ -480,9 +484,8 @@ class RLSection:
                             f"prompt's completions with each other)")
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
             raise UserError(f"rl.max_completion_length={self.max_completion_length} must be a positive integer")
-        if self.beta != 0.0:
-            raise UserError(f"rl.beta={self.beta}: a KL term to a reference model is not supported yet; set rl.beta=0 "
-                            f"(TRL's default)")
+        if not isinstance(self.beta, (int, float)) or self.beta < 0:
+            raise UserError(f"rl.beta={self.beta} must be a number >= 0 (the weight of the KL to the reference)")
         if self.num_iterations != 1:
             raise UserError(f"rl.num_iterations={self.num_iterations}: several updates per rollout batch are not "
                             f"supported yet; set rl.num_iterations=1 (TRL's default)")

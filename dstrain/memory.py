@@ -48,6 +48,7 @@ GiB = 1024 ** 3
 BACKWARD = ("activations", "buffers")        # alive during forward/backward only
 STEP = ("optimizer_step",)                   # alive during the optimizer step only
 OUTER = ("diloco_sync",)                     # alive during DiLoCo's outer step only (after the optimizer step)
+ROLLOUT = ("rollout_kv_cache",)              # alive while RL samples completions, before the step's forwards
 # Configs tried, most memory-hungry first, when a recipe does not fit.
 LADDER = ["zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json", "zero3_nvme.json"]
 
@@ -64,11 +65,12 @@ class Estimate:
     @property
     def device_total(self) -> int:
         """The peak: persistent states plus the larger of the backward phase and the optimizer-step phase."""
-        persistent = sum(v for k, v in self.device.items() if k not in BACKWARD + STEP + OUTER)
+        persistent = sum(v for k, v in self.device.items() if k not in BACKWARD + STEP + OUTER + ROLLOUT)
         backward = sum(self.device.get(k, 0) for k in BACKWARD)
         step = sum(self.device.get(k, 0) for k in STEP)
         outer = sum(self.device.get(k, 0) for k in OUTER)
-        return persistent + max(backward, step, outer)
+        rollout = sum(self.device.get(k, 0) for k in ROLLOUT) + self.device.get("buffers", 0)
+        return persistent + max(backward, step, outer, rollout)
 
 
 def _dims(config) -> tuple[int, int, int, int]:
@@ -153,7 +155,27 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w
     est = Estimate(parameters, psi, device, host, checkpointed, full)
     est.device["activations"] = checkpointed if train.activation_checkpointing else full
+    if recipe.data.format == "prompt":
+        est.device.update(_rl(config, recipe, stored // (n if stage == 3 else 1), w))
     return est
+
+
+def _rl(config, recipe, stored_params: int, w: int) -> dict:
+    """Learning from rewards (objectives/rl.py): the reference (rl.beta > 0 without LoRA: a frozen copy of the
+    weights, partitioned as the policy's under ZeRO-3) for the whole run, and while the built-in sampler runs,
+    the KV cache of a step's rollout (every micro-batch's prompts x rl.num_generations rows at once, keys and
+    values of every layer up to train.seq_len) and one position's fp32 logits and probabilities."""
+    train, rl = recipe.train, recipe.rl
+    hidden, layers, _, vocab = _dims(config)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
+                                                                          or hidden // heads)
+    micro_batches = train.grad_accum_steps  # a rank's micro-batches of the step: sampled together
+    rows = train.micro_batch_size * rl.num_generations * micro_batches
+    out = {"rollout_kv_cache": 2 * layers * rows * train.seq_len * kv_width * w + rows * vocab * 12}
+    if rl.beta != 0.0 and not recipe.lora.enabled:
+        out["reference_model"] = stored_params
+    return out
 
 
 def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: bool) -> tuple[dict, dict]:

@@ -47,6 +47,7 @@ class RL:
             raise UserError(f"train.seq_len={recipe.train.seq_len} leaves no room for a prompt beside "
                             f"rl.max_completion_length={self.cfg.max_completion_length}; raise train.seq_len")
         self.prompt_room, self.seed, self.micro = room, recipe.train.seed, recipe.train.micro_batch_size
+        self.setup, self.reference, self.adapters_off = setup, None, self.cfg.beta != 0 and recipe.lora.enabled
         self.prompt_field = recipe.data.prompt_field
         params = {"pattern": self.cfg.format_pattern} if self.cfg.format_pattern else {}
         if "format_regex" in self.cfg.reward_funcs and not params:
@@ -105,18 +106,56 @@ class RL:
                        for p, t in zip(prompts, texts)]
         per_func, total = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
                                            out.completion_ids, columns)
-        if self.cfg.algorithm == "rloo":
-            advantages = rl_math.rloo_advantages(total, G, self.cfg.normalize_advantages)
-        else:
-            advantages = rl_math.advantages(total, G, self.cfg.scale_rewards)
         made, start = [], 0
         for batch in micro_batches:
             n = len(batch["prompt_ids"]) * G
             made.append(self._tensors(ids[start:start + n], out.completion_ids[start:start + n],
-                                      out.truncated[start:start + n], advantages[start:start + n],
-                                      total[start:start + n], per_func[start:start + n]))
+                                      out.truncated[start:start + n], total[start:start + n],
+                                      per_func[start:start + n]))
             start += n
+        penalised = total
+        if self.cfg.beta != 0.0:
+            for batch in made:
+                batch["ref_logps"] = self._reference_logps(engine, batch)
+            if self.cfg.algorithm == "rloo":  # RLOO: the KL, summed over each sequence, is a penalty on its reward
+                for batch in made:  # (first-order: log pi_old - log pi_ref, TRL's RLOOTrainer)
+                    with torch.no_grad():
+                        old = self._logps(engine, {k: v.to(engine.device) for k, v in batch.items()})[0].cpu()
+                    batch["kl"] = (old - batch["ref_logps"]) * batch["completion_mask"]
+                penalised = total - self.cfg.beta * torch.cat([b["kl"].sum(-1) for b in made])
+        if self.cfg.algorithm == "rloo":
+            advantages = rl_math.rloo_advantages(penalised, G, self.cfg.normalize_advantages)
+        else:
+            advantages = rl_math.advantages(penalised, G, self.cfg.scale_rewards)
+        for batch, part in zip(made, advantages.split([b["input_ids"].shape[0] for b in made])):
+            batch["advantages"] = part.float()
         return made
+
+    @torch.no_grad()
+    def _reference_logps(self, engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference's per-token log-probs of a micro-batch's completions (on the host): the frozen copy of
+        the starting weights, or with LoRA the policy with its adapters switched off (no second model)."""
+        on_device = {k: v.to(engine.device) for k, v in batch.items()}
+        if self.adapters_off:
+            with getattr(engine, "module", engine).disable_adapter():
+                return self._logps(engine, on_device)[0].cpu()
+        if self.reference is None:
+            raise RuntimeError("the reference model is built in before_training")
+        return self._logps(self.reference, on_device)[0].cpu()
+
+    def _logps(self, model, batch: dict[str, torch.Tensor], entropy: bool = False):
+        """(per-token log-probs of the completions under `model` at logits / temperature, their entropies or
+        None): what the loss, the reference and RLOO's old policy all compute the same way."""
+        ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+        width_c = mask.shape[1]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
+        logits = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
+        if self.cfg.temperature > 0:  # the sampling distribution's log-probs, as TRL computes them
+            logits = logits / self.cfg.temperature
+        every = torch.log_softmax(logits, dim=-1)
+        logps = every.gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)
+        return logps, (-(every.exp() * every).sum(-1).detach() if entropy else None)
 
     def _check(self, completions, rows: int) -> list[list[int]]:
         """An engine's answer, checked: one list of token ids per prompt, none longer than allowed."""
@@ -135,7 +174,7 @@ class RL:
         return out
 
     def _tensors(self, prompts: list[list[int]], completions: list[list[int]], truncated: list[bool],
-                 advantages: torch.Tensor, total: torch.Tensor, per_func: torch.Tensor) -> dict[str, torch.Tensor]:
+                 total: torch.Tensor, per_func: torch.Tensor) -> dict[str, torch.Tensor]:
         """Left-padded prompts and right-padded completions in one row each; completion_mask marks what trains."""
         width_p, width_c = max(len(p) for p in prompts), max(max(len(c) for c in completions), 1)
         rows = len(prompts)
@@ -149,7 +188,7 @@ class RL:
             if not (truncated[r] and self.cfg.mask_truncated_completions):
                 completion_mask[r, :len(c)] = 1
         return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion_mask,
-                "advantages": advantages.float(), "rewards": total.float(), "rewards_per_func": per_func.float(),
+                "rewards": total.float(), "rewards_per_func": per_func.float(),
                 "completion_length": torch.tensor([float(len(c)) for c in completions]),
                 "truncated": torch.tensor([float(t) for t in truncated])}
 
@@ -165,38 +204,32 @@ class RL:
         return batch
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
-        ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-        width_c = mask.shape[1]
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
-        logits = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
-        if self.cfg.temperature > 0:  # the sampling distribution's log-probs, as TRL computes them
-            logits = logits / self.cfg.temperature
-        every = torch.log_softmax(logits, dim=-1)
-        logps = every.gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)
-        entropy = -(every.exp() * every).sum(-1).detach()  # of the sampling distribution, per completion token
+        mask = batch["completion_mask"]
+        logps, entropy = self._logps(model, batch, entropy=True)
         cfg = self.cfg
         if cfg.algorithm == "rloo":
             summed, _, sums = rl_math.sequence_policy_loss(logps, None, batch["advantages"], mask, cfg.epsilon,
                                                            cfg.epsilon_high)
         else:
             summed, _, sums = rl_math.policy_loss(logps, None, batch["advantages"], mask, cfg.loss_type,
-                                                  cfg.epsilon, cfg.epsilon_high, 0.0, None, cfg.max_completion_length)
+                                                  cfg.epsilon, cfg.epsilon_high, cfg.beta, batch.get("ref_logps"),
+                                                  cfg.max_completion_length, cfg.use_bias_correction_kl)
         rewards, per_func = batch["rewards"], batch["rewards_per_func"]
         scored = ~torch.isnan(rewards)
         stats = [torch.nansum(rewards), torch.nansum(rewards ** 2), scored.float().sum(),
                  batch["completion_length"].sum(), batch["truncated"].sum(), sums["clip_low"], sums["clip_high"],
-                 sums["tokens"], (entropy * mask).sum(), mask.sum()]
+                 sums["tokens"], (entropy * mask).sum(), mask.sum(),
+                 sums["kl"] if "kl" in sums else batch["kl"].sum() if "kl" in batch else torch.zeros(())]
         stats += [torch.nansum(per_func, dim=0), (~torch.isnan(per_func)).float().sum(dim=0)]
-        return summed, torch.cat([torch.stack(stats[:10]).float(), stats[10].float(), stats[11].float()])
+        return summed, torch.cat([torch.stack(stats[:11]).float(), stats[11].float(), stats[12].float()])
 
     def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
         """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean, the mean
         completion length, the share cut at max_completion_length, the share of tokens (RLOO: sequences) clipped each
         way, the mean entropy of the sampling distribution over completion tokens."""
-        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens = stats[:10]
+        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens, kl = stats[:11]
         funcs = len(self.rewards)
-        sums, counts = stats[10:10 + funcs], stats[10 + funcs:10 + 2 * funcs]
+        sums, counts = stats[11:11 + funcs], stats[11 + funcs:11 + 2 * funcs]
         completions = max(totals["completions"], 1.0)
         mean = total / scored if scored else math.nan
         variance = (squares - scored * mean ** 2) / (scored - 1) if scored > 1 else math.nan
@@ -204,9 +237,21 @@ class RL:
                "completions/mean_length": length / completions, "completions/clipped_ratio": truncated / completions,
                "clip_ratio/low_mean": low / max(clippable, 1.0), "clip_ratio/high_mean": high / max(clippable, 1.0),
                "entropy": entropy / max(tokens, 1.0)}
+        if self.cfg.beta != 0.0:  # GRPO: the k3 estimate per token; RLOO: log pi_old - log pi_ref per token
+            out["kl"] = kl / max(tokens, 1.0)
         for reward, s, c in zip(self.rewards, sums, counts):
             out[f"rewards/{reward.name}/mean"] = s / c if c else math.nan
         return out
 
     def before_training(self, engine, datasets: list, *args) -> list:
+        """rl.beta > 0 without LoRA: the reference, a frozen copy of the starting weights (frozen.py)."""
+        if self.cfg.beta != 0.0 and not self.adapters_off:
+            from dataclasses import replace
+
+            from . import frozen
+            recipe = self.setup.recipe
+            source = recipe.model if self.setup.init_from is None else replace(  # --init_from's weights
+                recipe.model, name_or_path=str(self.setup.run_dir / "init_weights"), from_scratch="false")
+            self.reference, self._reference_hf_config = frozen.build(source, recipe.train, self.setup.ds_cfg,
+                                                                     self.tokenizer)
         return datasets

@@ -66,8 +66,8 @@ def rloo_advantages(rewards: torch.Tensor, generations: int, normalize: bool = F
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
                 loss_type: str = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-                ref_logps: torch.Tensor | None = None, max_completion_length: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                ref_logps: torch.Tensor | None = None, max_completion_length: int | None = None,
+                bias_correction_kl: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate (PPO's, as GRPO uses it) of completion tokens, plus beta x the k3 estimate of the KL
     to the reference.
 
@@ -80,7 +80,10 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
       dr_grpo  the token losses' sum / (sequences x max_completion_length) (divisor: sequences)
       dapo     the token losses' sum / completion tokens                 (divisor: tokens)
       bnpo     as dapo, but TRL divides per micro-batch: equal to it when there is one micro-batch per rank
-    `sums`: the masked sums of the per-token KL and of the clipped-token indicators (low, high), for the metrics."""
+    bias_correction_kl (TRL's use_bias_correction_kl, on by default in 1.16): the KL term times the ratio, so its
+    gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2); the value is unchanged at ratio 1, the gradient
+    is not. `sums`: the masked sums of the per-token KL and of the clipped-token indicators (low, high), for the
+    metrics."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
     mask = mask.to(logps.dtype)
@@ -94,6 +97,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference's log-probabilities")
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if bias_correction_kl:
+            kl = kl * ratio  # and so logged, as TRL logs it
         per_token = per_token + beta * kl
         sums["kl"] = (kl.detach() * mask).sum()
     sums["clip_low"] = (((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype) * mask).sum().detach()

@@ -45,7 +45,8 @@ def ours(tmp_path, cache, model_dir, data, extra) -> list[dict]:
             if "loss" in r]
 
 
-def theirs(tmp_path, model_dir, algorithm: str, **config) -> list[dict]:
+def theirs(tmp_path, model_dir, algorithm: str, beta: float = 0.0, peft_config=None, learning_rate=LR,
+           **config) -> list[dict]:
     import datasets
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -55,10 +56,10 @@ def theirs(tmp_path, model_dir, algorithm: str, **config) -> list[dict]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     common = dict(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, per_device_train_batch_size=len(PROMPTS) * G,
                   gradient_accumulation_steps=1, num_generations=G, max_completion_length=fed_rollouts.MAX_LEN,
-                  temperature=TEMPERATURE, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                  temperature=TEMPERATURE, learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0,
                   weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,
                   max_steps=STEPS, logging_steps=1, report_to=[], save_strategy="no", gradient_checkpointing=False,
-                  beta=0.0, reward_weights=[1.0, 2.0], dataloader_num_workers=0, seed=42, **config)
+                  beta=beta, reward_weights=[1.0, 2.0], dataloader_num_workers=0, seed=42, **config)
     data = datasets.Dataset.from_list([{"prompt": p, "answer": "three"} for p in PROMPTS])
     if algorithm == "grpo":
         def rollout(prompts, trainer):
@@ -67,28 +68,50 @@ def theirs(tmp_path, model_dir, algorithm: str, **config) -> list[dict]:
             return {"prompt_ids": ids, "logprobs": None,
                     "completion_ids": for_trl(ids, trainer.state.global_step + 1, len(tok), tok.eos_token_id)}
         trainer = GRPOTrainer(model=model, reward_funcs=[vowels, brevity], args=GRPOConfig(**common),
-                              train_dataset=data, rollout_func=rollout)
+                              train_dataset=data, rollout_func=rollout, peft_config=peft_config)
     else:
         class Fed(RLOOTrainer):  # RLOOTrainer has no rollout_func: its one generation method, replaced
             def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
                 tok = self.processing_class
                 return for_trl(prompt_ids, self.state.global_step + 1, len(tok), tok.eos_token_id)
-        trainer = Fed(model=model, reward_funcs=[vowels, brevity], args=RLOOConfig(**common), train_dataset=data)
+        trainer = Fed(model=model, reward_funcs=[vowels, brevity], args=RLOOConfig(**common), train_dataset=data,
+                      peft_config=peft_config)
     trainer.train()
     return [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
 
 
-@pytest.mark.parametrize("algorithm,loss_type", [("grpo", "dapo"), ("grpo", "grpo"), ("grpo", "dr_grpo"),
-                                                 ("grpo", "bnpo"), ("rloo", None)])
-def test_zero3_on_two_ranks_equals_trl(tmp_path, cache, tiny_llama, prompts_file, algorithm, loss_type):
-    extra = [f"--rl.algorithm={algorithm}"] + ([f"--rl.loss_type={loss_type}"] if loss_type else [])
+CASES = {  # id: (algorithm, loss_type, beta, LoRA)
+    "dapo": ("grpo", "dapo", 0.0, False), "grpo": ("grpo", "grpo", 0.0, False),
+    "dr_grpo": ("grpo", "dr_grpo", 0.0, False), "bnpo": ("grpo", "bnpo", 0.0, False),
+    "rloo": ("rloo", None, 0.0, False),
+    # a KL to the reference: a frozen copy of the starting weights, partitioned like the policy
+    "dapo-kl": ("grpo", "dapo", 0.5, False), "rloo-kl": ("rloo", None, 0.5, False),
+    # LoRA: the reference is the policy with its adapters switched off, as TRL's with peft
+    "grpo-kl-lora": ("grpo", "grpo", 0.5, True),
+}
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3_on_two_ranks_equals_trl(tmp_path, cache, tiny_llama, prompts_file, case):
+    algorithm, loss_type, beta, lora = CASES[case]
+    extra = [f"--rl.algorithm={algorithm}", f"--rl.beta={beta}"] + (
+        [f"--rl.loss_type={loss_type}"] if loss_type else []) + (
+        [f"--lora.r={LORA['r']}", f"--lora.alpha={LORA['lora_alpha']}", "--train.lr=1e-2"] if lora else [])
     got = ours(tmp_path, cache, tiny_llama, prompts_file, extra)
-    want = theirs(tmp_path, tiny_llama, algorithm, **({"loss_type": loss_type} if loss_type else {}))
+    config = {"loss_type": loss_type} if loss_type else {}
+    if lora:
+        from peft import LoraConfig
+        config |= {"peft_config": LoraConfig(**LORA), "learning_rate": 1e-2}
+    want = theirs(tmp_path, tiny_llama, algorithm, beta, **config)
     assert len(got) == len(want) == STEPS
-    for name in COMPARED:
-        print(f"{algorithm}/{loss_type} {name}: ours {[r[name] for r in got]}\n{' ' * len(name)}  TRL  "
-              f"{[r[name] for r in want]}")
+    compared = COMPARED + (["kl"] if beta else [])
+    for name in compared:
+        print(f"{case} {name}: ours {[r[name] for r in got]}\n{' ' * len(name)}  TRL  {[r[name] for r in want]}")
     for step, (a, b) in enumerate(zip(got, want), start=1):
-        for name in COMPARED:
+        for name in compared:
             assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (step, name)
     assert got[-1]["grad_norm"] != pytest.approx(got[0]["grad_norm"], rel=1e-3)  # the updates changed the weights
+    if beta:
+        # the policy left the reference (RLOO's first-order estimate can be negative)
+        assert got[0]["kl"] == pytest.approx(0.0, abs=1e-6) and abs(got[-1]["kl"]) > 1e-4

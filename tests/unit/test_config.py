@@ -57,7 +57,7 @@ def test_override_values_are_typed():
     (["--log.flops_profile_step=0"], "log.flops_profile_step=0 must be a step number >= 1"),
     (["--data.format=prompt"], "data.format=prompt learns from rewards: name at least one in rl.reward_funcs"),
     (["--rl.num_generations=1"], "rl.num_generations=1 must be an integer >= 2"),
-    (["--rl.beta=0.04"], "rl.beta=0.04: a KL term to a reference model is not supported yet"),
+    (["--rl.beta=-0.1"], "rl.beta=-0.1 must be a number >= 0"),
     (["--rl.loss_type=ppo"], "rl.loss_type='ppo' is not one of dapo, grpo, dr_grpo, bnpo"),
     (["--rl.max_completion_length=16"], "rl.* keys are set but data.format=text: set --data.format=prompt"),
     (["--log.trace_steps=1-3"], "log.trace_steps=1-3 must be steps A-B with 2 <= A <= B"),

@@ -238,3 +238,29 @@ def test_memory_json_says_what_a_cpu_ranks_peak_holds(tmp_path, monkeypatch):
         said = json.loads((tmp_path / "memory.json").read_text())["allocator"]
         assert ("MALLOC_MMAP_THRESHOLD_=131072: freed tensors leave RSS" in said) if value else \
             said.startswith("glibc's default: the peak includes freed tensors"), said
+
+
+def test_rl_counts_the_reference_and_the_rollouts_kv_cache(llama8b):
+    """data.format=prompt: the reference (rl.beta > 0, not with LoRA) is one more copy of the 16-bit weights,
+    partitioned under ZeRO-3; the rollout's KV cache (prompts x generations rows, K and V of every layer, 8
+    key/value heads x 128) is its own phase, beside the gathered parameters, not on top of the activations."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(llama8b)
+    psi = memory.count_parameters(config)
+    rl = ["--data.format=prompt", "--rl.reward_funcs=[exact_answer]", "--rl.num_generations=8",
+          "--train.micro_batch_size=2", "--train.grad_accum_steps=4", "--train.seq_len=1024"]
+    for stage, beta, lora in ((3, 0.04, False), (2, 0.04, False), (3, 0.0, False), (3, 0.04, True)):
+        r = recipe(llama8b, *rl, f"--rl.beta={beta}", *(["--lora.r=16"] if lora else []))
+        cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU, hidden_size=4096)
+        est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32))
+        rows = 2 * 4 * 8
+        assert est.device["rollout_kv_cache"] == 2 * 32 * rows * 1024 * 8 * 128 * 2 + rows * 128256 * 12
+        if beta and not lora:
+            assert est.device["reference_model"] == 2 * psi // (32 if stage == 3 else 1)
+        else:
+            assert "reference_model" not in est.device
+        without = memory.Estimate(psi, psi, dict(est.device, rollout_kv_cache=0)).device_total
+        phases = memory.BACKWARD + memory.STEP + memory.OUTER + memory.ROLLOUT
+        persistent = sum(v for k, v in est.device.items() if k not in phases)
+        rollout = persistent + est.device["rollout_kv_cache"] + est.device["buffers"]
+        assert est.device_total == max(without, rollout) < without + est.device["rollout_kv_cache"]

@@ -11,7 +11,7 @@ from dstrain.objectives import rl_math
 pytest.importorskip("trl")
 
 
-def _trl_loss(logps, old, ref, advantages, mask, loss_type, beta, eps_low, eps_high, max_len):
+def _trl_loss(logps, old, ref, advantages, mask, loss_type, beta, eps_low, eps_high, max_len, bias_kl=True):
     """TRL's GRPOTrainer._compute_loss with one process, no gradient accumulation, one generation step."""
     from trl import GRPOTrainer
 
@@ -20,7 +20,7 @@ def _trl_loss(logps, old, ref, advantages, mask, loss_type, beta, eps_low, eps_h
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        args=SimpleNamespace(use_bias_correction_kl=bias_kl, delta=None, steps_per_generation=1),
         loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, max_completion_length=max_len,
         accelerator=accelerator, _entropy_bonus_enabled=False, aux_loss_enabled=False,
@@ -37,8 +37,9 @@ def _trl_loss(logps, old, ref, advantages, mask, loss_type, beta, eps_low, eps_h
 
 
 @pytest.mark.parametrize("loss_type", rl_math.LOSS_TYPES)
-@pytest.mark.parametrize("beta,iterations", [(0.0, 1), (0.04, 1), (0.04, 2)])
-def test_policy_loss_and_gradient_equal_trls(loss_type, beta, iterations):
+@pytest.mark.parametrize("beta,iterations,bias_kl", [(0.0, 1, True), (0.04, 1, True), (0.04, 1, False),
+                                                     (0.04, 2, True), (0.04, 2, False)])
+def test_policy_loss_and_gradient_equal_trls(loss_type, beta, iterations, bias_kl):
     g = torch.Generator().manual_seed(0)
     batch, length, max_len = 6, 7, 9
     base = -torch.rand(batch, length, generator=g) * 3
@@ -50,9 +51,9 @@ def test_policy_loss_and_gradient_equal_trls(loss_type, beta, iterations):
     ours_in, trl_in = base.clone().requires_grad_(), base.clone().requires_grad_()
 
     loss_sum, divisor, sums = rl_math.policy_loss(ours_in, old, advantages, mask, loss_type, 0.2, 0.28, beta, ref,
-                                                  max_len)
+                                                  max_len, bias_kl)
     ours = loss_sum / divisor
-    theirs, logged = _trl_loss(trl_in, old, ref, advantages, mask, loss_type, beta, 0.2, 0.28, max_len)
+    theirs, logged = _trl_loss(trl_in, old, ref, advantages, mask, loss_type, beta, 0.2, 0.28, max_len, bias_kl)
     ours.backward()
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-7)
