@@ -5,7 +5,7 @@ import json
 import pytest
 from PIL import Image
 
-from tests.helpers import ROOT, launch, metrics, readme_command
+from tests.helpers import ROOT, kill_rank_after_checkpoint, launch, metrics, readme_command
 
 
 @pytest.fixture(scope="module")
@@ -177,26 +177,53 @@ def test_tiny_grpo_recipe_learns_from_its_rewards(tmp_path, cache, default_run):
                 "clip_ratio/low_mean"} <= set(row) and row["loss"] == row["loss"]
 
 
-def test_grpo_losses_do_not_depend_on_the_number_of_ranks(tmp_path, cache, default_run):
-    """The same global batch (8 prompts x 8 completions) on 1 rank (accumulating 2 micro-batches) and on 2 ranks:
-    each completion is sampled from its own (seed, step, place, completion) stream, the groups' advantages stay on
-    their rank, and DAPO's loss is normalised by the whole batch's completion tokens, so the losses agree
-    (measured: identical to the last digit). ZeRO-3 on 2 ranks is compared with TRL in test_rl_vs_trl.py."""
-    common = readme_command("tiny/grpo") + [f"--model.name_or_path={default_run[0] / 'hf'}", "--train.max_steps=3",
-                                            "--log.wandb=false", "--checkpoint.export_hf=false",
-                                            "--train.micro_batch_size=4"]
-    runs = {}
-    for ranks, ds in ((1, "zero2.json"), (2, "zero2.json")):
-        runs[ranks, ds] = tmp_path / f"r{ranks}-{ds}"
-        launch(common + ["--output_dir", str(runs[ranks, ds]), f"--train.grad_accum_steps={3 - ranks}",
-                         "--ds_config", ds], cache, launcher="deepspeed", nproc=ranks)
-    one, *others = (_rl_rows(run) for run in runs.values())
-    print({f"{k[0]} rank(s) {k[1]}": [r["loss"] for r in _rl_rows(v)] for k, v in runs.items()})
-    for other in others:
-        assert [r["reward"] for r in one] == [r["reward"] for r in other]  # the same completions, scored the same
-        for a, b in zip(one, other):
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["tokens"] == b["tokens"]
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+def _grpo_args(default_run, run) -> list[str]:
+    return readme_command("tiny/grpo") + [f"--model.name_or_path={default_run[0] / 'hf'}", "--train.max_steps=4",
+                                          "--log.wandb=false", "--checkpoint.export_hf=false", "--checkpoint.every=2",
+                                          "--checkpoint.keep_last=2", "--train.micro_batch_size=4",
+                                          "--output_dir", str(run)]
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, cache, default_run):
+    """The same GRPO run (8 prompts x 8 completions a step) on 1 rank (accumulating 2 micro-batches) and on 2."""
+    root = tmp_path_factory.mktemp("grpo")
+    runs = {1: root / "one", 2: root / "two"}
+    for ranks, run in runs.items():
+        launch(_grpo_args(default_run, run) + [f"--train.grad_accum_steps={3 - ranks}"], cache,
+               launcher="deepspeed", nproc=ranks)
+    return runs
+
+
+def test_grpo_losses_do_not_depend_on_the_number_of_ranks(grpo_runs):
+    """Each completion is sampled from its own (seed, step, place, completion) stream, the groups' advantages stay
+    on their rank, and DAPO's loss is normalised by the whole batch's completion tokens, so 1 rank and 2 log the
+    same losses (measured: identical to the last digit). ZeRO-3 on 2 ranks is compared with TRL in
+    test_rl_vs_trl.py."""
+    one, two = _rl_rows(grpo_runs[1]), _rl_rows(grpo_runs[2])
+    print({"1 rank": [r["loss"] for r in one], "2 ranks": [r["loss"] for r in two]})
+    assert len(one) == len(two) == 4
+    assert [r["reward"] for r in one] == [r["reward"] for r in two]  # the same completions, scored the same
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["tokens"] == b["tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_grpo_killed_with_sigkill_resumes_on_one_rank_as_if_never_stopped(tmp_path, cache, default_run, grpo_runs):
+    """kill -9 a rank of the 2-rank GRPO run after its step-2 checkpoint; resume it on 1 rank (grad_accum_steps
+    doubled: the same global batch). Steps 3 and 4 sample the same completions (the sampler's streams are keyed
+    by step and place, nothing carried in memory), read the same prompts (the stream's position is checkpointed),
+    and log the uninterrupted run's rewards and losses."""
+    run = tmp_path / "run"
+    args = _grpo_args(default_run, run) + ["--world_size=2"]
+    killed = kill_rank_after_checkpoint(args, run, cache, step=2, rank=1)
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    launch(args, cache, launcher="python")
+    got, want = _rl_rows(run), _rl_rows(grpo_runs[2])
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["reward"] for r in got] == [r["reward"] for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
 
 
 def test_flops_per_token_agrees_with_deepspeeds_profiler(tmp_path, cache):
