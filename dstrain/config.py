@@ -471,6 +471,13 @@ class RLSection:
     # 0 keeps no reference model (a second frozen copy otherwise, partitioned under ZeRO-3)
     beta: float = 0.0
     use_bias_correction_kl: bool = True  # GRPO's KL term times the ratio: an unbiased gradient (TRL 1.16's default)
+    # on-policy distillation: a teacher (any causal LM with the student's tokenizer; frozen, partitioned under
+    # ZeRO-3, offloaded with offload_param) scores every token of the student's own completions by the generalized
+    # JSD of their next-token distributions, averaged over completion tokens: alone (no reward_funcs) or added to
+    # the reward loss x distill_weight
+    teacher: str | None = None
+    distill_beta: float = 1.0  # 1: reverse KL(student || teacher), 0: forward KL, between: JSD (TRL GKD's beta)
+    distill_weight: float = 1.0  # the distillation loss's weight beside the reward loss
     num_iterations: int = 1  # updates per rollout batch; only 1 so far
     scale_rewards: str = "group"  # advantages divided by the group's reward std (`group`) or not (`none`)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
@@ -484,6 +491,8 @@ class RLSection:
                             f"prompt's completions with each other)")
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
             raise UserError(f"rl.max_completion_length={self.max_completion_length} must be a positive integer")
+        if not 0.0 <= self.distill_beta <= 1.0:
+            raise UserError(f"rl.distill_beta={self.distill_beta} must be in [0, 1] (1: reverse KL, 0: forward KL)")
         if not isinstance(self.beta, (int, float)) or self.beta < 0:
             raise UserError(f"rl.beta={self.beta} must be a number >= 0 (the weight of the KL to the reference)")
         if self.num_iterations != 1:
@@ -525,9 +534,10 @@ class Recipe:
         if self.data.format != "preference" and self.preference != PreferenceSection():
             raise UserError(f"preference.* keys are set but data.format={self.data.format}: set "
                             f"--data.format=preference for preference pairs, or drop the preference keys")
-        if self.data.format == "prompt" and not self.rl.reward_funcs:
-            raise UserError("data.format=prompt learns from rewards: name at least one in rl.reward_funcs (e.g. "
-                            "`exact_answer`, `path/to/rewards.py:function`; docs/fine-tuning.md)")
+        if self.data.format == "prompt" and not self.rl.reward_funcs and not self.rl.teacher:
+            raise UserError("data.format=prompt learns from rewards or a teacher: name at least one function in "
+                            "rl.reward_funcs (e.g. `exact_answer`, `path/to/rewards.py:function`) or a model in "
+                            "rl.teacher (docs/fine-tuning.md)")
         if self.data.format != "prompt" and self.rl != RLSection():
             raise UserError(f"rl.* keys are set but data.format={self.data.format}: set --data.format=prompt to "
                             f"learn from rewards, or drop the rl keys")

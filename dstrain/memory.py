@@ -156,13 +156,14 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     est = Estimate(parameters, psi, device, host, checkpointed, full)
     est.device["activations"] = checkpointed if train.activation_checkpointing else full
     if recipe.data.format == "prompt":
-        est.device.update(_rl(config, recipe, stored // (n if stage == 3 else 1), w))
+        est.device.update(_rl(config, recipe, stored // (n if stage == 3 else 1), w, n if stage == 3 else 1))
     return est
 
 
-def _rl(config, recipe, stored_params: int, w: int) -> dict:
+def _rl(config, recipe, stored_params: int, w: int, shards: int) -> dict:
     """Learning from rewards (objectives/rl.py): the reference (rl.beta > 0 without LoRA: a frozen copy of the
-    weights, partitioned as the policy's under ZeRO-3) for the whole run, and while the built-in sampler runs,
+    weights, partitioned as the policy's under ZeRO-3) and the teacher (rl.teacher: its own parameters, in the
+    run's precision, partitioned likewise) for the whole run, and while the built-in sampler runs,
     the KV cache of a step's rollout (every micro-batch's prompts x rl.num_generations rows at once, keys and
     values of every layer up to train.seq_len) and one position's fp32 logits and probabilities."""
     train, rl = recipe.train, recipe.rl
@@ -175,6 +176,11 @@ def _rl(config, recipe, stored_params: int, w: int) -> dict:
     out = {"rollout_kv_cache": 2 * layers * rows * train.seq_len * kv_width * w + rows * vocab * 12}
     if rl.beta != 0.0 and not recipe.lora.enabled:
         out["reference_model"] = stored_params
+    if rl.teacher:
+        from .config import ModelConfig
+        from .model import load_config
+        teacher = load_config(ModelConfig(name_or_path=rl.teacher), train.seq_len)[1]
+        out["teacher_model"] = w * count_parameters(teacher) // shards
     return out
 
 

@@ -33,9 +33,10 @@ class RL:
 
     def __init__(self, cfg: RLSection):
         self.cfg = cfg
-        by_tokens = cfg.algorithm == "grpo" and cfg.loss_type in ("dapo", "bnpo")
+        by_tokens = (cfg.algorithm == "grpo" and cfg.loss_type in ("dapo", "bnpo")) or not cfg.reward_funcs
         self.primary = "completion_tokens" if by_tokens else "completions"
         self.sampling = rollout.Sampling(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k)
+        self.temperature = cfg.temperature if cfg.temperature > 0 else 1.0  # greedy sampling: the plain logits
 
     def validate(self, setup) -> None:
         recipe, layout = setup.recipe, setup.layout
@@ -60,6 +61,9 @@ class RL:
         if self.eos is None:
             raise UserError("the tokenizer has no eos_token: a completion could not end; set one on the model")
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        if self.cfg.teacher:
+            self._check_teacher(setup)
+        self.teacher = None  # built in before_training
         self.engine_name = self.cfg.rollout_engine
         if self.engine_name == "sampler":
             self.engine = None  # made in prepare: its keep_going needs the engine's device
@@ -71,6 +75,37 @@ class RL:
             except Exception as e:  # noqa: BLE001 -- the user's engine: one line, not our traceback
                 raise UserError(f"rollout engine {self.engine_name}: could not be made ({type(e).__name__}: {e})"
                                 ) from None
+
+    def _check_teacher(self, setup) -> None:
+        """The teacher's next-token distributions must be over the student's vocabulary: the same size (and, where
+        the teacher has a tokenizer of its own, the same tokens)."""
+        from pathlib import Path
+
+        from ..model import has_weights, load_config, load_tokenizer
+        from ..paths import local_or_hub
+        teacher = self._teacher_config(setup)
+        location = local_or_hub(teacher.name_or_path)
+        if Path(location).is_dir() and not has_weights(location):
+            raise UserError(f"rl.teacher {self.cfg.teacher} has a config but no weights: a teacher must be a trained "
+                            f"model")
+        config = load_config(teacher, setup.recipe.train.seq_len)[1]
+        ours = max(len(self.tokenizer), setup.model_config.vocab_size)
+        if max(config.vocab_size, len(self.tokenizer)) != ours:
+            raise UserError(f"rl.teacher {self.cfg.teacher} has a vocabulary of {config.vocab_size}, the student "
+                            f"{ours}: distillation compares their next-token distributions; use a teacher with the "
+                            f"student's tokenizer")
+        try:
+            theirs = load_tokenizer(teacher)
+        except UserError:
+            return  # a teacher without a tokenizer of its own: the sizes agree
+        if theirs.get_vocab() != self.tokenizer.get_vocab():
+            raise UserError(f"rl.teacher {self.cfg.teacher} has a different tokenizer from the student's (same size, "
+                            f"other tokens): distillation needs the same one")
+
+    def _teacher_config(self, setup):
+        from ..config import ModelConfig
+        return ModelConfig(name_or_path=self.cfg.teacher, from_scratch="false",
+                           trust_remote_code=setup.recipe.model.trust_remote_code)
 
     # ------------------------------------------------------------------ the rollout
     def prepare(self, engine, micro_batches: list[dict], layout, step: int) -> list[dict]:
@@ -104,8 +139,11 @@ class RL:
         texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(prompts, texts)]
-        per_func, total = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
-                                           out.completion_ids, columns)
+        if self.rewards:
+            per_func, total = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
+                                               out.completion_ids, columns)
+        else:  # distillation alone: the teacher scores the tokens, no reward and no advantage
+            per_func, total = torch.zeros(len(ids), 0), torch.zeros(len(ids))
         made, start = [], 0
         for batch in micro_batches:
             n = len(batch["prompt_ids"]) * G
@@ -143,19 +181,19 @@ class RL:
             raise RuntimeError("the reference model is built in before_training")
         return self._logps(self.reference, on_device)[0].cpu()
 
-    def _logps(self, model, batch: dict[str, torch.Tensor], entropy: bool = False):
+    def _logps(self, model, batch: dict[str, torch.Tensor], entropy: bool = False, logits_too: bool = False):
         """(per-token log-probs of the completions under `model` at logits / temperature, their entropies or
-        None): what the loss, the reference and RLOO's old policy all compute the same way."""
+        None[, the raw logits that predict the completion's tokens]): what the loss, the reference, RLOO's old
+        policy and the teacher all compute the same way."""
         ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
         width_c = mask.shape[1]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
-        logits = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
-        if self.cfg.temperature > 0:  # the sampling distribution's log-probs, as TRL computes them
-            logits = logits / self.cfg.temperature
-        every = torch.log_softmax(logits, dim=-1)
+        raw = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
+        every = torch.log_softmax(raw / self.temperature, dim=-1)  # the sampling distribution's, as TRL's
         logps = every.gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)
-        return logps, (-(every.exp() * every).sum(-1).detach() if entropy else None)
+        out = logps, (-(every.exp() * every).sum(-1).detach() if entropy else None)
+        return (*out, raw) if logits_too else out
 
     def _check(self, completions, rows: int) -> list[list[int]]:
         """An engine's answer, checked: one list of token ids per prompt, none longer than allowed."""
@@ -204,32 +242,49 @@ class RL:
         return batch
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
-        mask = batch["completion_mask"]
-        logps, entropy = self._logps(model, batch, entropy=True)
-        cfg = self.cfg
-        if cfg.algorithm == "rloo":
+        mask, cfg = batch["completion_mask"], self.cfg
+        logps, entropy, logits = self._logps(model, batch, entropy=True, logits_too=True)
+        summed, sums = torch.zeros((), device=logps.device), {}
+        if self.rewards and cfg.algorithm == "rloo":
             summed, _, sums = rl_math.sequence_policy_loss(logps, None, batch["advantages"], mask, cfg.epsilon,
                                                            cfg.epsilon_high)
-        else:
+        elif self.rewards:
             summed, _, sums = rl_math.policy_loss(logps, None, batch["advantages"], mask, cfg.loss_type,
                                                   cfg.epsilon, cfg.epsilon_high, cfg.beta, batch.get("ref_logps"),
                                                   cfg.max_completion_length, cfg.use_bias_correction_kl)
+        distill = torch.zeros((), device=logps.device)
+        if self.teacher is not None:
+            distill = self._distill_sum(batch, logits, mask)
+            # the seam divides by totals[primary]: the distillation loss is a mean over completion tokens
+            summed = summed + cfg.distill_weight * distill * (totals[self.primary] / totals["completion_tokens"])
         rewards, per_func = batch["rewards"], batch["rewards_per_func"]
         scored = ~torch.isnan(rewards)
+        zero = torch.zeros((), device=logps.device)
         stats = [torch.nansum(rewards), torch.nansum(rewards ** 2), scored.float().sum(),
-                 batch["completion_length"].sum(), batch["truncated"].sum(), sums["clip_low"], sums["clip_high"],
-                 sums["tokens"], (entropy * mask).sum(), mask.sum(),
-                 sums["kl"] if "kl" in sums else batch["kl"].sum() if "kl" in batch else torch.zeros(())]
+                 batch["completion_length"].sum(), batch["truncated"].sum(), sums.get("clip_low", zero),
+                 sums.get("clip_high", zero), sums.get("tokens", zero), (entropy * mask).sum(), mask.sum(),
+                 sums["kl"] if "kl" in sums else batch["kl"].sum() if "kl" in batch else zero, distill.detach()]
         stats += [torch.nansum(per_func, dim=0), (~torch.isnan(per_func)).float().sum(dim=0)]
-        return summed, torch.cat([torch.stack(stats[:11]).float(), stats[11].float(), stats[12].float()])
+        head = torch.stack([x.reshape(()).float().to(logps.device) for x in stats[:12]])
+        return summed, torch.cat([head, stats[12].float().to(head.device), stats[13].float().to(head.device)])
+
+    def _distill_sum(self, batch, student_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The generalized JSD between the student's and the teacher's next-token distributions, summed over
+        completion tokens: DeepSpeed's own generalized_jsd_loss (deepspeed.runtime.rollout.opsd; beta 1 is the
+        reverse KL(student || teacher), TRL GKD's convention), both at logits / rl.temperature."""
+        from deepspeed.runtime.rollout.opsd import generalized_jsd_loss
+        with torch.no_grad():
+            teacher_logits = self._logps(self.teacher, batch, logits_too=True)[2]
+        return generalized_jsd_loss(student_logits, teacher_logits, mask.bool(), beta=self.cfg.distill_beta,
+                                    temperature=self.temperature).loss_sum
 
     def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
         """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean, the mean
         completion length, the share cut at max_completion_length, the share of tokens (RLOO: sequences) clipped each
         way, the mean entropy of the sampling distribution over completion tokens."""
-        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens, kl = stats[:11]
+        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens, kl, distill = stats[:12]
         funcs = len(self.rewards)
-        sums, counts = stats[11:11 + funcs], stats[11 + funcs:11 + 2 * funcs]
+        sums, counts = stats[12:12 + funcs], stats[12 + funcs:12 + 2 * funcs]
         completions = max(totals["completions"], 1.0)
         mean = total / scored if scored else math.nan
         variance = (squares - scored * mean ** 2) / (scored - 1) if scored > 1 else math.nan
@@ -239,12 +294,18 @@ class RL:
                "entropy": entropy / max(tokens, 1.0)}
         if self.cfg.beta != 0.0:  # GRPO: the k3 estimate per token; RLOO: log pi_old - log pi_ref per token
             out["kl"] = kl / max(tokens, 1.0)
+        if self.cfg.teacher:  # the generalized JSD to the teacher per completion token (distill_beta 1: reverse KL)
+            out["distill_loss"] = distill / max(tokens, 1.0)
+        if not self.rewards:  # distillation alone: no reward to report
+            for key in ("reward", "reward_std", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+                out.pop(key)
         for reward, s, c in zip(self.rewards, sums, counts):
             out[f"rewards/{reward.name}/mean"] = s / c if c else math.nan
         return out
 
     def before_training(self, engine, datasets: list, *args) -> list:
-        """rl.beta > 0 without LoRA: the reference, a frozen copy of the starting weights (frozen.py)."""
+        """rl.beta > 0 without LoRA: the reference, a frozen copy of the starting weights; rl.teacher: the teacher
+        (both frozen.py)."""
         if self.cfg.beta != 0.0 and not self.adapters_off:
             from dataclasses import replace
 
@@ -254,4 +315,9 @@ class RL:
                 recipe.model, name_or_path=str(self.setup.run_dir / "init_weights"), from_scratch="false")
             self.reference, self._reference_hf_config = frozen.build(source, recipe.train, self.setup.ds_cfg,
                                                                      self.tokenizer)
+        if self.cfg.teacher:
+            from . import frozen
+            self.teacher, self._teacher_hf_config = frozen.build(self._teacher_config(self.setup),
+                                                                 self.setup.recipe.train, self.setup.ds_cfg,
+                                                                 self.tokenizer)
         return datasets

@@ -115,3 +115,62 @@ def test_zero3_on_two_ranks_equals_trl(tmp_path, cache, tiny_llama, prompts_file
     if beta:
         # the policy left the reference (RLOO's first-order estimate can be negative)
         assert got[0]["kl"] == pytest.approx(0.0, abs=1e-6) and abs(got[-1]["kl"]) > 1e-4
+
+
+def test_distillation_under_zero3_equals_a_plain_loop_with_trls_gkd_loss(tmp_path, cache, tiny_llama,
+                                                                          tiny_llama_mha, prompts_file):
+    """rl.teacher alone (no rewards), distill_beta 0.5 (the JSD between the two): a 2-rank ZeRO-3 run (student and
+    teacher partitioned) against a plain single-process loop that runs each prompt + completion unpadded through
+    both models and scores it with TRL's GKDTrainer.generalized_jsd_loss (an implementation of its own, not the
+    DeepSpeed one the run uses), mean over the batch's completion tokens, torch AdamW. Per-step loss and pre-clip
+    gradient norm."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.gkd import GKDTrainer
+
+    beta = 0.5
+    run = tmp_path / "run"
+    launch(["--ds_config", "zero3.json", *PARTITIONED, f"--model.name_or_path={tiny_llama}",
+            f"--data.path={prompts_file}", "--data.format=prompt", "--data.val_fraction=0", "--output_dir", str(run),
+            f"--rl.teacher={tiny_llama_mha}", f"--rl.distill_beta={beta}",
+            "--rl.rollout_engine=tests/fed_rollouts.py:Fed", f"--rl.num_generations={G}",
+            f"--rl.max_completion_length={fed_rollouts.MAX_LEN}", f"--rl.temperature={TEMPERATURE}",
+            f"--train.max_steps={STEPS}", f"--train.lr={LR}", "--train.warmup_steps=0", "--train.min_lr_ratio=1.0",
+            "--train.weight_decay=0.0", "--train.precision=fp32", "--train.micro_batch_size=2",
+            "--train.seq_len=48", "--eval.every=0", "--log.wandb=false", "--log.progress_bar=false",
+            "--checkpoint.every=0", "--checkpoint.export_hf=false"], cache)
+    got = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    student = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_mha, dtype=torch.float32).eval()
+    opt = torch.optim.AdamW(student.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    want = []
+    for step in range(1, STEPS + 1):
+        total, tokens = 0.0, 0
+        losses = []
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt)["input_ids"]
+            for c in range(G):
+                completion = fed_rollouts.completion(ids, c, step, len(tokenizer), tokenizer.eos_token_id)
+                seq = torch.tensor([ids + completion])
+                keep = slice(len(ids) - 1, seq.shape[1] - 1)  # the logits that predict the completion
+                s_logits = student(input_ids=seq).logits[:, keep]
+                with torch.no_grad():
+                    t_logits = teacher(input_ids=seq).logits[:, keep]
+                labels = torch.tensor([completion])
+                loss = GKDTrainer.generalized_jsd_loss(s_logits, t_logits, labels, beta=beta, temperature=TEMPERATURE,
+                                                       reduction="sum")
+                losses.append(loss)
+                tokens += len(completion)
+        total = torch.stack(losses).sum() / tokens
+        opt.zero_grad()
+        total.backward()
+        norm = torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        want.append({"loss": total.item(), "grad_norm": norm.item()})
+    print(f"distillation: ours {[(r['loss'], r['grad_norm']) for r in got]}\n  loop {want}")
+    assert len(got) == STEPS
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["distill_loss"] == a["loss"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert "reward" not in got[0]  # nothing to report without reward functions

@@ -264,3 +264,16 @@ def test_rl_counts_the_reference_and_the_rollouts_kv_cache(llama8b):
         persistent = sum(v for k, v in est.device.items() if k not in phases)
         rollout = persistent + est.device["rollout_kv_cache"] + est.device["buffers"]
         assert est.device_total == max(without, rollout) < without + est.device["rollout_kv_cache"]
+
+
+def test_rl_counts_the_teacher_in_the_runs_precision(llama8b):
+    """rl.teacher: the teacher's own parameter count (here the 8B shape itself), 2 bytes each in bf16, partitioned
+    over the 32 ranks under ZeRO-3 and whole on each under ZeRO-2."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(llama8b)
+    psi = memory.count_parameters(config)
+    for stage in (2, 3):
+        r = recipe(llama8b, "--data.format=prompt", f"--rl.teacher={llama8b}")
+        cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU, hidden_size=4096)
+        est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32))
+        assert est.device["teacher_model"] == 2 * psi // (32 if stage == 3 else 1)

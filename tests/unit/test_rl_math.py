@@ -129,3 +129,50 @@ def test_a_rollout_engines_answer_is_checked():
         rl._check([[4]], 2)
     with pytest.raises(UserError, match="returned 4 tokens for prompt row 1; rl.max_completion_length is 3"):
         rl._check([[4], [5, 6, 7, 8]], 2)
+
+
+def test_a_teacher_must_share_the_students_vocabulary(tmp_path):
+    """rl.teacher is checked before anything is built: a config without weights, another vocabulary size, or the
+    same size with other tokens are one line each; the student's own tokenizer and weights pass."""
+    import json
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from dstrain.config import RLSection
+    from dstrain.errors import UserError
+    from dstrain.objectives.rl import RL
+    tokenizer = AutoTokenizer.from_pretrained("recipes/tiny/model")
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    setup = SimpleNamespace(recipe=SimpleNamespace(train=SimpleNamespace(seq_len=32),
+                                                   model=SimpleNamespace(trust_remote_code=False)),
+                            model_config=SimpleNamespace(vocab_size=len(tokenizer)))
+
+    def check(teacher_dir):
+        rl = RL(RLSection(teacher=str(teacher_dir)))
+        rl.tokenizer = tokenizer
+        rl._check_teacher(setup)
+
+    bare = tmp_path / "bare"
+    LlamaConfig(vocab_size=len(tokenizer), **small).save_pretrained(bare)
+    with pytest.raises(UserError, match="has a config but no weights: a teacher must be a trained model"):
+        check(bare)
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer) + 24, **small)).save_pretrained(other)
+    with pytest.raises(UserError, match=f"has a vocabulary of {len(tokenizer) + 24}, the student {len(tokenizer)}"):
+        check(other)
+    same = tmp_path / "same"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), **small)).save_pretrained(same)
+    tokenizer.save_pretrained(same)
+    check(same)
+    vocab = tokenizer.get_vocab()
+    swapped = AutoTokenizer.from_pretrained("recipes/tiny/model")
+    a, b = sorted(vocab, key=vocab.get)[10:12]  # two ordinary tokens trade ids: same size, other tokens
+    state = json.loads(swapped.backend_tokenizer.to_str())
+    state["model"]["vocab"][a], state["model"]["vocab"][b] = vocab[b], vocab[a]
+    swapped._tokenizer = Tokenizer.from_str(json.dumps(state))
+    swapped.save_pretrained(same)
+    with pytest.raises(UserError, match="has a different tokenizer from the student's"):
+        check(same)
