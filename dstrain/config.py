@@ -481,6 +481,9 @@ class RLSection:
     num_iterations: int = 1  # updates per rollout batch; only 1 so far
     scale_rewards: str = "group"  # advantages divided by the group's reward std (`group`) or not (`none`)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
+    # every N steps, rank 0's prompts, completions, rewards and advantages go to completions.jsonl in the run
+    # directory (and a wandb table when wandb is on); 0: never
+    log_completions_every: int = 10
 
     def __post_init__(self) -> None:
         _one_of("rl.algorithm", self.algorithm, ("grpo", "rloo"))

@@ -112,6 +112,8 @@ class Metrics:
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                "label_tokens": label_tokens, "tokens_per_s": tokens_per_s, "step_s": seconds, "mfu": mfu,
                "time": time.time()} | (extra or {})
+        if row.get("rollout_s") is not None:  # learning from rewards: the share of the step spent sampling
+            row["rollout_share"] = row["rollout_s"] / seconds if seconds > 0 else None
         if comm is not None:
             row["comm_s"] = comm["comm_s"]
             row["comm_fraction"] = comm["comm_s"] / seconds if seconds > 0 else None
@@ -123,6 +125,9 @@ class Metrics:
             self.bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}"
                                      + (f" acc={extra['rewards/accuracies']:.0%}" if extra and
                                         "rewards/accuracies" in extra else "")
+                                     + (f" reward={row['reward']:.3f}" if row.get("reward") is not None else "")
+                                     + (f" rollout={row['rollout_share']:.0%}" if row.get("rollout_share") is not None
+                                        else "")
                                      + (f" mfu={mfu:.1%}" if mfu is not None else "")
                                      + (f" comm={row['comm_fraction']:.0%}" if row.get("comm_fraction") is not None
                                         else ""), refresh=False)
@@ -206,6 +211,11 @@ class Metrics:
         rates = [r["tokens_per_s"] for r in this_session[1:]]  # the first step of a session carries warm-up
         median = statistics.median(rates) if rates else None
         mfu = median * self.flops_per_token / self.peak_flops if median and self.peak_flops else None
+        rollouts = {}
+        sampled = [r for r in this_session[1:] if r.get("rollout_tokens_per_s") is not None]
+        if sampled:  # learning from rewards: how fast the rollouts went, and their share of the step time
+            rollouts = {"median_rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in sampled),
+                        "rollout_share": statistics.median(r["rollout_share"] for r in sampled)}
         return {"steps": train[-1]["step"] if train else self.start_step, "started_at_step": self.start_step,
                 "final_loss": train[-1]["loss"] if train else None,
                 "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
@@ -213,7 +223,7 @@ class Metrics:
                 "tokens": sum(r["tokens"] for r in train),
                 "tokens_this_session": sum(r["tokens"] for r in this_session),
                 "wall_s": round(time.time() - self.started, 1), "median_tokens_per_s": median, "mfu": mfu,
-                "run_dir": str(self.run_dir), "metrics": str(self.path), **outcome}
+                "run_dir": str(self.run_dir), "metrics": str(self.path), **rollouts, **outcome}
 
 
 def format_summary(summary: dict) -> str:
@@ -228,6 +238,9 @@ def format_summary(summary: dict) -> str:
              f"  {summary['tokens_this_session']:,} tokens in {summary['wall_s']:,.0f} s, median "
              f"{num(summary['median_tokens_per_s'], ',.0f')} tokens/s"
              + (f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else "")]
+    if summary.get("median_rollout_tokens_per_s") is not None:
+        lines.append(f"  rollouts    median {summary['median_rollout_tokens_per_s']:,.0f} completion tokens/s, "
+                     f"{summary['rollout_share']:.0%} of the step time")
     if summary.get("epochs") is not None:
         lines.append(f"  data        {summary['epochs']:,.2f} epochs of {summary['train_sequences']:,} training "
                      f"sequences")

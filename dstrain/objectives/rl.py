@@ -18,6 +18,7 @@ the policy gradient) and no reference model (rl.beta = 0); both are refused othe
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -132,7 +133,9 @@ class RL:
                 def keep_going(active: bool) -> bool:
                     return all_reduce_sum([float(active)], engine.device)[0] > 0
             self.engine = rollout.Sampler(self.sampling, self.eos, self.pad, keep_going)
+        began = time.perf_counter()
         completion_ids = self._check(self.engine(engine.module, ids, keys), len(ids))
+        rollout_s = time.perf_counter() - began
         # TRL's rule: a completion that does not end with EOS was cut at max_completion_length
         truncated = [not c or c[-1] not in (self.eos, self.pad) for c in completion_ids]
         out = rollout.Rollouts(completion_ids, truncated)
@@ -167,7 +170,37 @@ class RL:
             advantages = rl_math.advantages(penalised, G, self.cfg.scale_rewards)
         for batch, part in zip(made, advantages.split([b["input_ids"].shape[0] for b in made])):
             batch["advantages"] = part.float()
+        for i, batch in enumerate(made):  # this rank's sampling time, counted once (its first micro-batch)
+            batch["rollout_s"], batch["ranks"] = torch.tensor(rollout_s if i == 0 else 0.0), torch.tensor(float(i == 0))
+        every = self.cfg.log_completions_every
+        if step > 0 and every and step % every == 0 and self.setup.ctx.is_main:
+            self._log_completions(step, prompts, completions, per_func, total, advantages)
         return made
+
+    def _log_completions(self, step: int, prompts, completions, per_func, total, advantages) -> None:
+        """Rank 0's prompts and completions of this step, with their rewards and advantages: a line each in
+        completions.jsonl (TRL's log_completions table), and a table in wandb when it is on."""
+        import json
+        names = [r.name for r in self.rewards]
+
+        def text(x):
+            return x if isinstance(x, str) else json.dumps(x)
+        rows = [{"step": step, "prompt": text(p), "completion": text(c),
+                 "reward": None if math.isnan(float(r)) else float(r), "advantage": float(a),
+                 "rewards": {n: None if math.isnan(float(v)) else float(v) for n, v in zip(names, f.tolist())}}
+                for p, c, r, a, f in zip(prompts, completions, total, advantages, per_func)]
+        with open(self.setup.run_dir / "completions.jsonl", "a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+        try:
+            import wandb
+        except ImportError:
+            return
+        if wandb.run is not None:
+            table = wandb.Table(columns=["step", "prompt", "completion", "reward", "advantage", *names])
+            for row in rows:
+                table.add_data(row["step"], row["prompt"], row["completion"], row["reward"], row["advantage"],
+                               *[row["rewards"][n] for n in names])
+            wandb.log({"completions": table}, step=step)
 
     @torch.no_grad()
     def _reference_logps(self, engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -263,10 +296,11 @@ class RL:
         stats = [torch.nansum(rewards), torch.nansum(rewards ** 2), scored.float().sum(),
                  batch["completion_length"].sum(), batch["truncated"].sum(), sums.get("clip_low", zero),
                  sums.get("clip_high", zero), sums.get("tokens", zero), (entropy * mask).sum(), mask.sum(),
-                 sums["kl"] if "kl" in sums else batch["kl"].sum() if "kl" in batch else zero, distill.detach()]
+                 sums["kl"] if "kl" in sums else batch["kl"].sum() if "kl" in batch else zero, distill.detach(),
+                 batch["rollout_s"], batch["ranks"]]
         stats += [torch.nansum(per_func, dim=0), (~torch.isnan(per_func)).float().sum(dim=0)]
-        head = torch.stack([x.reshape(()).float().to(logps.device) for x in stats[:12]])
-        return summed, torch.cat([head, stats[12].float().to(head.device), stats[13].float().to(head.device)])
+        head = torch.stack([x.reshape(()).float().to(logps.device) for x in stats[:14]])
+        return summed, torch.cat([head, stats[14].float().to(head.device), stats[15].float().to(head.device)])
 
     def _distill_sum(self, batch, student_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The generalized JSD between the student's and the teacher's next-token distributions, summed over
@@ -282,9 +316,10 @@ class RL:
         """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean, the mean
         completion length, the share cut at max_completion_length, the share of tokens (RLOO: sequences) clipped each
         way, the mean entropy of the sampling distribution over completion tokens."""
-        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens, kl, distill = stats[:12]
+        total, squares, scored, length, truncated, low, high, clippable, entropy, tokens, kl, distill, rollout_s, \
+            ranks = stats[:14]
         funcs = len(self.rewards)
-        sums, counts = stats[12:12 + funcs], stats[12 + funcs:12 + 2 * funcs]
+        sums, counts = stats[14:14 + funcs], stats[14 + funcs:14 + 2 * funcs]
         completions = max(totals["completions"], 1.0)
         mean = total / scored if scored else math.nan
         variance = (squares - scored * mean ** 2) / (scored - 1) if scored > 1 else math.nan
@@ -292,6 +327,9 @@ class RL:
                "completions/mean_length": length / completions, "completions/clipped_ratio": truncated / completions,
                "clip_ratio/low_mean": low / max(clippable, 1.0), "clip_ratio/high_mean": high / max(clippable, 1.0),
                "entropy": entropy / max(tokens, 1.0)}
+        if ranks:  # sampling: seconds per rank (their mean), and the completion tokens all ranks made per second
+            out["rollout_s"] = rollout_s / ranks
+            out["rollout_tokens_per_s"] = length / out["rollout_s"] if rollout_s > 0 else math.nan
         if self.cfg.beta != 0.0:  # GRPO: the k3 estimate per token; RLOO: log pi_old - log pi_ref per token
             out["kl"] = kl / max(tokens, 1.0)
         if self.cfg.teacher:  # the generalized JSD to the teacher per completion token (distill_beta 1: reverse KL)

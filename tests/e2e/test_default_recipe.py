@@ -172,9 +172,20 @@ def test_tiny_grpo_recipe_learns_from_its_rewards(tmp_path, cache, default_run):
           f"{rows[0]['rewards/one_sentence/mean']:.2f} -> {rows[-1]['rewards/one_sentence/mean']:.2f}")
     assert len(rows) == 40 and (last >= 2 * first or last >= first + 0.5), rewards
     assert rows[-1]["rewards/one_sentence/mean"] > 0.9 and rows[0]["completions/clipped_ratio"] > 0
-    for row in rows:  # TRL's metric names, and the loss a finite number
+    for row in rows:  # TRL's metric names, and the loss a finite number; the rollout's speed and share of the step
         assert {"reward", "reward_std", "rewards/says_the_count/mean", "completions/mean_length",
-                "clip_ratio/low_mean"} <= set(row) and row["loss"] == row["loss"]
+                "clip_ratio/low_mean", "entropy"} <= set(row) and row["loss"] == row["loss"]
+        assert 0 < row["rollout_share"] < 1 and row["rollout_tokens_per_s"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["rollout_share"] < 1 and summary["median_rollout_tokens_per_s"] > 0
+    # the completions table: every rl.log_completions_every (10) steps, rank 0's 4 prompts x 8 completions
+    table = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [s for s in (10, 20, 30, 40) for _ in range(32)]
+    for r in table:  # the total is the functions' sum (weights 1); a group's advantages centre on 0
+        assert r["reward"] == pytest.approx(sum(r["rewards"].values())) and set(r["rewards"]) == {
+            "says_the_count", "one_sentence"} and r["prompt"].startswith("It was")
+    for g in range(0, len(table), 8):
+        assert sum(r["advantage"] for r in table[g:g + 8]) == pytest.approx(0, abs=1e-4)
 
 
 def test_tiny_distill_recipe_brings_the_student_to_its_teacher(tmp_path, cache, default_run):
