@@ -81,11 +81,16 @@ def _dims(config) -> tuple[int, int, int, int]:
 
 
 def count_parameters(config) -> int:
-    """Parameters of the model a config describes, built on the meta device (no memory, any size)."""
-    from transformers import AutoModelForCausalLM
+    """Parameters of the model a config describes, built on the meta device (no memory, any size). The class is
+    built directly: inside a ZeRO-3 run (the teacher's count for memory.json) from_config would take transformers'
+    zero.Init path, which cannot initialise meta tensors."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+        else:  # a model whose code comes with it (trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -129,7 +129,9 @@ class RL:
         prompts = columns.pop(self.prompt_field)
         if self.engine is None:
             keep_going = None
-            if torch.distributed.is_initialized():  # ZeRO-3 gathers parameters in every forward: ranks run as many
+            if torch.distributed.is_initialized() and int(
+                    (self.setup.ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
+                # ZeRO-3 gathers parameters in every forward: ranks run as many (one small all-reduce per token)
                 def keep_going(active: bool) -> bool:
                     return all_reduce_sum([float(active)], engine.device)[0] > 0
             self.engine = rollout.Sampler(self.sampling, self.eos, self.pad, keep_going)
@@ -221,7 +223,8 @@ class RL:
         ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
         width_c = mask.shape[1]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
+                       **rollout.keep_last(model, width_c + 1)).logits  # the head on the completion's positions
         raw = logits[:, -width_c - 1:-1].float()  # the logits that predict the completion's tokens
         every = torch.log_softmax(raw / self.temperature, dim=-1)  # the sampling distribution's, as TRL's
         logps = every.gather(-1, ids[:, -width_c:].unsqueeze(-1)).squeeze(-1)

@@ -7,7 +7,8 @@ when its uniform falls within that of a token boundary). Written by hand because
 DeepSpeed's rollout engine (`deepspeed.runtime.rollout.HybridEngineRollout`, which calls `generate`) takes a
 generator per row: both draw from the process's global stream, which depends on the batch's composition.
 
-The sampler left-pads the prompts, runs one prefill and then one token per forward with transformers' KV cache,
+The sampler left-pads the prompts, runs one prefill (once per distinct prompt: a prompt's G copies share it, their
+KV cache repeated) and then one token per forward with transformers' KV cache,
 and draws each row's token by inverse transform sampling (one uniform per row and token from the row's generator,
 over the probabilities after temperature, top-k and top-p). temperature 0 is greedy. A row stops at its first
 EOS (kept in the completion); the batch stops when every row has stopped or at `max_new_tokens` (a completion
@@ -46,6 +47,13 @@ class Sampling:
 class Rollouts:
     completion_ids: list[list[int]]  # each completion's tokens, its EOS included when it has one
     truncated: list[bool]  # reached max_new_tokens without EOS
+
+
+def keep_last(model, count: int) -> dict:
+    """`logits_to_keep=count` where the model takes it (every common causal LM in transformers 5 does): the head
+    then runs on the last `count` positions only."""
+    module = getattr(model, "module", model)
+    return {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(module.forward).parameters else {}
 
 
 def generator_for(key: Sequence[int]) -> torch.Generator:
@@ -96,16 +104,23 @@ def sample(model, prompts: list[list[int]], keys: list[Sequence[int]], sampling:
     if len(prompts) != len(keys):
         raise ValueError(f"{len(prompts)} prompts and {len(keys)} keys")
     device = next(model.parameters()).device
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for i, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
+    rows = len(prompts)
+    # a prompt's num_generations copies share their prefill: each distinct prompt runs once, then its KV cache,
+    # mask and first logits are repeated to its rows (G x fewer prompt tokens through the model)
+    distinct: dict[tuple, int] = {}
+    where = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
+    unique = list(distinct)
+    width = max(len(p) for p in unique)
+    ids = torch.full((len(unique), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(unique), width, dtype=torch.long)
+    for i, prompt in enumerate(unique):  # left padding: every prompt ends at the last column
         ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         mask[i, width - len(prompt):] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask, where = ids.to(device), mask.to(device), where.to(device)
     generators = [generator_for(k) for k in keys]
     # transformers 5.24 renamed past_key_values to cache (the old name warns); requirements.txt allows 5.23
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    last = keep_last(model, 1)
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     was_training = model.training
@@ -113,10 +128,13 @@ def sample(model, prompts: list[list[int]], keys: list[Sequence[int]], sampling:
     try:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         step_ids, cache = ids, None
-        for _ in range(sampling.max_new_tokens):
+        for n in range(sampling.max_new_tokens):
             result = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                           **{cache_arg: cache})
+                           **last, **{cache_arg: cache})
             cache, logits = getattr(result, cache_arg), result.logits[:, -1]
+            if n == 0:  # the prefill ran once per distinct prompt: its rows from here on
+                cache.reorder_cache(where)
+                logits, mask, positions = logits[where], mask[where], positions[where]
             if sampling.temperature <= 0:
                 tokens = logits.argmax(dim=-1).cpu()
             else:

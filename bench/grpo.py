@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""The same GRPO job through train.py and through TRL's GRPOTrainer (bench/trl_grpo_peer.py), side by side.
+
+Same model (by default the default recipe's export, runs/tiny-pretrain/hf from `make train`, so completions end
+and rewards move; --random takes a random Llama of --layers x --hidden instead), the same prompts
+(data/tiny_grpo), reward functions (recipes/tiny/rewards.py), prompts per rank, num_generations,
+max_completion_length, temperature 1 (no top-p/top-k), DeepSpeed JSON (its scheduler left to each side's own
+cosine), steps, lr, fp32 on 2 CPU ranks under the `deepspeed` launcher (bf16 on GPUs); runs alternate. Medians over
+--repeats: prompts/s over the steps after --skip (sampling, scoring and the update: the whole step), peak RSS per
+rank, launch to first step, mean reward of the last 5 steps (each side samples its own completions, so rewards are
+indicative). Target (issue 56): >= 1.3x TRL's prompts/s at no more memory. --write replaces this script's section
+of docs/benchmarks.md. On a GPU machine the table adds each side's torch.cuda.max_memory_allocated() (rank 0).
+
+    python bench/grpo.py [--repeats 3] [--steps 20] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import free_port, make_llama, write_section
+from speed import PeakMemory, bench_ds_config, gpu_count
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+SYSTEMS = {"dstrain": "dstrain train.py", "trl": "TRL GRPOTrainer (quick start, transformers generate)"}
+REWARDS = ROOT / "recipes/tiny/rewards.py"
+
+
+def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -> dict:
+    out = work / f"{system}-{index}"
+    out.mkdir(parents=True)
+    port = free_port()
+    common = [str(BIN / "deepspeed"), "--num_gpus", str(args.ranks), "--master_port", str(port)]
+    lr = "1e-4"
+    if system == "dstrain":
+        cmd = common + ["train.py", "--ds_config", str(ds_json), "--output_dir", str(out),
+                        f"--model.name_or_path={model}", "--data.path=data/tiny_grpo", "--data.format=prompt",
+                        "--data.val_fraction=0",
+                        f"--rl.reward_funcs=[{REWARDS}:says_the_count,{REWARDS}:one_sentence]",
+                        f"--rl.num_generations={args.generations}",
+                        f"--rl.max_completion_length={args.completion}", "--rl.log_completions_every=0",
+                        f"--train.max_steps={args.steps}", f"--train.seq_len={args.seq_len}",
+                        f"--train.micro_batch_size={args.prompts}", f"--train.precision={args.precision}",
+                        f"--train.lr={lr}", "--train.warmup_steps=2", "--train.min_lr_ratio=0",
+                        "--train.weight_decay=0", "--log.wandb=false", "--log.progress_bar=false",
+                        "--log.plot=false", "--checkpoint.every=0", "--checkpoint.export_hf=false"]
+    else:
+        cmd = common + ["bench/trl_grpo_peer.py", "--model", str(model), "--data", str(ROOT / "data/tiny_grpo"),
+                        "--rewards", str(REWARDS), "--ds_config", str(ds_json), "--output_dir", str(out),
+                        "--result", str(out / "result.json"), f"--max_steps={args.steps}",
+                        f"--prompts_per_rank={args.prompts}", f"--num_generations={args.generations}",
+                        f"--max_completion_length={args.completion}", f"--lr={lr}", f"--precision={args.precision}"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
+               HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               TRL_EXPERIMENTAL_SILENCE="1")
+    launched = time.time()
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with PeakMemory(proc.pid) as memory:
+            proc.wait()
+    for leaked in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # the peer leaves its own
+        os.unlink(leaked)
+    if proc.returncode:
+        raise SystemExit(f"{system} run {index} failed ({proc.returncode}); last lines of {out / 'log.txt'}:\n"
+                         + "\n".join((out / "log.txt").read_text().splitlines()[-25:]))
+    if system == "dstrain":
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "loss" in r]
+        ends, rewards = [r["time"] for r in rows], [r["reward"] for r in rows]
+        mem = json.loads((out / "memory.json").read_text())
+        cuda_peak = max(mem["peak_bytes"], mem["baseline_bytes"] + mem["setup_peak_above_baseline_bytes"]) \
+            if mem["device"] == "cuda" else 0
+    else:
+        result = json.loads((out / "result.json").read_text())
+        if not result["deepspeed_engine"]:
+            raise SystemExit("TRL did not build a DeepSpeed engine: the comparison would be meaningless")
+        ends, rewards, cuda_peak = result["step_end"], result["rewards"], result.get("peak_cuda_bytes") or 0
+    if len(ends) != args.steps:
+        raise SystemExit(f"{system} run {index}: {len(ends)} step times for {args.steps} steps")
+    prompts = args.prompts * args.ranks
+    return {"system": system, "run": index,
+            "prompts_per_s": prompts * (args.steps - args.skip) / (ends[-1] - ends[args.skip - 1]),
+            "first_step_s": ends[0] - launched, "final_reward": statistics.mean(rewards[-5:]),
+            "peak_rss_bytes": max(memory.rss.values() or [0]), "peak_cuda_bytes": cuda_peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=5, help="steps left out of prompts/s (warm-up)")
+    parser.add_argument("--model", default=str(ROOT / "runs/tiny-pretrain/hf"))
+    parser.add_argument("--random", action="store_true", help="a random Llama of --layers x --hidden instead")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per rank per step")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    parser.add_argument("--seq_len", type=int, default=96, help="dstrain's train.seq_len (prompt + completion)")
+    parser.add_argument("--ds_config", default="zero2.json")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    args.ranks = gpu_count() or 2
+    args.precision = "bf16" if gpu_count() else "fp32"
+    with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
+        work = Path(tmp)
+        if args.random:
+            model = work / "model"
+            params = make_llama(model, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875),
+                                num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)
+            described = f"a random {params / 1e6:.1f}M-parameter Llama ({args.layers} x {args.hidden})"
+        else:
+            model = Path(args.model)
+            if not (model / "config.json").is_file():
+                raise SystemExit(f"{model} is not a model directory: run `make train` first, or pass --random")
+            described = f"{model.relative_to(ROOT) if model.is_relative_to(ROOT) else model}"
+        ds_json = bench_ds_config(args.ds_config, args.precision, work / "ds_config.json")
+        runs = []
+        for index in range(args.repeats):
+            for system in args.systems:
+                runs.append(run(system, args, model, ds_json, work, index))
+                r = runs[-1]
+                print(f"{system} {index}: {r['prompts_per_s']:.2f} prompts/s, first step {r['first_step_s']:.1f} s, "
+                      f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, final reward {r['final_reward']:.3f}",
+                      flush=True)
+    got = {s: {k: statistics.median(r[k] for r in runs if r["system"] == s)
+               for k in ("prompts_per_s", "first_step_s", "peak_rss_bytes", "final_reward", "peak_cuda_bytes")}
+           for s in args.systems}
+    machine = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.splitlines()[0] + f" x {args.ranks}" if gpu_count() else
+               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 2 CPU ranks")
+    lines = [f"{time.strftime('%Y-%m-%d')}, {machine}, `{args.ds_config}` (scheduler dropped), {args.precision}; "
+             f"{described}; data/tiny_grpo with recipes/tiny/rewards.py; {args.prompts} prompts per rank per step x "
+             f"{args.generations} completions of at most {args.completion} tokens, temperature 1; {args.steps} "
+             f"steps, prompts/s over steps {args.skip + 1}-{args.steps}; medians of {args.repeats} alternating runs.",
+             "", "| | prompts/s | launch to first step, s | peak RSS per rank, MiB | reward (last 5 steps) |"
+             + (" max allocated GiB (rank 0) |" if gpu_count() else ""),
+             "|---|---|---|---|---|" + ("---|" if gpu_count() else "")]
+    for s in args.systems:
+        g = got[s]
+        lines.append(f"| {SYSTEMS[s]} | {g['prompts_per_s']:.2f} | {g['first_step_s']:.1f} | "
+                     f"{g['peak_rss_bytes'] / 2**20:,.0f} | {g['final_reward']:.3f} |"
+                     + (f" {g['peak_cuda_bytes'] / 2**30:.1f} |" if gpu_count() else ""))
+    if "dstrain" in got and "trl" in got:
+        ratio = got["dstrain"]["prompts_per_s"] / got["trl"]["prompts_per_s"]
+        lines += ["", f"- dstrain / {SYSTEMS['trl']}: prompts/s {ratio:.2f}x, "
+                      f"peak RSS {got['dstrain']['peak_rss_bytes'] / got['trl']['peak_rss_bytes']:.2f}x, "
+                      f"time to first step {got['dstrain']['first_step_s'] / got['trl']['first_step_s']:.2f}x"]
+    body = "\n".join(lines) + "\n"
+    print(body)
+    if args.write:
+        write_section("bench/grpo.py", "Learning from rewards against TRL", body + "\n")
+
+
+if __name__ == "__main__":
+    main()
