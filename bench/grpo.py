@@ -16,8 +16,6 @@ of docs/benchmarks.md. On a GPU machine the table adds each side's torch.cuda.ma
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import platform
 import statistics
@@ -28,7 +26,7 @@ import time
 from pathlib import Path
 
 from common import free_port, make_llama, write_section
-from speed import PeakMemory, bench_ds_config, gpu_count
+from speed import bench_ds_config, dstrain_side, gpu_count, launch_measured, peer_side
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -63,27 +61,12 @@ def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
                HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                TRL_EXPERIMENTAL_SILENCE="1")
-    launched = time.time()
-    with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        with PeakMemory(proc.pid) as memory:
-            proc.wait()
-    for leaked in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # the peer leaves its own
-        os.unlink(leaked)
-    if proc.returncode:
-        raise SystemExit(f"{system} run {index} failed ({proc.returncode}); last lines of {out / 'log.txt'}:\n"
-                         + "\n".join((out / "log.txt").read_text().splitlines()[-25:]))
+    launched, memory = launch_measured(system, index, cmd, out, port, env, ROOT)
     if system == "dstrain":
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "loss" in r]
+        rows, cuda_peak = dstrain_side(out)
         ends, rewards = [r["time"] for r in rows], [r["reward"] for r in rows]
-        mem = json.loads((out / "memory.json").read_text())
-        cuda_peak = max(mem["peak_bytes"], mem["baseline_bytes"] + mem["setup_peak_above_baseline_bytes"]) \
-            if mem["device"] == "cuda" else 0
     else:
-        result = json.loads((out / "result.json").read_text())
-        if not result["deepspeed_engine"]:
-            raise SystemExit("TRL did not build a DeepSpeed engine: the comparison would be meaningless")
+        result = peer_side(out)
         ends, rewards, cuda_peak = result["step_end"], result["rewards"], result.get("peak_cuda_bytes") or 0
     if len(ends) != args.steps:
         raise SystemExit(f"{system} run {index}: {len(ends)} step times for {args.steps} steps")

@@ -98,6 +98,42 @@ def bench_ds_config(name: str, precision: str, out: Path) -> Path:
     return out
 
 
+def launch_measured(system: str, index: int, cmd: list[str], out: Path, port: int, env: dict,
+                    cwd: Path) -> tuple[float, PeakMemory]:
+    """One side of a peer bench (bench/dpo.py, bench/grpo.py): its launcher started in `cwd` with output in
+    out/log.txt, every rank's peak memory polled; DeepSpeed's shared-memory files the peers leave removed; a failed
+    run stops the bench with its last lines. Returns (launch time, the polled memory)."""
+    launched = time.time()
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with PeakMemory(proc.pid) as memory:
+            proc.wait()
+    for leaked in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # the peer leaves its own
+        os.unlink(leaked)
+    if proc.returncode:
+        raise SystemExit(f"{system} run {index} failed ({proc.returncode}); last lines of {out / 'log.txt'}:\n"
+                         + "\n".join((out / "log.txt").read_text().splitlines()[-25:]))
+    return launched, memory
+
+
+def dstrain_side(out: Path) -> tuple[list[dict], int]:
+    """train.py's side of a peer bench: its metrics.jsonl step rows, and on CUDA its peak allocated bytes (the larger
+    of the set-up and training peaks, memory.json)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    mem = json.loads((out / "memory.json").read_text())
+    cuda_peak = max(mem["peak_bytes"], mem["baseline_bytes"] + mem["setup_peak_above_baseline_bytes"]) \
+        if mem["device"] == "cuda" else 0
+    return [r for r in rows if "loss" in r], cuda_peak
+
+
+def peer_side(out: Path) -> dict:
+    """A Trainer peer's side: its result.json, refused if no DeepSpeed engine was built."""
+    result = json.loads((out / "result.json").read_text())
+    if not result["deepspeed_engine"]:
+        raise SystemExit("the peer did not build a DeepSpeed engine: the comparison would be meaningless")
+    return result
+
+
 class PeakMemory:
     """Polls the peak RSS (VmHWM) of every rank process under a launcher, and nvidia-smi's per-process use."""
 
