@@ -238,8 +238,13 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
         began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
-        loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective,
-                                                 ckpt.before_update, step)
+        try:
+            loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective,
+                                                     ckpt.before_update, step)
+        except UserError as error:  # bad data every rank met in this step (a reward function's): the save in
+            if getattr(error, "every_rank", False):  # flight, the last good state, is finished before leaving
+                ckpt.finish(step - 1, metrics.message)
+            raise
         for feature in features:  # a step's work (DiLoCo's outer step) counts in its time and bytes
             feature.after_step(step, metrics.message)
         metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, int(counts["label_tokens"]),

@@ -145,8 +145,7 @@ class RL:
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(prompts, texts)]
         if self.rewards:
-            per_func, total = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
-                                               out.completion_ids, columns)
+            per_func, total = self._score(engine, prompts, completions, out.completion_ids, columns)
         else:  # distillation alone: the teacher scores the tokens, no reward and no advantage
             per_func, total = torch.zeros(len(ids), 0), torch.zeros(len(ids))
         made, start = [], 0
@@ -178,6 +177,24 @@ class RL:
         if step > 0 and every and step % every == 0 and self.setup.ctx.is_main:
             self._log_completions(step, prompts, completions, per_func, total, advantages)
         return made
+
+    def _score(self, engine, prompts, completions, completion_ids, columns):
+        """The reward functions on this rank's completions; a function failing on any rank (one line naming it and
+        the completion, rewards.py) stops every rank with that line, together, so the run ends as on any bad input
+        (exit 2) and the save in flight, the last good state, is finished first (train.py)."""
+        from ..dist import all_gather_objects, all_reduce_sum
+        try:
+            scored, problem = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
+                                               completion_ids, columns), None
+        except UserError as error:
+            scored, problem = None, str(error)
+        if torch.distributed.is_initialized() and all_reduce_sum([float(problem is not None)], engine.device)[0]:
+            problem = next(p for p in all_gather_objects(problem) if p is not None)
+        if problem is not None:
+            error = UserError(problem)
+            error.every_rank = True
+            raise error
+        return scored
 
     def _log_completions(self, step: int, prompts, completions, per_func, total, advantages) -> None:
         """Rank 0's prompts and completions of this step, with their rewards and advantages: a line each in

@@ -174,3 +174,29 @@ def test_distillation_under_zero3_equals_a_plain_loop_with_trls_gkd_loss(tmp_pat
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["distill_loss"] == a["loss"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert "reward" not in got[0]  # nothing to report without reward functions
+
+
+def test_a_reward_function_that_fails_mid_run_is_one_line_and_keeps_the_last_good_checkpoint(
+        tmp_path, cache, tiny_llama, prompts_file):
+    """A user's reward function raising from its third call on (step 3), on the rank that has the prompt 'Sam', of a
+    2-rank run that checkpoints every 2 steps in the background: exit code 2, one `error:` line naming the
+    function, the exception and the completion, no traceback, and the step-2 checkpoint (in flight when step 3
+    failed) finished and the newest. Before, the failing rank's line was never said and the save was lost."""
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text("calls = 0\n\n\ndef flaky(prompts, completions, **kw):\n    global calls\n    calls += 1\n"
+                     "    if calls >= 3 and any('Sam' in p for p in prompts):\n        raise ValueError('no score for this')\n"
+                     "    return [float(len(c)) for c in completions]\n")
+    run = tmp_path / "run"
+    proc = launch(["--ds_config", "zero2.json", f"--model.name_or_path={tiny_llama}", f"--data.path={prompts_file}",
+                   "--data.format=prompt", "--data.val_fraction=0", "--output_dir", str(run),
+                   f"--rl.reward_funcs=[{flaky}:flaky]", "--rl.rollout_engine=tests/fed_rollouts.py:Fed",
+                   f"--rl.num_generations={G}", f"--rl.max_completion_length={fed_rollouts.MAX_LEN}",
+                   "--train.max_steps=4", "--train.micro_batch_size=2", "--train.seq_len=48", "--eval.every=0",
+                   "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=2",
+                   "--checkpoint.export_hf=false"], cache, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "reward function flaky raised ValueError: no score for this on completion" in \
+        errors[0], proc.stderr[-3000:]
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert checkpoints == ["step_00000002"] and (run / "checkpoints/step_00000002/complete.json").exists()
