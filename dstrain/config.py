@@ -479,7 +479,8 @@ class RLSection:
     distill_beta: float = 1.0  # 1: reverse KL(student || teacher), 0: forward KL, between: JSD (TRL GKD's beta)
     distill_weight: float = 1.0  # the distillation loss's weight beside the reward loss
     num_iterations: int = 1  # updates per rollout batch; only 1 so far
-    scale_rewards: str = "group"  # advantages divided by the group's reward std (`group`) or not (`none`)
+    # advantages divided by the group's reward std (`group`), the whole global batch's (`batch`), or not (`none`)
+    scale_rewards: str = "group"
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
     # every N steps, rank 0's prompts, completions, rewards and advantages go to completions.jsonl in the run
     # directory (and a wandb table when wandb is on); 0: never
@@ -488,7 +489,7 @@ class RLSection:
     def __post_init__(self) -> None:
         _one_of("rl.algorithm", self.algorithm, ("grpo", "rloo"))
         _one_of("rl.loss_type", self.loss_type, ("dapo", "grpo", "dr_grpo", "bnpo"))
-        _one_of("rl.scale_rewards", self.scale_rewards, ("group", "none"))
+        _one_of("rl.scale_rewards", self.scale_rewards, ("group", "batch", "none"))
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
             raise UserError(f"rl.num_generations={self.num_generations} must be an integer >= 2 (GRPO compares a "
                             f"prompt's completions with each other)")

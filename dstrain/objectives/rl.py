@@ -168,7 +168,12 @@ class RL:
         if self.cfg.algorithm == "rloo":
             advantages = rl_math.rloo_advantages(penalised, G, self.cfg.normalize_advantages)
         else:
-            advantages = rl_math.advantages(penalised, G, self.cfg.scale_rewards)
+            spread = None
+            if self.cfg.scale_rewards == "batch":  # the global batch's std: sums over the data-parallel ranks
+                from ..dist import all_reduce_sum
+                spread = rl_math.batch_std(penalised, lambda v: all_reduce_sum(v, engine.device,
+                                                                               layout.data_parallel_group))
+            advantages = rl_math.advantages(penalised, G, self.cfg.scale_rewards, spread)
         for batch, part in zip(made, advantages.split([b["input_ids"].shape[0] for b in made])):
             batch["advantages"] = part.float()
         for i, batch in enumerate(made):  # this rank's sampling time, counted once (its first micro-batch)

@@ -28,12 +28,14 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
 
 
-def advantages(rewards: torch.Tensor, generations: int, scale: str = "group") -> torch.Tensor:
+def advantages(rewards: torch.Tensor, generations: int, scale: str = "group",
+               batch_std: float | None = None) -> torch.Tensor:
     """GRPO's advantages for rewards laid out group by group (G consecutive completions of one prompt).
 
     A NaN reward (every reward function returned None for that completion) is left out of its group's mean and
     std and gets advantage 0. `scale`: "group" divides by the group's std, "batch" by the whole batch's (Dr. GRPO's
-    critique of per-group scaling), "none" does not divide."""
+    critique of per-group scaling; `batch_std`: the global batch's, when `rewards` is one rank's share of it),
+    "none" does not divide."""
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r} is not one of {', '.join(SCALES)}")
     grouped = rewards.view(-1, generations)
@@ -43,7 +45,8 @@ def advantages(rewards: torch.Tensor, generations: int, scale: str = "group") ->
         std = _nanstd(grouped, dim=1).repeat_interleave(generations) if generations > 1 else torch.zeros_like(rewards)
         centred = centred / (std + STD_EPS)
     elif scale == "batch":
-        std = _nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
+        std = torch.tensor(batch_std) if batch_std is not None else \
+            _nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
         centred = centred / (std + STD_EPS)
     return torch.nan_to_num(centred, nan=0.0)
 
@@ -130,3 +133,16 @@ def sequence_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ad
             "clip_high": ((ratio > 1 + epsilon_high) & (advantages > 0)).to(mask.dtype).sum().detach(),
             "tokens": torch.tensor(float(logps.shape[0]))}  # RLOO clips sequences: its clip ratios count them
     return per_sequence.sum(), torch.tensor(float(logps.shape[0])), sums
+
+
+def batch_std(rewards: torch.Tensor, reduce=None) -> float:
+    """The sample std of the non-NaN rewards over the global batch, from one rank's share: `reduce` sums
+    [count, sum, sum of squares] over the ranks (None: this share is the batch). 0 with fewer than 2 values, as
+    TRL's (which gathers every reward first)."""
+    kept = rewards[~torch.isnan(rewards)].double()
+    count, total, squares = (reduce or (lambda v: v))([float(kept.numel()), float(kept.sum()),
+                                                        float((kept ** 2).sum())])
+    if count < 2:
+        return 0.0
+    mean = total / count
+    return max((squares - count * mean * mean) / (count - 1), 0.0) ** 0.5

@@ -80,7 +80,8 @@ def theirs(tmp_path, model_dir, algorithm: str, beta: float = 0.0, peft_config=N
     return [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
 
 
-CASES = {  # id: (algorithm, loss_type, beta, LoRA)
+CASES = {  # id: (algorithm, loss_type, beta, LoRA); dr_grpo with its paper's unscaled advantages, bnpo with the
+    # std of the whole batch (over both ranks: TRL's gathers every reward)
     "dapo": ("grpo", "dapo", 0.0, False), "grpo": ("grpo", "grpo", 0.0, False),
     "dr_grpo": ("grpo", "dr_grpo", 0.0, False), "bnpo": ("grpo", "bnpo", 0.0, False),
     "rloo": ("rloo", None, 0.0, False),
@@ -95,11 +96,12 @@ LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 @pytest.mark.parametrize("case", list(CASES))
 def test_zero3_on_two_ranks_equals_trl(tmp_path, cache, tiny_llama, prompts_file, case):
     algorithm, loss_type, beta, lora = CASES[case]
+    scale = {"dr_grpo": "none", "bnpo": "batch"}.get(case, "group")
     extra = [f"--rl.algorithm={algorithm}", f"--rl.beta={beta}"] + (
-        [f"--rl.loss_type={loss_type}"] if loss_type else []) + (
+        [f"--rl.loss_type={loss_type}", f"--rl.scale_rewards={scale}"] if loss_type else []) + (
         [f"--lora.r={LORA['r']}", f"--lora.alpha={LORA['lora_alpha']}", "--train.lr=1e-2"] if lora else [])
     got = ours(tmp_path, cache, tiny_llama, prompts_file, extra)
-    config = {"loss_type": loss_type} if loss_type else {}
+    config = {"loss_type": loss_type, "scale_rewards": scale} if loss_type else {}
     if lora:
         from peft import LoraConfig
         config |= {"peft_config": LoraConfig(**LORA), "learning_rate": 1e-2}
