@@ -329,9 +329,9 @@ class RL:
 
     def _distill_sum(self, batch, student_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The generalized JSD between the student's and the teacher's next-token distributions, summed over
-        completion tokens: DeepSpeed's own generalized_jsd_loss (deepspeed.runtime.rollout.opsd; beta 1 is the
+        completion tokens: DeepSpeed's own generalized_jsd_loss (deepspeed.runtime.rollout; beta 1 is the
         reverse KL(student || teacher), TRL GKD's convention), both at logits / rl.temperature."""
-        from deepspeed.runtime.rollout.opsd import generalized_jsd_loss
+        from deepspeed.runtime.rollout import generalized_jsd_loss  # exported by the package: public
         with torch.no_grad():
             teacher_logits = self._logps(self.teacher, batch, logits_too=True)[2]
         return generalized_jsd_loss(student_logits, teacher_logits, mask.bool(), beta=self.cfg.distill_beta,
