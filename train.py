@@ -190,6 +190,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     prepared.train, prepared.val = objective.before_training(  # preference: the reference model's log-probs
         engine, [prepared.train, prepared.val], layout, ctx, run_dir, prepared.cache_path,
         weights_fingerprint(model_source.name_or_path), train.micro_batch_size, log)
+    per = getattr(objective, "steps_per_batch", 1)  # steps that train on one batch of the stream (RL: the rollout's)
     stream = data.TrainStream(prepared.train, train.micro_batch_size, train.grad_accum_steps, layout, train.seed,
                               pin_memory=engine.device.type == "cuda")
     val = data.eval_batches(prepared.val, train.micro_batch_size, layout, recipe.eval.max_batches) \
@@ -205,7 +206,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     stop = preempt.StopRequest(run_dir, ctx)  # SIGUSR1 / SIGTERM / a STOP file: checkpoint, exit 75
     start = ckpt.load(engine, start_from)["step"] if start_from else 0
     if start_from:
-        stream.resume(start, start_from.manifest.get("samples", start * stream.global_batch))
+        stream.resume(start // per, start_from.manifest.get("samples", start // per * stream.global_batch))
     events.record_start(run_dir, ctx, start, log)  # who takes part; what a change of members cost (events.jsonl)
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     memory.reset_peak()  # from here on, the training phase's peak (what the preflight models)
@@ -214,14 +215,14 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                       lambda achieved: flops.record_achieved(engine.device, ds_config.precision(ds_cfg),
                                                              achieved / ctx.world_size))
     metrics.message(f"data: {prepared.summary}; "
-                    f"{data.amount.describe(train.max_steps, global_batch, len(prepared.train))}")
+                    f"{data.amount.describe(train.max_steps // per, global_batch, len(prepared.train))}")
     metrics.message(f"{'resumed from ' + str(start_from.path) if start_from else 'starting'} at step {start}; "
                     f"{'reused' if prepared.cache_hit else 'wrote'} tokenized data {prepared.cache_path}; "
                     f"MFU = tokens/s x {flops_per_token / 1e6:,.1f} MFLOP/token / ({ctx.world_size} x "
                     f"{peak.flops / 1e12:,.3g} TFLOP/s, {peak.source})")
 
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
-        return {"global_batch": stream.global_batch, "samples": step * stream.global_batch + stream.offset,
+        return {"global_batch": stream.global_batch, "samples": step // per * stream.global_batch + stream.offset,
                 "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel,
                 "replicas": layout.replicas, "run": identity}
 
@@ -239,7 +240,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         faults.point("step", ctx.rank, step)
         began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
         try:
-            loss, counts, tokens, extra = train_step(engine, stream.micro_batches(step - 1), layout, objective,
+            loss, counts, tokens, extra = train_step(engine, stream.micro_batches((step - 1) // per), layout, objective,
                                                      ckpt.before_update, step)
         except UserError as error:  # bad data every rank met in this step (a reward function's): the save in
             if getattr(error, "every_rank", False):  # flight, the last good state, is finished before leaving
@@ -253,6 +254,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             evaluation(step)
             watchdog.progress()
+        if step % per:  # inside a rollout batch (RL's rl.num_iterations): saves and stops wait for its last step
+            continue
         ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
         ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
                              metrics.message)  # checkpoint.every=auto, once the first save's stall is known

@@ -478,7 +478,10 @@ class RLSection:
     teacher: str | None = None
     distill_beta: float = 1.0  # 1: reverse KL(student || teacher), 0: forward KL, between: JSD (TRL GKD's beta)
     distill_weight: float = 1.0  # the distillation loss's weight beside the reward loss
-    num_iterations: int = 1  # updates per rollout batch; only 1 so far
+    # optimizer steps per rollout batch (TRL's num_iterations): each batch of prompts is sampled once and trained on
+    # this many steps, the later ones against the sampling policy's log-probs (PPO's clipped ratio); checkpoints
+    # and stops land at the end of a rollout batch, so checkpoint.every and train.max_steps are multiples of it
+    num_iterations: int = 1
     # advantages divided by the group's reward std (`group`), the whole global batch's (`batch`), or not (`none`)
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False  # completions cut at max_completion_length add no loss
@@ -499,9 +502,9 @@ class RLSection:
             raise UserError(f"rl.distill_beta={self.distill_beta} must be in [0, 1] (1: reverse KL, 0: forward KL)")
         if not isinstance(self.beta, (int, float)) or self.beta < 0:
             raise UserError(f"rl.beta={self.beta} must be a number >= 0 (the weight of the KL to the reference)")
-        if self.num_iterations != 1:
-            raise UserError(f"rl.num_iterations={self.num_iterations}: several updates per rollout batch are not "
-                            f"supported yet; set rl.num_iterations=1 (TRL's default)")
+        if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
+            raise UserError(f"rl.num_iterations={self.num_iterations} must be an integer >= 1 (optimizer steps per "
+                            f"rollout batch)")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise UserError(f"rl.temperature={self.temperature}, rl.top_p={self.top_p}, rl.top_k={self.top_k}: need "
                             f"temperature >= 0 (0: greedy), 0 < top_p <= 1, top_k >= 0")

@@ -12,8 +12,10 @@ advantages and its loss on whole-sequence ratios, by completions. The log-probs 
 distribution (logits / rl.temperature), as TRL's. What samples is rl.rollout_engine (rollout.py: the built-in
 seeded sampler, or an engine of the user's such as vLLM).
 
-This first version trains with one update per rollout (rl.num_iterations = 1: the ratio is 1, its gradient is
-the policy gradient) and no reference model (rl.beta = 0); both are refused otherwise, in config.RLSection.
+rl.num_iterations = mu > 1: a rollout batch is made at the first of every mu steps (from the stream's batch
+(step - 1) // mu: train.py reads `steps_per_batch`) with the sampling policy's log-probs, and the next mu - 1 steps
+train on the same completions against them (the ratio moves away from 1 and is clipped). Checkpoints and stops
+land at a rollout batch's end (train.py), so a resumed run starts a new one: nothing of it is saved.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ class RL:
 
     def __init__(self, cfg: RLSection):
         self.cfg = cfg
+        self.steps_per_batch = cfg.num_iterations  # the seam: optimizer steps that share one batch of the stream
+        self.cycle: list[dict] | None = None  # the rollout batch later steps of it train on again
         by_tokens = (cfg.algorithm == "grpo" and cfg.loss_type in ("dapo", "bnpo")) or not cfg.reward_funcs
         self.primary = "completion_tokens" if by_tokens else "completions"
         self.sampling = rollout.Sampling(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k)
@@ -44,6 +48,13 @@ class RL:
         if layout.is_pipeline or layout.tensor_parallel > 1 or layout.sequence_parallel > 1:
             raise UserError("data.format=prompt (learning from rewards) runs on ZeRO configs only so far: not with "
                             "pipeline stages, tensor or sequence parallelism")
+        mu, every = self.cfg.num_iterations, recipe.checkpoint.every
+        for name, value in (("train.max_steps", recipe.train.max_steps),
+                            ("train.exit_at_step", recipe.train.exit_at_step),
+                            ("checkpoint.every", every if every != "auto" else None)):
+            if mu > 1 and value and value % mu:
+                raise UserError(f"{name}={value} is not a multiple of rl.num_iterations={mu}: a run stops and saves "
+                                f"only at the end of a rollout batch; make it a multiple")
         room = recipe.train.seq_len - self.cfg.max_completion_length
         if room < 1:
             raise UserError(f"train.seq_len={recipe.train.seq_len} leaves no room for a prompt beside "
@@ -112,6 +123,9 @@ class RL:
     def prepare(self, engine, micro_batches: list[dict], layout, step: int) -> list[dict]:
         """This rank's prompts -> micro-batches of completions with their advantages (see the module docstring)."""
         from ..dist import all_reduce_sum
+        mu = self.cfg.num_iterations
+        if step > 0 and mu > 1 and (step - 1) % mu:  # a later step of the rollout batch: its completions again
+            return [dict(b, rollout_s=torch.tensor(0.0)) for b in self.cycle]
         G = self.cfg.num_generations
         ids, columns, keys = [], {}, []
         for m, batch in enumerate(micro_batches):
@@ -159,12 +173,19 @@ class RL:
         if self.cfg.beta != 0.0:
             for batch in made:
                 batch["ref_logps"] = self._reference_logps(engine, batch)
-            if self.cfg.algorithm == "rloo":  # RLOO: the KL, summed over each sequence, is a penalty on its reward
-                for batch in made:  # (first-order: log pi_old - log pi_ref, TRL's RLOOTrainer)
-                    with torch.no_grad():
-                        old = self._logps(engine, {k: v.to(engine.device) for k, v in batch.items()})[0].cpu()
-                    batch["kl"] = (old - batch["ref_logps"]) * batch["completion_mask"]
-                penalised = total - self.cfg.beta * torch.cat([b["kl"].sum(-1) for b in made])
+        later_steps = step > 0 and mu > 1
+        if later_steps or (self.cfg.beta != 0.0 and self.cfg.algorithm == "rloo"):
+            for batch in made:  # the sampling policy's log-probs: the ratio's denominator, RLOO's KL
+                with torch.no_grad():
+                    batch["old_logps"] = self._logps(engine, {k: v.to(engine.device)
+                                                              for k, v in batch.items()})[0].cpu()
+        if self.cfg.beta != 0.0 and self.cfg.algorithm == "rloo":
+            for batch in made:  # RLOO: the KL, summed over each sequence, is a penalty on its reward (first-order:
+                batch["kl"] = (batch["old_logps"] - batch["ref_logps"]) * batch["completion_mask"]  # TRL's)
+            penalised = total - self.cfg.beta * torch.cat([b["kl"].sum(-1) for b in made])
+        if not later_steps:  # with one update per rollout the ratio is 1: the step's own log-probs, detached
+            for batch in made:
+                batch.pop("old_logps", None)
         if self.cfg.algorithm == "rloo":
             advantages = rl_math.rloo_advantages(penalised, G, self.cfg.normalize_advantages)
         else:
@@ -181,6 +202,8 @@ class RL:
         every = self.cfg.log_completions_every
         if step > 0 and every and step % every == 0 and self.setup.ctx.is_main:
             self._log_completions(step, prompts, completions, per_func, total, advantages)
+        if later_steps:
+            self.cycle = made
         return made
 
     def _score(self, engine, prompts, completions, completion_ids, columns):
@@ -304,11 +327,12 @@ class RL:
         logps, entropy, logits = self._logps(model, batch, entropy=True, logits_too=True)
         summed, sums = torch.zeros((), device=logps.device), {}
         if self.rewards and cfg.algorithm == "rloo":
-            summed, _, sums = rl_math.sequence_policy_loss(logps, None, batch["advantages"], mask, cfg.epsilon,
-                                                           cfg.epsilon_high)
+            summed, _, sums = rl_math.sequence_policy_loss(logps, batch.get("old_logps"), batch["advantages"], mask,
+                                                           cfg.epsilon, cfg.epsilon_high)
         elif self.rewards:
-            summed, _, sums = rl_math.policy_loss(logps, None, batch["advantages"], mask, cfg.loss_type,
-                                                  cfg.epsilon, cfg.epsilon_high, cfg.beta, batch.get("ref_logps"),
+            summed, _, sums = rl_math.policy_loss(logps, batch.get("old_logps"), batch["advantages"], mask,
+                                                  cfg.loss_type, cfg.epsilon, cfg.epsilon_high, cfg.beta,
+                                                  batch.get("ref_logps"),
                                                   cfg.max_completion_length, cfg.use_bias_correction_kl)
         distill = torch.zeros((), device=logps.device)
         if self.teacher is not None:

@@ -205,7 +205,10 @@ def test_tiny_distill_recipe_brings_the_student_to_its_teacher(tmp_path, cache, 
 
 
 def _grpo_args(default_run, run) -> list[str]:
+    """Two updates per rollout batch (rl.num_iterations 2): steps 1-2 train on the first batch's completions, 3-4 on
+    the second's; the checkpoint every 2 steps lands at a batch's end."""
     return readme_command("tiny/grpo") + [f"--model.name_or_path={default_run[0] / 'hf'}", "--train.max_steps=4",
+                                          "--rl.num_iterations=2",
                                           "--log.wandb=false", "--checkpoint.export_hf=false", "--checkpoint.every=2",
                                           "--checkpoint.keep_last=2", "--train.micro_batch_size=4",
                                           "--output_dir", str(run)]
@@ -230,6 +233,9 @@ def test_grpo_losses_do_not_depend_on_the_number_of_ranks(grpo_runs):
     one, two = _rl_rows(grpo_runs[1]), _rl_rows(grpo_runs[2])
     print({"1 rank": [r["loss"] for r in one], "2 ranks": [r["loss"] for r in two]})
     assert len(one) == len(two) == 4
+    rewards = [r["reward"] for r in one]  # a rollout batch per 2 steps: its second step trains on it again
+    assert rewards[0] == rewards[1] and rewards[2] == rewards[3] and rewards[0] != rewards[2]
+    assert one[1]["rollout_s"] == 0 < one[2]["rollout_s"] and one[1]["loss"] != one[0]["loss"]
     assert [r["reward"] for r in one] == [r["reward"] for r in two]  # the same completions, scored the same
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["tokens"] == b["tokens"]
@@ -237,10 +243,10 @@ def test_grpo_losses_do_not_depend_on_the_number_of_ranks(grpo_runs):
 
 
 def test_grpo_killed_with_sigkill_resumes_on_one_rank_as_if_never_stopped(tmp_path, cache, default_run, grpo_runs):
-    """kill -9 a rank of the 2-rank GRPO run after its step-2 checkpoint; resume it on 1 rank (grad_accum_steps
-    doubled: the same global batch). Steps 3 and 4 sample the same completions (the sampler's streams are keyed
-    by step and place, nothing carried in memory), read the same prompts (the stream's position is checkpointed),
-    and log the uninterrupted run's rewards and losses."""
+    """kill -9 a rank of the 2-rank GRPO run after its step-2 checkpoint (the end of the first rollout batch);
+    resume it on 1 rank (grad_accum_steps doubled: the same global batch). Steps 3 and 4 sample the same
+    completions (the sampler's streams are keyed by step and place, nothing carried in memory), read the same
+    prompts (the stream's position is checkpointed), and log the uninterrupted run's rewards and losses."""
     run = tmp_path / "run"
     args = _grpo_args(default_run, run) + ["--world_size=2"]
     killed = kill_rank_after_checkpoint(args, run, cache, step=2, rank=1)

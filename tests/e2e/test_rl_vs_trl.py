@@ -30,14 +30,14 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def ours(tmp_path, cache, model_dir, data, extra, ds_config="zero3.json") -> list[dict]:
+def ours(tmp_path, cache, model_dir, data, extra, ds_config="zero3.json", steps=STEPS) -> list[dict]:
     run = tmp_path / "run"
     launch(["--ds_config", ds_config, *(PARTITIONED if ds_config == "zero3.json" else []), f"--model.name_or_path={model_dir}", f"--data.path={data}",
             "--data.format=prompt", "--data.val_fraction=0", "--output_dir", str(run),
             "--rl.reward_funcs=[tests/fed_rollouts.py:vowels,tests/fed_rollouts.py:brevity]",
             "--rl.reward_weights=[1.0,2.0]", "--rl.rollout_engine=tests/fed_rollouts.py:Fed",
             f"--rl.num_generations={G}", f"--rl.max_completion_length={fed_rollouts.MAX_LEN}",
-            f"--rl.temperature={TEMPERATURE}", f"--train.max_steps={STEPS}", f"--train.lr={LR}",
+            f"--rl.temperature={TEMPERATURE}", f"--train.max_steps={steps}", f"--train.lr={LR}",
             "--train.warmup_steps=0", "--train.min_lr_ratio=1.0", "--train.weight_decay=0.0",
             "--train.precision=fp32", "--train.micro_batch_size=2", "--train.seq_len=48", "--eval.every=0",
             "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=0", "--checkpoint.export_hf=false",
@@ -47,7 +47,7 @@ def ours(tmp_path, cache, model_dir, data, extra, ds_config="zero3.json") -> lis
 
 
 def theirs(tmp_path, model_dir, algorithm: str, beta: float = 0.0, peft_config=None, learning_rate=LR,
-           **config) -> list[dict]:
+           steps=STEPS, **config) -> list[dict]:
     import datasets
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -59,7 +59,7 @@ def theirs(tmp_path, model_dir, algorithm: str, beta: float = 0.0, peft_config=N
                   gradient_accumulation_steps=1, num_generations=G, max_completion_length=fed_rollouts.MAX_LEN,
                   temperature=TEMPERATURE, learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0,
                   weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,
-                  max_steps=STEPS, logging_steps=1, report_to=[], save_strategy="no", gradient_checkpointing=False,
+                  max_steps=steps, logging_steps=1, report_to=[], save_strategy="no", gradient_checkpointing=False,
                   beta=beta, reward_weights=[1.0, 2.0], dataloader_num_workers=0, seed=42, **config)
     data = datasets.Dataset.from_list([{"prompt": p, "answer": "three"} for p in PROMPTS])
     if algorithm == "grpo":
@@ -86,8 +86,9 @@ CASES = {  # id: (algorithm, loss_type, beta, LoRA); dr_grpo with its paper's un
     "dapo": ("grpo", "dapo", 0.0, False), "grpo": ("grpo", "grpo", 0.0, False),
     "dr_grpo": ("grpo", "dr_grpo", 0.0, False), "bnpo": ("grpo", "bnpo", 0.0, False),
     "rloo": ("rloo", None, 0.0, False),
-    # a KL to the reference: a frozen copy of the starting weights, partitioned like the policy
-    "dapo-kl": ("grpo", "dapo", 0.5, False), "rloo-kl": ("rloo", None, 0.5, False),
+    # a KL to the reference (a frozen copy of the starting weights, partitioned like the policy), and two updates
+    # per rollout batch (rl.num_iterations 2: the second against the sampling policy's log-probs), 4 steps
+    "dapo-kl-2it": ("grpo", "dapo", 0.5, False), "rloo-kl-2it": ("rloo", None, 0.5, False),
     # LoRA: the reference is the policy with its adapters switched off, as TRL's with peft
     "grpo-kl-lora": ("grpo", "grpo", 0.5, True),
 }
@@ -98,23 +99,28 @@ STAGES = {"grpo": "zero0.json", "dr_grpo": "zero1.json", "rloo": "zero2_offload.
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_trl(tmp_path, cache, tiny_llama, prompts_file, case):
     algorithm, loss_type, beta, lora = CASES[case]
+    iterations = 2 if case.endswith("-2it") else 1
+    steps = STEPS + 1 if iterations > 1 else STEPS
     scale = {"dr_grpo": "none", "bnpo": "batch"}.get(case, "group")
-    extra = [f"--rl.algorithm={algorithm}", f"--rl.beta={beta}"] + (
+    extra = [f"--rl.algorithm={algorithm}", f"--rl.beta={beta}", f"--rl.num_iterations={iterations}"] + (
         [f"--rl.loss_type={loss_type}", f"--rl.scale_rewards={scale}"] if loss_type else []) + (
         [f"--lora.r={LORA['r']}", f"--lora.alpha={LORA['lora_alpha']}", "--train.lr=1e-2"] if lora else [])
-    got = ours(tmp_path, cache, tiny_llama, prompts_file, extra, STAGES.get(case, "zero3.json"))
+    got = ours(tmp_path, cache, tiny_llama, prompts_file, extra, STAGES.get(case, "zero3.json"), steps)
     config = {"loss_type": loss_type, "scale_rewards": scale} if loss_type else {}
     if lora:
         from peft import LoraConfig
         config |= {"peft_config": LoraConfig(**LORA), "learning_rate": 1e-2}
-    want = theirs(tmp_path, tiny_llama, algorithm, beta, **config)
-    assert len(got) == len(want) == STEPS
+    want = theirs(tmp_path, tiny_llama, algorithm, beta, steps=steps, num_iterations=iterations, **config)
+    assert len(got) == len(want) == steps
     compared = COMPARED + (["kl"] if beta else [])
     for name in compared:
-        print(f"{case} {name}: ours {[r[name] for r in got]}\n{' ' * len(name)}  TRL  {[r[name] for r in want]}")
+        print(f"{case} {name}: ours {[r.get(name) for r in got]}\n{' ' * len(name)}  TRL  "
+              f"{[r.get(name) for r in want]}")
     for step, (a, b) in enumerate(zip(got, want), start=1):
+        rollout = (step - 1) % iterations == 0  # TRL logs the reward and length figures at its rollouts only
         for name in compared:
-            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (step, name)
+            if name in b or rollout:
+                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (step, name)
     assert got[-1]["grad_norm"] != pytest.approx(got[0]["grad_norm"], rel=1e-3)  # the updates changed the weights
     if beta:
         # the policy left the reference (RLOO's first-order estimate can be negative)

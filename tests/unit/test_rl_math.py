@@ -176,3 +176,21 @@ def test_a_teacher_must_share_the_students_vocabulary(tmp_path):
     swapped.save_pretrained(same)
     with pytest.raises(UserError, match="has a different tokenizer from the student's"):
         check(same)
+
+
+@pytest.mark.parametrize("override,name", [("--train.max_steps=5", "train.max_steps=5"),
+                                           ("--checkpoint.every=3", "checkpoint.every=3"),
+                                           ("--train.exit_at_step=3", "train.exit_at_step=3")])
+def test_num_iterations_needs_steps_that_end_a_rollout_batch(override, name):
+    """rl.num_iterations=2: a run saves and stops only at a rollout batch's end, so the steps that end or save a
+    run must be multiples of it; said in one line before anything is built."""
+    from types import SimpleNamespace
+
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.errors import UserError
+    from dstrain.layout import Layout
+    from dstrain.objectives.rl import RL
+    recipe = load_recipe("tiny/grpo.yaml", parse_overrides(["--rl.num_iterations=2", "--train.max_steps=6",
+                                                            "--checkpoint.every=2", override]))
+    with pytest.raises(UserError, match=f"{name} is not a multiple of rl.num_iterations=2"):
+        RL(recipe.rl).validate(SimpleNamespace(recipe=recipe, layout=Layout(2)))
