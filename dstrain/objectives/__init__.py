@@ -11,6 +11,9 @@ An objective owns, for its data format:
   validate(setup), before_training(...) the one validation pass; work before the first step (reference log-probs)
   prepare(engine, batches, layout, step)  optional: makes a step's micro-batches from the stream's before anything
                                       is counted (RL: the rollout, the rewards and the advantages); evaluation too
+  steps_per_batch                     optional (1): optimizer steps that train on one batch of the stream; train.py
+                                      reads batch (step - 1) // it and saves and stops only at a multiple of it
+                                      (RL's num_iterations: a rollout batch's later updates)
 steps.py runs any objective the same way: the gradient of a step is that of the loss normalised over the whole
 global batch, however it is spread over micro-batches and ranks.
 
