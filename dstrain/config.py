@@ -442,7 +442,8 @@ class RLSection:
     sampled from the current weights each step. The names and their meaning are TRL's (`GRPOConfig`)."""
     # reward functions: `path/to/file.py:function` (relative to the working directory, as data.path is),
     # `package.module:function`, or a built-in (`exact_answer`: the final answer equals the `answer` column;
-    # `format_regex`: the completion matches rl.format_pattern); each `(prompts, completions, **columns) -> [float]`
+    # `format_regex`: the completion matches rl.format_pattern; `overlong_penalty`: DAPO's length penalty); each
+    # `(prompts, completions, **columns) -> [float]`
     reward_funcs: list = field(default_factory=list)
     # `grpo`: advantages against the group's mean (and std), loss per token (rl.loss_type picks the normalisation);
     # `rloo`: RLOO's leave-one-out baseline, loss on whole-sequence ratios averaged over completions (TRL's
@@ -455,6 +456,9 @@ class RLSection:
     rollout_engine: str = "sampler"
     reward_weights: list | None = None  # one weight per reward function (default 1 each)
     format_pattern: str | None = None  # the regular expression of the `format_regex` reward
+    # the `overlong_penalty` reward (DAPO's): 0 up to max_completion_length minus this many tokens, then down to -1
+    # at max_completion_length; default a quarter of max_completion_length
+    overlong_cache: int | None = None
     num_generations: int = 8  # completions sampled per prompt (the group GRPO normalises over)
     max_completion_length: int = 256  # tokens per completion at most (the prompt keeps train.seq_len minus this)
     temperature: float = 1.0  # sampling temperature of the completions; 0: greedy
@@ -510,6 +514,9 @@ class RLSection:
                             f"temperature >= 0 (0: greedy), 0 < top_p <= 1, top_k >= 0")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.overlong_cache is not None and not 0 < self.overlong_cache <= self.max_completion_length:
+            raise UserError(f"rl.overlong_cache={self.overlong_cache} must be between 1 and rl.max_completion_length="
+                            f"{self.max_completion_length}")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise UserError(f"rl.reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
                             f"reward functions; give one per function")

@@ -7,7 +7,8 @@ A reward is named in the recipe as
   `package.module:function`    anything importable, e.g. `trl.rewards:think_format_reward`
   `exact_answer`               built in: the completion's final answer equals the row's `answer` column
   `format_regex`               built in, made with a pattern: the whole completion matches it
-TRL's own rewards serve as they are (`trl.rewards:get_soft_overlong_punishment` is DAPO's length penalty).
+  `overlong_penalty`           built in: DAPO's soft length penalty over the last rl.overlong_cache tokens
+TRL's own reward functions serve as they are (e.g. `trl.rewards:think_format_reward`).
 
 score() calls each function once on a rollout batch and combines them as TRL does (weights, None -> NaN,
 nansum). A function that raises, returns the wrong number of values, or a value that is not a finite number, is
@@ -78,8 +79,20 @@ def format_regex(pattern: str) -> Callable:
     return format_reward
 
 
+def overlong_penalty(max_completion_length: int, cache: int) -> Callable:
+    """DAPO's soft overlong punishment (its Eq. 13; TRL's get_soft_overlong_punishment, a development dependency
+    here, so written out): 0 up to max_completion_length - cache tokens, then falling linearly to -1 at
+    max_completion_length, -1 beyond."""
+    start = max_completion_length - cache
+
+    def overlong_penalty(prompts=None, completions=None, completion_ids=None, **_) -> list[float]:
+        return [0.0 if len(ids) <= start else -1.0 if len(ids) > max_completion_length
+                else (start - len(ids)) / cache for ids in completion_ids]
+    return overlong_penalty
+
+
 BUILTINS: dict[str, Callable] = {"exact_answer": exact_answer}
-FACTORIES: dict[str, Callable] = {"format_regex": format_regex}
+FACTORIES: dict[str, Callable] = {"format_regex": format_regex, "overlong_penalty": overlong_penalty}
 
 
 @dataclass

@@ -62,11 +62,12 @@ class RL:
         self.prompt_room, self.seed, self.micro = room, recipe.train.seed, recipe.train.micro_batch_size
         self.setup, self.reference, self.adapters_off = setup, None, self.cfg.beta != 0 and recipe.lora.enabled
         self.prompt_field = recipe.data.prompt_field
-        params = {"pattern": self.cfg.format_pattern} if self.cfg.format_pattern else {}
-        if "format_regex" in self.cfg.reward_funcs and not params:
+        if "format_regex" in self.cfg.reward_funcs and not self.cfg.format_pattern:
             raise UserError("the format_regex reward needs rl.format_pattern (a regular expression)")
-        self.rewards = [reward_fns.load(spec, **(params if spec == "format_regex" else {}))
-                        for spec in self.cfg.reward_funcs]
+        cache = self.cfg.overlong_cache or max(1, self.cfg.max_completion_length // 4)
+        params = {"format_regex": {"pattern": self.cfg.format_pattern},
+                  "overlong_penalty": {"max_completion_length": self.cfg.max_completion_length, "cache": cache}}
+        self.rewards = [reward_fns.load(spec, **params.get(spec, {})) for spec in self.cfg.reward_funcs]
         from ..model import load_tokenizer
         self.tokenizer = load_tokenizer(recipe.model)
         self.eos = self.tokenizer.eos_token_id
@@ -347,9 +348,10 @@ class RL:
                  sums.get("clip_high", zero), sums.get("tokens", zero), (entropy * mask).sum(), mask.sum(),
                  sums["kl"] if "kl" in sums else batch["kl"].sum() if "kl" in batch else zero, distill.detach(),
                  batch["rollout_s"], batch["ranks"]]
-        stats += [torch.nansum(per_func, dim=0), (~torch.isnan(per_func)).float().sum(dim=0)]
+        stats += [torch.nansum(per_func, dim=0), torch.nansum(per_func ** 2, dim=0),
+                  (~torch.isnan(per_func)).float().sum(dim=0)]
         head = torch.stack([x.reshape(()).float().to(logps.device) for x in stats[:14]])
-        return summed, torch.cat([head, stats[14].float().to(head.device), stats[15].float().to(head.device)])
+        return summed, torch.cat([head] + [x.float().to(head.device) for x in stats[14:]])
 
     def _distill_sum(self, batch, student_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The generalized JSD between the student's and the teacher's next-token distributions, summed over
@@ -362,13 +364,13 @@ class RL:
                                     temperature=self.temperature).loss_sum
 
     def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
-        """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean, the mean
+        """TRL's names: reward (mean over scored completions), reward_std, rewards/<function>/mean and /std, the mean
         completion length, the share cut at max_completion_length, the share of tokens (RLOO: sequences) clipped each
         way, the mean entropy of the sampling distribution over completion tokens."""
         total, squares, scored, length, truncated, low, high, clippable, entropy, tokens, kl, distill, rollout_s, \
             ranks = stats[:14]
         funcs = len(self.rewards)
-        sums, counts = stats[14:14 + funcs], stats[14 + funcs:14 + 2 * funcs]
+        sums, squared, counts = (stats[14 + i * funcs:14 + (i + 1) * funcs] for i in range(3))
         completions = max(totals["completions"], 1.0)
         mean = total / scored if scored else math.nan
         variance = (squares - scored * mean ** 2) / (scored - 1) if scored > 1 else math.nan
@@ -386,8 +388,9 @@ class RL:
         if not self.rewards:  # distillation alone: no reward to report
             for key in ("reward", "reward_std", "clip_ratio/low_mean", "clip_ratio/high_mean"):
                 out.pop(key)
-        for reward, s, c in zip(self.rewards, sums, counts):
+        for reward, s, q, c in zip(self.rewards, sums, squared, counts):
             out[f"rewards/{reward.name}/mean"] = s / c if c else math.nan
+            out[f"rewards/{reward.name}/std"] = math.sqrt(max((q - s * s / c) / (c - 1), 0.0)) if c > 1 else math.nan
         return out
 
     def before_training(self, engine, datasets: list, *args) -> list:

@@ -20,7 +20,7 @@ STEPS, LR, G, PROMPTS = 3, 1e-3, 4, ["Ada had two red lamps. Now Ada has", "Sam 
 TEMPERATURE = 0.9  # the log-probs are those of logits / temperature on both sides
 PARTITIONED = ["--ds.zero_optimization.stage3_param_persistence_threshold=0"]
 COMPARED = ["loss", "grad_norm", "entropy", "reward", "reward_std", "rewards/vowels/mean", "rewards/brevity/mean",
-            "completions/mean_length", "completions/clipped_ratio"]
+            "rewards/vowels/std", "rewards/brevity/std", "completions/mean_length", "completions/clipped_ratio"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,8 @@ def theirs(tmp_path, model_dir, algorithm: str, beta: float = 0.0, peft_config=N
 
 
 CASES = {  # id: (algorithm, loss_type, beta, LoRA); dr_grpo with its paper's unscaled advantages, bnpo with the
-    # std of the whole batch (over both ranks: TRL's gathers every reward); ZeRO-3 unless STAGES says otherwise
+    # std of the whole batch (over both ranks: TRL's gathers every reward), grpo with truncated completions masked;
+    # ZeRO-3 unless STAGES says otherwise
     "dapo": ("grpo", "dapo", 0.0, False), "grpo": ("grpo", "grpo", 0.0, False),
     "dr_grpo": ("grpo", "dr_grpo", 0.0, False), "bnpo": ("grpo", "bnpo", 0.0, False),
     "rloo": ("rloo", None, 0.0, False),
@@ -105,8 +106,11 @@ def test_two_ranks_equal_trl(tmp_path, cache, tiny_llama, prompts_file, case):
     extra = [f"--rl.algorithm={algorithm}", f"--rl.beta={beta}", f"--rl.num_iterations={iterations}"] + (
         [f"--rl.loss_type={loss_type}", f"--rl.scale_rewards={scale}"] if loss_type else []) + (
         [f"--lora.r={LORA['r']}", f"--lora.alpha={LORA['lora_alpha']}", "--train.lr=1e-2"] if lora else [])
+    masked = case == "grpo"  # completions cut at max_completion_length add no loss (TRL's option)
+    extra += ["--rl.mask_truncated_completions=true"] if masked else []
     got = ours(tmp_path, cache, tiny_llama, prompts_file, extra, STAGES.get(case, "zero3.json"), steps)
     config = {"loss_type": loss_type, "scale_rewards": scale} if loss_type else {}
+    config |= {"mask_truncated_completions": True} if masked else {}
     if lora:
         from peft import LoraConfig
         config |= {"peft_config": LoraConfig(**LORA), "learning_rate": 1e-2}

@@ -36,7 +36,7 @@ def test_a_file_a_module_and_the_built_ins_load(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("nothing", "name a built-in (exact_answer, format_regex) or 'path/to/file.py:name'"),
+    ("nothing", "name a built-in (exact_answer, format_regex, overlong_penalty) or 'path/to/file.py:name'"),
     ("missing.py:f", "no file missing.py"),
     ("json:nope", "json has no function nope"),
     ("no_such_package_x:f", "cannot import no_such_package_x"),
@@ -80,3 +80,14 @@ def test_a_reward_function_that_misbehaves_is_named_with_the_completion(reward, 
     with pytest.raises(UserError, match=re.escape(message)) as err:
         rewards.score([reward], None, PROMPTS, COMPLETIONS, IDS, COLUMNS)
     assert "\n" not in str(err.value)
+
+
+def test_overlong_penalty_is_dapos_as_trl_writes_it():
+    """The built-in overlong_penalty against TRL's get_soft_overlong_punishment on every length up to past the
+    maximum (TRL is the development dependency it is checked against)."""
+    from trl.rewards import get_soft_overlong_punishment
+    ours = rewards.load("overlong_penalty", max_completion_length=20, cache=6)
+    theirs = get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=6)
+    ids = [[7] * n for n in range(0, 24)]
+    assert ours.fn(completion_ids=ids) == pytest.approx(theirs(completion_ids=ids))
+    assert ours.fn(completion_ids=[[1] * 17]) == [pytest.approx(-0.5)]
