@@ -378,9 +378,9 @@ class RL:
                "completions/mean_length": length / completions, "completions/clipped_ratio": truncated / completions,
                "clip_ratio/low_mean": low / max(clippable, 1.0), "clip_ratio/high_mean": high / max(clippable, 1.0),
                "entropy": entropy / max(tokens, 1.0)}
-        if ranks:  # sampling: seconds per rank (their mean), and the completion tokens all ranks made per second
-            out["rollout_s"] = rollout_s / ranks
-            out["rollout_tokens_per_s"] = length / out["rollout_s"] if rollout_s > 0 else math.nan
+        if ranks and rollout_s > 0:  # a step that sampled (not a later one of a rollout batch): seconds per rank
+            out["rollout_s"] = rollout_s / ranks  # (their mean), and the completion tokens all ranks made per second
+            out["rollout_tokens_per_s"] = length / out["rollout_s"]
         if self.cfg.beta != 0.0:  # GRPO: the k3 estimate per token; RLOO: log pi_old - log pi_ref per token
             out["kl"] = kl / max(tokens, 1.0)
         if self.cfg.teacher:  # the generalized JSD to the teacher per completion token (distill_beta 1: reverse KL)

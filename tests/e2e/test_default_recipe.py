@@ -235,7 +235,7 @@ def test_grpo_losses_do_not_depend_on_the_number_of_ranks(grpo_runs):
     assert len(one) == len(two) == 4
     rewards = [r["reward"] for r in one]  # a rollout batch per 2 steps: its second step trains on it again
     assert rewards[0] == rewards[1] and rewards[2] == rewards[3] and rewards[0] != rewards[2]
-    assert one[1]["rollout_s"] == 0 < one[2]["rollout_s"] and one[1]["loss"] != one[0]["loss"]
+    assert "rollout_s" not in one[1] and one[2]["rollout_s"] > 0 and one[1]["loss"] != one[0]["loss"]
     assert [r["reward"] for r in one] == [r["reward"] for r in two]  # the same completions, scored the same
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["tokens"] == b["tokens"]
