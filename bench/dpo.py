@@ -19,16 +19,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from common import free_port, make_llama, write_section
-from speed import PRESETS, bench_ds_config, dstrain_side, gpu_count, launch_measured, peer_side
+from speed import (
+    PRESETS,
+    bench_ds_config,
+    dstrain_side,
+    gpu_count,
+    launch_measured,
+    peer_machine,
+    peer_medians,
+    peer_side,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -107,12 +114,8 @@ def main() -> None:
                 print(f"{system} {index}: {r['pairs_per_s']:.1f} pairs/s, first step {r['first_step_s']:.1f} s, "
                       f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, final loss {r['final_loss']:.4f}",
                       flush=True)
-    got = {s: {k: statistics.median(r[k] for r in runs if r["system"] == s)
-               for k in ("pairs_per_s", "first_step_s", "peak_rss_bytes", "final_loss", "peak_cuda_bytes")}
-           for s in args.systems}
-    machine = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True).stdout.splitlines()[0] + f" x {args.ranks}" if gpu_count() else
-               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 2 CPU ranks")
+    got = peer_medians(runs, args.systems, ("pairs_per_s", "first_step_s", "peak_rss_bytes", "final_loss", "peak_cuda_bytes"))
+    machine = peer_machine(args.ranks)
     lines = [f"{time.strftime('%Y-%m-%d')}, {machine}, `{args.ds_config}` (scheduler dropped), {args.precision}; "
              f"a {params / 1e6:.1f}M-parameter Llama ({sizes['num_hidden_layers']} x {sizes['hidden_size']}); "
              f"data/tiny_dpo; "

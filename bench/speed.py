@@ -116,6 +116,19 @@ def launch_measured(system: str, index: int, cmd: list[str], out: Path, port: in
     return launched, memory
 
 
+def peer_medians(runs: list[dict], systems: list[str], keys: tuple) -> dict:
+    """A peer bench's figures: per system, the median of each key over its runs."""
+    return {s: {k: statistics.median(r[k] for r in runs if r["system"] == s) for k in keys} for s in systems}
+
+
+def peer_machine(ranks: int) -> str:
+    """The machine a peer bench ran on, for its table's first line."""
+    if gpu_count():
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.splitlines()[0] + f" x {ranks}"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 2 CPU ranks"
+
+
 def dstrain_side(out: Path) -> tuple[list[dict], int]:
     """train.py's side of a peer bench: its metrics.jsonl step rows, and on CUDA its peak allocated bytes (the larger
     of the set-up and training peaks, memory.json)."""
