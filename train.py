@@ -169,6 +169,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         "activation_checkpointing": bool(getattr(model, "is_activation_checkpointing" if hasattr(  # transformers 5
             type(model), "is_activation_checkpointing") else "is_gradient_checkpointing", False)),
         "world_size": ctx.world_size, "data_parallel": layout.data_parallel, "data_cache": prepared.cache_path,
+        # samples per optimizer step (DeepSpeed's train_batch_size counts a ring's ranks as data-parallel ones)
+        "global_batch": layout.global_batch(train.micro_batch_size, train.grad_accum_steps),
         "train_sequences": len(prepared.train), "val_sequences": len(prepared.val or []), "data": prepared.summary,
         "chat_template": chat_template,
         "components": {f.name: f.describe() for f in features}, "flops_per_token": flops_per_token,

@@ -33,6 +33,8 @@ TOP_LEVEL_KEYS = {
     "managed_gradient_accumulation", "eigenvalue", "progressive_layer_drop", "quantize_training",
     "graph_harvesting", "sequence_parallel_size", "expert_parallel", "zenflow", "datastates_ckpt",
     "check_overflow", "vocabulary_size", "mics_shard_size", "mics_hierarchical_params_gather",
+    # this repository's, beside DeepSpeed's sequence_parallel_size: ring attention's degree (DeepSpeed ignores it)
+    "context_parallel_size",
 }
 
 
@@ -276,15 +278,16 @@ PIPELINE_KEYS = {"stages", "partition_method", "partition", "seed_layers", "acti
 
 
 def check_sequence_parallel(cfg: dict) -> None:
-    """Ulysses sequence parallelism (sequence_parallel_size) combines with ZeRO-0/1/2/3 and offload only."""
+    """Ulysses sequence parallelism (sequence_parallel_size) and ring attention (context_parallel_size) combine
+    with each other and ZeRO-0/1/2/3 and offload only."""
     sizes = parallel_sizes(cfg)
-    sp = sizes.sequence
-    if sp == 1:
-        return
-    for size, what in ((sizes.pipeline, "pipeline stages"), (sizes.tensor, "tensor parallelism (AutoTP)")):
-        if size > 1:
-            raise UserError(f"sequence_parallel_size={sp} together with {what} is not supported (DeepSpeed's Ulysses "
-                            f"groups assume data x sequence parallelism only); remove one of the two")
+    for key, size in (("sequence_parallel_size", sizes.sequence), ("context_parallel_size", sizes.context)):
+        if size == 1:
+            continue
+        for other, what in ((sizes.pipeline, "pipeline stages"), (sizes.tensor, "tensor parallelism (AutoTP)")):
+            if other > 1:
+                raise UserError(f"{key}={size} together with {what} is not supported (the sequence-parallel groups "
+                                f"assume data x sequence parallelism only); remove one of the two")
 
 
 def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden_size: int | None = None,

@@ -228,7 +228,7 @@ def bind_groups(engine, layout):
         sp = state.get_sequence_parallel_world_size()
         theirs = (sp, state.get_sequence_parallel_rank(),
                   torch.distributed.get_rank(group=state.get_sequence_data_parallel_group()) // sp)
-        ours = (layout.sequence_parallel, layout.sequence_parallel_rank, layout.replica_data_parallel_rank)
+        ours = (layout.sequence_parallel, layout.sequence_parallel_rank, layout.engine_data_parallel_rank)
         if theirs != ours:
             raise RuntimeError(f"rank {layout.rank}: DeepSpeed's sequence-parallel groups give {theirs} but dstrain."
                                f"layout computed {ours} (size, rank, data-parallel rank) for {layout.describe()}")
@@ -237,9 +237,9 @@ def bind_groups(engine, layout):
         return replace(layout, gradient_divisor=sequence_parallel_gradient_divisor(engine, layout),
                        data_parallel_group=group)
     theirs = data_parallel_rank(engine)
-    if theirs != layout.replica_data_parallel_rank:
+    if theirs != layout.engine_data_parallel_rank:
         raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
-                           f"computed {layout.replica_data_parallel_rank} for {layout.describe()}")
+                           f"computed {layout.engine_data_parallel_rank} for {layout.describe()}")
     return replace(layout, data_parallel_group=engine.data_parallel_group)
 
 
@@ -250,12 +250,13 @@ def sequence_parallel_gradient_divisor(engine, layout) -> int:
     measured as a pre-clip gradient norm of exactly 1/sp of the reference's (tests/e2e/test_sequence_parallel.py).
     Its other path (reduce_scatter false, a bucket within reduce_bucket_size) divides by dp, so the sequence-
     parallel component requires reduce_scatter on under ZeRO-3 and every bucket takes the first. train_step's
-    loss scale makes up for the divisor."""
+    loss scale makes up for the divisor. A ring's ranks are data-parallel ones to DeepSpeed: they count in both."""
     if engine.zero_optimization_stage() == 3:
         if not engine.zero_reduce_scatter():
             raise RuntimeError("sequence parallelism under ZeRO-3 needs reduce_scatter (components/sequence_parallel)")
-        return layout.replica_data_parallel * layout.sequence_parallel
-    return layout.replica_data_parallel  # DiLoCo: a replica's ranks (the whole world without it)
+        return layout.replica_data_parallel * layout.context_parallel * layout.sequence_parallel
+    # DiLoCo: a replica's ranks (the whole world without it)
+    return layout.replica_data_parallel * layout.context_parallel
 
 
 def engine_config(engine):

@@ -1,6 +1,6 @@
 """ONE object for how the ranks are split, in the spirit of torchtitan's ParallelDims.
 
-world = data-parallel x pipeline stages x tensor-parallel x sequence-parallel (DeepSpeed Ulysses).
+world = data-parallel x pipeline stages x tensor-parallel x context-parallel (ring) x sequence-parallel (Ulysses).
 Built once from the DeepSpeed JSON and the world size, it answers every question other modules used to derive
 on their own: sizes, this rank's coordinates, how many ranks see the same samples, whether the engine is a
 pipeline. Rank order follows DeepSpeed's own groups, so no module has to ask the engine:
@@ -11,6 +11,10 @@ pipeline. Rank order follows DeepSpeed's own groups, so no module has to ask the
   - Ulysses (deepspeed.runtime.sequence_parallel.parallel_state_sp: groups of sp consecutive ranks):
     rank = dp_rank * sp + sp_rank. The sp ranks of a group read the same samples, each a 1/sp slice of every
     sequence; ZeRO partitions and gradient reductions span all dp x sp ranks.
+  - ring attention (context_parallel_size C, components/ring_attention.py): rings across Ulysses groups,
+    rank = (dp_rank * C + ring_rank) * sp + sp_rank. The C x sp ranks read the same samples; DeepSpeed knows
+    nothing of the ring and counts its ranks as data-parallel (its train_batch_size, gradient averaging and
+    ZeRO partitions span dp x C x sp).
 ds_internals.check_data_parallel_rank compares the formula with DeepSpeed's groups once the engine exists.
 """
 from __future__ import annotations
@@ -27,10 +31,11 @@ class ParallelSizes:
     pipeline: int = 1  # pipeline.stages
     tensor: int = 1  # tensor_parallel.autotp_size (AutoTP)
     sequence: int = 1  # sequence_parallel_size (Ulysses)
+    context: int = 1  # context_parallel_size (ring attention)
 
     @property
     def model(self) -> int:
-        return self.pipeline * self.tensor * self.sequence
+        return self.pipeline * self.tensor * self.sequence * self.context
 
 
 def parallel_sizes(cfg: dict) -> ParallelSizes:
@@ -38,7 +43,8 @@ def parallel_sizes(cfg: dict) -> ParallelSizes:
     A size that is not a positive integer is a UserError naming the key."""
     sizes = {}
     for name, section, key in (("pipeline", "pipeline", "stages"), ("tensor", "tensor_parallel", "autotp_size"),
-                               ("sequence", None, "sequence_parallel_size")):
+                               ("sequence", None, "sequence_parallel_size"),
+                               ("context", None, "context_parallel_size")):
         value = (cfg.get(section) or {}).get(key, 1) if section else cfg.get(key, 1)
         value = 1 if value is None else value
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -63,15 +69,18 @@ class Layout:
     data_parallel_group: Any = field(default=None, compare=False, repr=False)
     # how many ranks DeepSpeed divides the summed gradients by, when not data_parallel (ds_internals.bind_groups)
     gradient_divisor: int | None = field(default=None, compare=False)
+    context_parallel: int = 1  # ring attention: context_parallel_size (last: positional callers predate it)
 
     def __post_init__(self) -> None:
-        if min(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel) < 1:
+        if min(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel, self.context_parallel) < 1:
             raise UserError(f"parallel sizes must be positive (pipeline {self.pipeline_stages}, tensor "
-                            f"{self.tensor_parallel}, sequence {self.sequence_parallel})")
+                            f"{self.tensor_parallel}, sequence {self.sequence_parallel}, context "
+                            f"{self.context_parallel})")
         if self.world_size % self.model_parallel:
+            ring = f" x context-parallel size ({self.context_parallel})" if self.context_parallel > 1 else ""
             raise UserError(f"world size {self.world_size} is not divisible by pipeline stages ({self.pipeline_stages})"
                             f" x tensor-parallel size ({self.tensor_parallel}) x sequence-parallel size "
-                            f"({self.sequence_parallel}); launch a multiple of {self.model_parallel} ranks")
+                            f"({self.sequence_parallel}){ring}; launch a multiple of {self.model_parallel} ranks")
         if self.replicas < 1 or self.data_parallel % self.replicas:
             raise UserError(f"diloco.replicas={self.replicas} does not divide the {self.data_parallel} data-parallel "
                             f"ranks of world size {self.world_size}; choose a divisor of {self.data_parallel}")
@@ -79,7 +88,8 @@ class Layout:
     @classmethod
     def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0, replicas: int = 1) -> Layout:
         sizes = parallel_sizes(cfg)
-        return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank, replicas)
+        return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank, replicas,
+                   context_parallel=sizes.context)
 
     def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
         """Samples per optimizer step: micro batch x accumulation x data-parallel size (the one place it is
@@ -87,9 +97,10 @@ class Layout:
         return micro_batch_size * grad_accum_steps * self.data_parallel
 
     def replica_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
-        """Samples per optimizer step of one DiLoCo replica: DeepSpeed's train_batch_size (its engine is the
-        replica's); the global batch when there is one replica."""
-        return self.global_batch(micro_batch_size, grad_accum_steps) // self.replicas
+        """DeepSpeed's train_batch_size: samples per optimizer step of one DiLoCo replica (its engine is the
+        replica's; the global batch when there is one), counted once per ring rank (DeepSpeed takes the ring's
+        ranks for data-parallel ones)."""
+        return self.global_batch(micro_batch_size, grad_accum_steps) // self.replicas * self.context_parallel
 
     def accumulation_for(self, global_batch: int, micro_batch_size: int) -> int | None:
         """grad_accum_steps that makes up global_batch with this micro batch on these ranks; None when none can."""
@@ -99,7 +110,7 @@ class Layout:
     @property
     def model_parallel(self) -> int:
         """Ranks that hold parts of one model replica: they read the same samples."""
-        return self.pipeline_stages * self.tensor_parallel * self.sequence_parallel
+        return self.pipeline_stages * self.tensor_parallel * self.sequence_parallel * self.context_parallel
 
     @property
     def data_parallel(self) -> int:
@@ -120,16 +131,41 @@ class Layout:
     def zero_shards(self) -> int:
         """Ranks over which ZeRO partitions states and averages gradients (DeepSpeed's sequence-data-parallel
         group under Ulysses: dp x sp; a DiLoCo replica's ranks only)."""
-        return self.replica_data_parallel * self.sequence_parallel
+        return self.replica_data_parallel * self.sequence_parallel * self.context_parallel
 
     @property
     def sequence_parallel_rank(self) -> int:
         return self.rank % self.sequence_parallel
 
     @property
+    def context_parallel_rank(self) -> int:
+        """This rank's place in its ring (which two zigzag chunks of every sequence it holds)."""
+        return self.rank // self.sequence_parallel % self.context_parallel
+
+    @property
+    def sequence_shards(self) -> int:
+        """Ranks that hold disjoint parts of each sequence: Ulysses x ring."""
+        return self.sequence_parallel * self.context_parallel
+
+    @property
+    def sequence_shard(self) -> int:
+        """Which of the sequence_shards parts this rank holds (data.shard_sequence)."""
+        return self.context_parallel_rank * self.sequence_parallel + self.sequence_parallel_rank
+
+    def ring_groups(self) -> list[list[int]]:
+        """Every ring's global ranks, in one order on all ranks (torch's new_group is collective)."""
+        c, sp = self.context_parallel, self.sequence_parallel
+        return [[(d * c + k) * sp + u for k in range(c)] for d in range(self.data_parallel) for u in range(sp)]
+
+    @property
+    def engine_data_parallel_rank(self) -> int:
+        """This rank's index among the ranks DeepSpeed counts as data-parallel (a ring's ranks are among them)."""
+        return self.replica_data_parallel_rank * self.context_parallel + self.context_parallel_rank
+
+    @property
     def gradients_averaged_over(self) -> int:
         """DeepSpeed sums each gradient over the ranks and divides by this: the loss scale makes up for it."""
-        return self.gradient_divisor or self.replica_data_parallel
+        return self.gradient_divisor or self.replica_data_parallel * self.context_parallel
 
     @property
     def replica_size(self) -> int:
@@ -165,7 +201,7 @@ class Layout:
         if self.pipeline_stages > 1:  # DiLoCo: the replica's first data-parallel index + the index inside it
             inside = self.rank % self.replica_size
             return self.replica * self.replica_data_parallel + inside % self.replica_data_parallel
-        return self.rank // (self.tensor_parallel * self.sequence_parallel)
+        return self.rank // (self.tensor_parallel * self.sequence_parallel * self.context_parallel)
 
     @property
     def pipeline_stage(self) -> int:
@@ -180,6 +216,7 @@ class Layout:
                 f"tensor-parallel {self.tensor_parallel}")
         if self.replicas > 1:
             text += f" (DiLoCo: {self.replicas} replicas of {self.replica_size} ranks)"
+        text += f" x context-parallel (ring) {self.context_parallel}" if self.context_parallel > 1 else ""
         return text + (f" x sequence-parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else "")
 
 

@@ -235,7 +235,7 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
 
     info = json.loads((run_dir / "run_info.json").read_text())
     recipe_ds = json.loads((run_dir / "ds_config.json").read_text())
-    global_batch = recipe_ds["train_batch_size"]
+    global_batch = info.get("global_batch", recipe_ds["train_batch_size"])
     train = {"input_ids": sequences} if sequences is not None else \
         datasets.load_from_disk(info["data_cache"])["train"].with_format("torch")
     n = len(train["chosen_input_ids" if dpo_beta is not None else "input_ids"])

@@ -87,6 +87,9 @@ class Diloco(Component):
     def validate(self, setup: Setup) -> None:
         cfg, recipe, layout = self.cfg, setup.recipe, setup.layout
         train, self.replicas = recipe.train, layout.replicas
+        if layout.context_parallel > 1:
+            raise UserError(f"diloco with context_parallel_size={layout.context_parallel} is not supported (a ring's "
+                            f"ranks would have to stay inside one replica); drop one of the two")
         if layout.replicas < 2:
             raise UserError(f"diloco.every={cfg.every} needs at least 2 replicas, but the {layout.world_size} ranks "
                             f"form {layout.replicas} (diloco.replicas=0 makes one per node); set diloco.replicas=N "

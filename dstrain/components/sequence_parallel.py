@@ -15,6 +15,14 @@ training script, and done here and in dstrain.data / dstrain.steps:
     for the local slice only), so sdpa would attend across packed documents. Before registering, the sdpa entry
     is wrapped (packed_sdpa) to build the block-diagonal causal mask from the gathered position_ids. Flash
     attention takes position_ids itself (varlen) and needs no wrapper.
+
+context_parallel_size > 1: ring attention (components/ring_attention.py) over rings of that many ranks, each
+holding two zigzag chunks of every sequence. Its function takes the place of the model's attention entry in
+transformers' ALL_ATTENTION_FUNCTIONS (as Ulysses does, so every code path keyed on the implementation's name
+still runs); with Ulysses too, Ulysses is registered after it and captures it as its core attention: Ulysses
+exchanges heads for sequence inside its group of consecutive ranks (a node), the ring passes key/value blocks
+between groups (across nodes). DeepSpeed knows nothing of the ring: its ranks are data-parallel ones to it, and
+Layout counts them so (batch arithmetic, gradient divisor, ZeRO partitions).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from ..layout import parallel_sizes
 from . import Component, Setup
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+RING_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")  # what the ring takes the place of
 
 
 def attention_of(setup: Setup) -> str:
@@ -35,10 +44,46 @@ def attention_of(setup: Setup) -> str:
 class SequenceParallel(Component):
     name = "sequence_parallel"
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, ring: int = 1):
+        self.size, self.ring = size, ring
 
     def validate(self, setup: Setup) -> None:
+        if self.ring > 1:
+            self.validate_ring(setup)
+        if self.size > 1:
+            self.validate_ulysses(setup)
+
+    def validate_ring(self, setup: Setup) -> None:
+        recipe, cp = setup.recipe, self.ring
+        attention = attention_of(setup)
+        if attention not in RING_ATTENTION:
+            raise UserError(f"context_parallel_size={cp} (ring attention) takes the place of sdpa or flash "
+                            f"attention, not {attention}; set model.attn_implementation=sdpa")
+        unit = 2 * cp * self.size
+        if recipe.train.seq_len % unit:
+            raise UserError(f"train.seq_len={recipe.train.seq_len} does not split into 2 zigzag chunks per ring rank "
+                            f"(2 x context_parallel_size {cp} x sequence_parallel_size {self.size} = {unit}); "
+                            f"choose a multiple of {unit}")
+        config = setup.model_config.get_text_config() if hasattr(setup.model_config, "get_text_config") \
+            else setup.model_config
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True) and window < recipe.train.seq_len:
+            raise UserError(f"context_parallel_size={cp}: the model attends within a sliding window of {window} "
+                            f"tokens, which ring attention does not mask; set train.seq_len <= {window} or drop "
+                            f"context_parallel_size")
+        for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
+            if getattr(config, key, None):
+                raise UserError(f"context_parallel_size={cp}: the model caps attention logits ({key}), which ring "
+                                f"attention does not do; drop context_parallel_size")
+        if getattr(config, "attention_dropout", 0.0):
+            raise UserError(f"context_parallel_size={cp}: ring attention has no attention dropout and the model's is "
+                            f"{config.attention_dropout}; pass --model.attention_dropout=0 or drop "
+                            f"context_parallel_size")
+        if recipe.train.compile:
+            raise UserError(f"train.compile with context_parallel_size={cp} is not supported (the ring's point-to-"
+                            f"point passes inside compiled blocks are untested here); set train.compile=false")
+
+    def validate_ulysses(self, setup: Setup) -> None:
         recipe, sp = setup.recipe, self.size
         attention = attention_of(setup)
         if attention not in SUPPORTED_ATTENTION:
@@ -71,7 +116,15 @@ class SequenceParallel(Component):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         attention = model.config._attn_implementation
-        if attention == "sdpa" and not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "dstrain_packed", False):
+        if self.ring > 1:
+            ALL_ATTENTION_FUNCTIONS[attention] = ring_attention_function(make_ring(setup.layout))
+            per_rank = setup.recipe.train.seq_len // (self.ring * self.size)
+            setup.log(f"context parallelism: ring attention over {self.ring} ranks in place of {attention}; each "
+                      f"holds 2 zigzag chunks, {per_rank} of {setup.recipe.train.seq_len} tokens per sequence")
+            if self.size == 1:
+                return model
+        if attention == "sdpa" and self.ring == 1 and not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "dstrain_packed",
+                                                                  False):
             # wrapped before Ulysses captures it (see the module docstring)
             ALL_ATTENTION_FUNCTIONS["sdpa"] = packed_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
         # seq_length_is_variable: evaluation and the last packed rows may be shorter than the configured length
@@ -83,7 +136,7 @@ class SequenceParallel(Component):
         return model
 
     def describe(self) -> dict:
-        return {"size": self.size}
+        return {"size": self.size, **({"context_parallel": self.ring} if self.ring > 1 else {})}
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -111,6 +164,40 @@ def packed_sdpa(sdpa):
     return attend
 
 
+def make_ring(layout):
+    """This rank's ring; every ring's group is made on every rank, in one order (new_group is collective)."""
+    import torch.distributed as dist
+
+    from .ring_attention import Ring
+    mine = None
+    for ranks in layout.ring_groups():
+        group = dist.new_group(ranks)
+        if layout.rank in ranks:
+            mine = Ring(group, ranks, layout.rank)
+    return mine
+
+
+def ring_attention_function(ring):
+    """An entry for transformers' ALL_ATTENTION_FUNCTIONS: its arguments, the ring's attention, sdpa's output
+    layout ([batch, tokens, heads, dim], no weights). The 4-D mask the model built for the local tokens is
+    dropped: the ring masks from positions (causal by global index, documents from position ids)."""
+    from .ring_attention import ring_attention
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise RuntimeError(f"ring attention needs position_ids passed to the attention function; "
+                               f"{type(module).__name__} does not pass them")
+        if dropout:
+            raise RuntimeError("ring attention has no attention dropout (components/sequence_parallel refuses it)")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        positions = positions.expand(query.shape[0], -1) if positions.shape[0] == 1 else positions
+        out = ring_attention(query, key, value, positions.to(query.device), ring, scale)
+        return out.transpose(1, 2).contiguous(), None
+    attend.dstrain_ring = True
+    return attend
+
+
 def make(raw_ds: dict) -> SequenceParallel | None:
-    size = parallel_sizes(raw_ds).sequence
-    return SequenceParallel(size) if size > 1 else None
+    sizes = parallel_sizes(raw_ds)
+    return SequenceParallel(sizes.sequence, sizes.context) if sizes.sequence * sizes.context > 1 else None

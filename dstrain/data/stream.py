@@ -19,28 +19,37 @@ def _stack(rows: dict) -> dict[str, torch.Tensor]:
     return batch
 
 
-def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s 1/size slice of every sequence, for Ulysses sequence parallelism: position_ids (0.. unless
-    the row is packed) and labels shifted to the token they are predicted from (shift_labels[t] is the target
-    of position t) before cutting, so a slice's last token keeps its target in the next slice. The slices of
-    all ranks together hold each label once."""
+def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int, ring: int = 1) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s 1/size slice of every sequence, for sequence parallelism: position_ids (0.. unless the row
+    is packed) and labels shifted to the token they are predicted from (shift_labels[t] is the target of
+    position t) before cutting, so a slice's last token keeps its target in the next slice. The slices of all
+    ranks together hold each label once. With ring attention (`ring` > 1 rings of size / ring Ulysses ranks)
+    the sequence is first put in zigzag order (ring_attention.zigzag_order: ring rank k's two chunks, k and
+    2*ring-1-k, together), so slice rank = ring rank x Ulysses size + Ulysses rank."""
     input_ids = batch["input_ids"]
     length = input_ids.shape[1]
-    if length % size:
-        raise UserError(f"a batch of {length} tokens per sequence does not split over sequence_parallel_size={size}; "
-                        f"choose train.seq_len divisible by {size}")
+    unit = size * 2 if ring > 1 else size  # a ring rank holds two chunks
+    if length % unit:
+        what = (f"sequence_parallel_size x context_parallel_size x 2 = {unit}" if ring > 1
+                else f"sequence_parallel_size={size}")
+        raise UserError(f"a batch of {length} tokens per sequence does not split over {what}; choose "
+                        f"train.seq_len divisible by {unit}")
     out = dict(batch)
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(length).expand_as(input_ids)
     labels = out.pop("labels")
     out["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if ring > 1:
+        from ..components.ring_attention import zigzag_order
+        order = zigzag_order(length, ring)
+        out = {k: v[:, order] for k, v in out.items()}
     chunk = length // size
     return {k: v[:, rank * chunk:(rank + 1) * chunk].contiguous() for k, v in out.items()}
 
 
 def _for_layout(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
-    if layout.sequence_parallel > 1:
-        return shard_sequence(batch, layout.sequence_parallel_rank, layout.sequence_parallel)
+    if layout.sequence_shards > 1:
+        return shard_sequence(batch, layout.sequence_shard, layout.sequence_shards, layout.context_parallel)
     return batch
 
 

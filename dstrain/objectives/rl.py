@@ -45,7 +45,7 @@ class RL:
 
     def validate(self, setup) -> None:
         recipe, layout = setup.recipe, setup.layout
-        if layout.is_pipeline or layout.tensor_parallel > 1 or layout.sequence_parallel > 1:
+        if layout.is_pipeline or layout.tensor_parallel > 1 or layout.sequence_shards > 1:
             raise UserError("data.format=prompt (learning from rewards) runs on ZeRO configs only so far: not with "
                             "pipeline stages, tensor or sequence parallelism")
         mu, every = self.cfg.num_iterations, recipe.checkpoint.every
