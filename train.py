@@ -226,7 +226,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
         return {"global_batch": stream.global_batch, "samples": step // per * stream.global_batch + stream.offset,
                 "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel,
-                "replicas": layout.replicas, "run": identity}
+                "context_parallel": layout.context_parallel, "replicas": layout.replicas, "run": identity}
 
     # ---- the loop
     def evaluation(step: int) -> None:

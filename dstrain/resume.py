@@ -212,24 +212,31 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     saved_replicas = manifest.get("replicas", 1)
     if saved_replicas > 1 or layout.replicas > 1:
         return _adapt_replicas(resume, train, layout, saved_replicas, log)
-    if saved_dp == data_parallel:
+    # DeepSpeed counts a ring's ranks as data-parallel ones: its shards follow data x context parallelism
+    saved_cp = manifest.get("context_parallel", 1)
+    saved_engine, engine = saved_dp * saved_cp, data_parallel * layout.context_parallel
+    if saved_dp == data_parallel and saved_engine == engine:
         _same_global_batch(resume, train, layout)
         return train, resume
     if layout.splits_model:
         raise UserError(f"checkpoint {resume.path} was saved with {saved_dp} data-parallel replicas and this run "
                         f"has {data_parallel}; pipeline and tensor-parallel checkpoints resume only on the same "
                         f"layout, so launch {manifest.get('world_size')} ranks")
-    if layout.sequence_parallel > 1 and not list(resume.path.glob("zero_pp_rank_*_model_states.pt")):
+    if saved_engine != engine and layout.sequence_parallel > 1 and \
+            not list(resume.path.glob("zero_pp_rank_*_model_states.pt")):
         # ZeRO-0/1/2 under Ulysses save model states per sequence-parallel rank, which DeepSpeed's universal
         # conversion (ds_to_universal) reads as tensor-parallel shards and refuses; ZeRO-3's per-rank files convert
         raise UserError(f"checkpoint {resume.path} (ZeRO-0/1/2 with sequence_parallel_size={saved_sp}) resumes only on "
                         f"the same world size: launch {manifest.get('world_size')} ranks, or train with a ZeRO-3 "
                         f"config (sp2_zero3.json), whose checkpoints resume on any multiple of the sp size")
     accum = _accumulation(resume, train, layout)
-    log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks: " + (
+    ring = (f" and ring attention from {saved_cp} to {layout.context_parallel} ranks"
+            if saved_cp != layout.context_parallel else "")
+    log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks{ring}: " + (
         f"grad_accum_steps {train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}"
         if accum != train.grad_accum_steps else f"the global batch stays {global_batch}"))
-    universal = bool(list(resume.path.glob("*optim_states.pt")))  # stage 0 fp32 needs no conversion
+    # DeepSpeed's shards convert when its own data-parallel size changes (stage 0 fp32 needs no conversion)
+    universal = saved_engine != engine and bool(list(resume.path.glob("*optim_states.pt")))
     return replace(train, grad_accum_steps=accum), replace(resume, universal=universal)
 
 

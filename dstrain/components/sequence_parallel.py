@@ -131,8 +131,10 @@ class SequenceParallel(Component):
         UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=self.size,
             micro_batch_size=setup.recipe.train.micro_batch_size, seq_length_is_variable=True)
-        setup.log(f"sequence parallelism: Ulysses over {self.size} ranks ({attention} attention); each holds "
-                  f"{setup.recipe.train.seq_len // self.size} of {setup.recipe.train.seq_len} tokens per sequence")
+        core = "the ring's attention" if self.ring > 1 else f"{attention} attention"
+        setup.log(f"sequence parallelism: Ulysses over {self.size} ranks ({core}); each holds "
+                  f"{setup.recipe.train.seq_len // (self.size * self.ring)} of {setup.recipe.train.seq_len} tokens "
+                  f"per sequence")
         return model
 
     def describe(self) -> dict:

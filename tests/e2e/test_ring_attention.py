@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.e2e.test_lora import LORA, LORA_ARGS, PARTITIONED
+from tests.e2e.test_lora import LR as LORA_LR
 from tests.e2e.test_sequence_parallel import SFT_PACKED, assert_eval_matches
-from tests.e2e.test_vs_reference import assert_export_matches, run_and_compare
+from tests.e2e.test_vs_reference import COMMON, STEPS, assert_export_matches, run_and_compare
+from tests.helpers import launch
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +44,27 @@ def test_ring_2_zero3_packed_sft_one_kv_head(tmp_path, cache, tiny_llama_mqa):
 
 
 def test_ring_4_zero2_resumed_on_ring_2(tmp_path, cache, tiny_llama):
-    """Four ranks in one ring (every rank holds 2 of 8 chunks: the zigzag's earlier and later blocks both taken),
-    stopped after step 4 and finished on a ring of 2 ranks with 2 data-parallel replicas: the data position and
-    the losses are the uninterrupted reference's."""
-    cfg = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
-    ring4 = tmp_path / "cp4_zero2.json"
-    ring4.write_text(json.dumps(dict(cfg, context_parallel_size=4)))
-    run_and_compare(tmp_path, cache, tiny_llama, str(ring4), nproc=4)
+    """Four ranks in one ring (each holds 2 of 8 chunks: earlier and later blocks of the zigzag both taken),
+    stopped after step 4 and finished on a ring of 2 ranks (DeepSpeed's ZeRO-2 shards converted from 4 to 2):
+    the 8 losses are the uninterrupted reference's, and the data position with them."""
+    zero2 = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    configs = {}
+    for ring in (4, 2):
+        configs[ring] = tmp_path / f"cp{ring}_zero2.json"
+        configs[ring].write_text(json.dumps(dict(zero2, context_parallel_size=ring)))
+    launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", str(configs[4]), "--output_dir",
+                     str(tmp_path / "run"), f"--train.exit_at_step={STEPS // 2}"], cache, nproc=4)
+    run_dir, _ = run_and_compare(tmp_path, cache, tiny_llama, str(configs[2]))
+    resumed = (run_dir / "launch_stderr.txt").read_text()
+    assert "and ring attention from 4 to 2 ranks: the global batch stays 8" in resumed
+    assert "to a universal checkpoint for the new world size" in resumed
+
+
+def test_ulysses_2_x_ring_2_zero3_lora(tmp_path, cache, tiny_llama):
+    """sp2cp2_zero3.json on 4 ranks: Ulysses exchanges heads inside pairs of consecutive ranks, the ring passes
+    blocks between the pairs; peft's adapters partitioned to nothing per rank (persistence threshold 0)."""
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, "sp2cp2_zero3.json", nproc=4,
+                                         extra=LORA_ARGS + PARTITIONED, lora=LORA, lr=LORA_LR, learns=0.1)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["components"]["sequence_parallel"] == {"size": 2, "context_parallel": 2}
+    assert_eval_matches(run_dir, ref_model, data_parallel=1)
