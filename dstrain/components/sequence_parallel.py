@@ -115,6 +115,8 @@ class SequenceParallel(Component):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        global _SHARDS
+        _SHARDS = Shards(setup.layout)
         attention = model.config._attn_implementation
         if self.ring > 1:
             ALL_ATTENTION_FUNCTIONS[attention] = ring_attention_function(make_ring(setup.layout))
@@ -164,6 +166,60 @@ def packed_sdpa(sdpa):
         return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
     attend.dstrain_packed = True
     return attend
+
+
+class Shards:
+    """The ranks that hold disjoint parts of the same sequences (Ulysses x ring, sample-sharing), for an objective
+    that cuts its own rows (objectives/preference.py) and sums per-sequence values over them."""
+
+    def __init__(self, layout):
+        import torch.distributed as dist
+        self.size, self.rank, self.ring = layout.sequence_shards, layout.sequence_shard, layout.context_parallel
+        self.group = None
+        for d in range(layout.world_size // self.size):  # collective: every group made on every rank
+            group = dist.new_group(list(range(d * self.size, (d + 1) * self.size)))
+            if layout.rank // self.size == d:
+                self.group = group
+
+    @property
+    def unit(self) -> int:
+        """A sequence length must be a multiple of this to split (two zigzag chunks per ring rank)."""
+        return self.size * 2 if self.ring > 1 else self.size
+
+    def columns(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of [rows, length] tensors, as data.shard_sequence cuts a batch."""
+        from .ring_attention import zigzag_order
+        length = t.shape[1]
+        if self.ring > 1:
+            t = t[:, zigzag_order(length, self.ring).to(t.device)]
+        chunk = length // self.size
+        return t[:, self.rank * chunk:(self.rank + 1) * chunk]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the shards of a per-sequence value; its gradient reaches each shard's part unchanged (each
+        rank's loss is the whole sequences' and DeepSpeed sums the ranks' gradients)."""
+        return _SumOverShards.apply(t, self.group)
+
+
+class _SumOverShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+        out = t.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+_SHARDS: Shards | None = None
+
+
+def shards() -> Shards | None:
+    """The sequence shards of this process once the component converted the model, else None."""
+    return _SHARDS
 
 
 def make_ring(layout):

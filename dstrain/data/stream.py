@@ -48,7 +48,7 @@ def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int, ring: i
 
 
 def _for_layout(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
-    if layout.sequence_shards > 1:
+    if layout.sequence_shards > 1 and "input_ids" in batch:  # preference pairs are cut by their objective
         return shard_sequence(batch, layout.sequence_shard, layout.sequence_shards, layout.context_parallel)
     return batch
 

@@ -53,6 +53,15 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], packed: bool = False,
     response = torch.cat([labels[:, 1:] != IGNORE_INDEX, none], 1)  # position t predicts a response token
     scored = torch.cat([real[:, 1:], none], 1) if chosen_nll else response
     targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], 1).masked_fill(~scored, IGNORE_INDEX)
+    from ..components.sequence_parallel import shards
+    parts = shards()
+    if parts is not None:  # sequence (ring) parallelism: this rank's part of every row, sums over the parts
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        nll = token_nll(model, {"input_ids": parts.columns(ids), "position_ids": parts.columns(positions)},
+                        parts.columns(targets))
+        half = ids.shape[0] // 2
+        logps = parts.sum(-(nll * parts.columns(response)).sum(1))
+        return logps, response.sum(1), parts.sum(nll[:half].sum()) if chosen_nll else None
     if packed:
         lengths = real.sum(1)
         starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
@@ -120,12 +129,13 @@ def pair_losses(cfg: PreferenceSection, pc: torch.Tensor, pr: torch.Tensor, nc: 
 PAD_MULTIPLE = 16  # rows are cut to the micro-batch's longest pair rounded up to this (fewer shapes, aligned)
 
 
-def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def trim_padding(batch: dict[str, torch.Tensor], multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
     """The micro-batch without the padding columns no row of it uses: pairs are padded to seq_len on disk (so the
     data has one shape), but a step computes only up to its longest pair (as TRL pads each batch to its longest).
-    Padding sits at the end of a row, so every real token sees exactly what it saw before."""
+    Padding sits at the end of a row, so every real token sees exactly what it saw before. `multiple`: what the
+    kept length is rounded up to (sequence shards need a length that splits over them)."""
     longest = max(int(batch[f"{side}_attention_mask"].sum(1).max()) for side in ("chosen", "rejected"))
-    keep = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
+    keep = -(-longest // multiple) * multiple
     if keep >= batch["chosen_input_ids"].shape[1]:
         return batch
     return {k: v[:, :keep] if k in COLUMNS else v for k, v in batch.items()}
@@ -140,14 +150,23 @@ class Preference:
         self.cfg = cfg
         self.adapters_off = False  # the reference is the base with LoRA switched off (set in validate)
         self.packed = False  # data.packing: a micro-batch's sequences run as one row without padding (validate)
+        self.lead, self.multiple = True, PAD_MULTIPLE  # sequence shards: set in validate
 
     def validate(self, setup) -> None:
         recipe, layout = setup.recipe, setup.layout
         if layout.is_pipeline:
             raise UserError("data.format=preference does not run on pipeline stages yet; use a ZeRO config")
         if layout.sequence_parallel > 1:
-            raise UserError("data.format=preference does not run with sequence parallelism yet; use a ZeRO config "
-                            "without sequence_parallel_size")
+            raise UserError("data.format=preference does not run with Ulysses sequence parallelism yet (its attention "
+                            "is built for micro_batch_size rows, a pair is two); use context_parallel_size (ring "
+                            "attention) or drop sequence_parallel_size")
+        # ring attention: each rank of a ring runs its part of every pair's rows; the pairs are counted (and the
+        # loss's value summed) on the ring's first rank only, while every rank's part takes its gradient
+        self.lead = layout.sequence_shard == 0
+        self.multiple = math.lcm(PAD_MULTIPLE, 2 * layout.sequence_shards)
+        if layout.sequence_shards > 1 and recipe.data.packing:
+            raise UserError("data.format=preference with data.packing and context_parallel_size is not supported yet "
+                            "(a packed row's length does not split over the ring); set data.packing=false")
         from ..model import from_scratch
         from ..paths import local_or_hub
         if self.cfg.needs_reference and setup.init_from is None and from_scratch(
@@ -160,15 +179,19 @@ class Preference:
 
     # ------------------------------------------------------------------ counts and the loss
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        if not self.lead:
+            return {"pairs": 0, "label_tokens": 0, "chosen_tokens": 0}
         labels = (int((batch[f"{s}_labels"][:, 1:] != IGNORE_INDEX).sum()) for s in ("chosen", "rejected"))
         return {"pairs": int(batch["chosen_input_ids"].shape[0]), "label_tokens": sum(labels),
                 "chosen_tokens": int(batch["chosen_attention_mask"][:, 1:].sum())}
 
     def real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        if not self.lead:
+            return 0
         return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
 
     def host_batch(self, batch: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-        return trim_padding(batch)
+        return trim_padding(batch, self.multiple)
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
         logps, lengths, chosen_nll = sequence_logps(model, batch, self.packed, chosen_nll=self.cfg.loss == "orpo")
@@ -190,6 +213,8 @@ class Preference:
             ac, ar = lc.detach(), lr.detach()
             log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
             stats += [chosen_nll.detach(), F.logsigmoid(log_odds).sum(), log_odds.sum()]
+        if not self.lead:  # the value counted once per ring, the gradient taken on every rank
+            return summed - summed.detach(), torch.stack(stats) * 0
         return summed, torch.stack(stats)
 
     def metrics(self, stats: list[float], totals: dict[str, float]) -> dict[str, float]:
@@ -255,7 +280,7 @@ class Preference:
         engine.eval()
         values = []
         for start in range(0, per_rank, micro_batch_size):
-            rows = trim_padding(dataset[share[start:start + micro_batch_size]])
+            rows = trim_padding(dataset[share[start:start + micro_batch_size]], self.multiple)
             batch = {k: v.long().to(engine.device) for k, v in rows.items() if k != "pair_index"}
             values.append(sequence_logps(engine, batch, self.packed)[0].view(2, -1).t().double().cpu())
         if was_training:

@@ -98,20 +98,21 @@ def test_dpo_through_the_chunked_head_with_packed_pairs_under_zero3_matches_the_
     compare_with_loop(run_dir, tiny_llama, rtol=1e-5)
 
 
-def assert_eval_rewards_from_export(run_dir, base):
+def assert_eval_rewards_from_export(run_dir, base, data_parallel: int = 2):
     """The last eval row's rewards/accuracies and margins, recomputed from hf/ and the base in plain PyTorch by the
-    documented eval contract (rank r evaluates pairs r, r+2, ...; the first eval.max_batches micro-batches)."""
+    documented eval contract (data-parallel rank r evaluates pairs r, r+dp, ...; the first eval.max_batches
+    micro-batches)."""
     import datasets
     from transformers import AutoModelForCausalLM
     info = json.loads((run_dir / "run_info.json").read_text())
     val = datasets.load_from_disk(info["data_cache"])["validation"].with_format("torch")
     policy = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    per_rank = len(val) // 2
+    per_rank = len(val) // data_parallel
     margins = []
     with torch.no_grad():
-        for rank in range(2):
-            idx = list(range(rank, per_rank * 2, 2))[:4 * 2]  # micro_batch_size 4, eval.max_batches 2
+        for rank in range(data_parallel):
+            idx = list(range(rank, per_rank * data_parallel, data_parallel))[:4 * 2]  # micro 4, eval.max_batches 2
             rows = val[idx]
             dc = response_logps(policy, rows, "chosen")[0] - response_logps(reference, rows, "chosen")[0]
             dr = response_logps(policy, rows, "rejected")[0] - response_logps(reference, rows, "rejected")[0]

@@ -68,3 +68,15 @@ def test_ulysses_2_x_ring_2_zero3_lora(tmp_path, cache, tiny_llama):
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["components"]["sequence_parallel"] == {"size": 2, "context_parallel": 2}
     assert_eval_matches(run_dir, ref_model, data_parallel=1)
+
+
+def test_dpo_on_a_ring_of_2(tmp_path, cache, tiny_llama):
+    """DPO with its reference log-probs computed by the ring before step 1: each rank runs its part of every
+    chosen and rejected row and the per-sequence sums are added over the ring; pairs counted once. Per-step
+    losses, gradient norms and token counts equal the plain loop's (test_preference's), eval rewards included."""
+    from tests.e2e.test_preference import PARTITIONED as DPO_PARTITIONED
+    from tests.e2e.test_preference import args_for, assert_eval_rewards_from_export, compare_with_loop
+    run_dir = tmp_path / "run"
+    launch(args_for(tiny_llama, "cp2_zero3.json", run_dir, DPO_PARTITIONED + ["--eval.every=3"]), cache)
+    compare_with_loop(run_dir, tiny_llama)
+    assert_eval_rewards_from_export(run_dir, tiny_llama, data_parallel=1)
