@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .errors import UserError
 
 
@@ -257,3 +259,18 @@ def recipe_accumulation(layout: Layout, raw_ds: dict, micro_batch_size: int, gra
     return accum, (f"the recipe was written for world_size {written_world}; on {layout.world_size} grad_accum_steps "
                    f"{grad_accum_steps} -> {accum} keeps its global batch of "
                    f"{layout.global_batch(micro_batch_size, accum)}")
+
+
+# ring attention's token layout (components/ring_attention.py): which tokens of a sequence each ring rank holds
+def zigzag_index(index: int, size: int, length: int, device=None) -> torch.Tensor:
+    """Global token indices of the `length` tokens ring rank `index` of `size` holds: chunks index, 2*size-1-index."""
+    chunk = length // 2
+    first = torch.arange(index * chunk, (index + 1) * chunk, device=device)
+    return torch.cat([first, first + (2 * size - 1 - 2 * index) * chunk])
+
+
+def zigzag_order(length: int, size: int) -> torch.Tensor:
+    """The permutation of a sequence's positions that puts ring rank 0's tokens first, then rank 1's, ...:
+    slicing the permuted sequence into `size` equal parts gives each ring rank its two chunks."""
+    local = 2 * (length // (2 * size))
+    return torch.cat([zigzag_index(k, size, local) for k in range(size)])

@@ -63,6 +63,11 @@ TRAFFIC = {
     "sp2_zero2": {"zero_optimization": {"stage": 2, **ZERO12}, "sequence_parallel_size": 2},
     "sp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 2},
     "sp8_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 8},
+    # longer still: ring attention (context parallelism: any head count; the ring's blocks pass between nodes),
+    # alone and with Ulysses inside each node (this repository's key, components/sequence_parallel.py)
+    "cp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "context_parallel_size": 2},
+    "sp2cp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 2,
+                     "context_parallel_size": 2},
     "zero3_zeropp": {"zero_optimization": {"stage": 3, **ZERO3, "zero_quantized_weights": True,
                                            "zero_quantized_gradients": True, "zero_hpz_partition_size": "auto"}},
 }

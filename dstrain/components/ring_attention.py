@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..layout import zigzag_index
+
 
 class Ring:
     """This rank's ring: the process group of its C ranks and its neighbours' global ranks."""
@@ -47,20 +49,6 @@ class Ring:
         for request in requests:
             request.wait()
         return received
-
-
-def zigzag_index(index: int, size: int, length: int, device=None) -> torch.Tensor:
-    """Global token indices of the `length` tokens ring rank `index` of `size` holds: chunks index, 2*size-1-index."""
-    chunk = length // 2
-    first = torch.arange(index * chunk, (index + 1) * chunk, device=device)
-    return torch.cat([first, first + (2 * size - 1 - 2 * index) * chunk])
-
-
-def zigzag_order(length: int, size: int) -> torch.Tensor:
-    """The permutation of a sequence's positions that puts ring rank 0's tokens first, then rank 1's, ...:
-    slicing the permuted sequence into `size` equal parts gives each ring rank its two chunks."""
-    local = 2 * (length // (2 * size))
-    return torch.cat([zigzag_index(k, size, local) for k in range(size)])
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

@@ -116,9 +116,9 @@ class SequenceParallel(Component):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         global _SHARDS
-        _SHARDS = Shards(setup.layout)
         attention = model.config._attn_implementation
         if self.ring > 1:
+            _SHARDS = Shards(setup.layout)
             ALL_ATTENTION_FUNCTIONS[attention] = ring_attention_function(make_ring(setup.layout))
             per_rank = setup.recipe.train.seq_len // (self.ring * self.size)
             setup.log(f"context parallelism: ring attention over {self.ring} ranks in place of {attention}; each "
@@ -188,7 +188,7 @@ class Shards:
 
     def columns(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of [rows, length] tensors, as data.shard_sequence cuts a batch."""
-        from .ring_attention import zigzag_order
+        from ..layout import zigzag_order
         length = t.shape[1]
         if self.ring > 1:
             t = t[:, zigzag_order(length, self.ring).to(t.device)]

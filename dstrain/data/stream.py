@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..layout import Layout
+from ..layout import Layout, zigzag_order
 from .formats.sft import IGNORE_INDEX
 from .order import EpochOrder
 
@@ -40,7 +40,6 @@ def shard_sequence(batch: dict[str, torch.Tensor], rank: int, size: int, ring: i
     labels = out.pop("labels")
     out["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     if ring > 1:
-        from ..components.ring_attention import zigzag_order
         order = zigzag_order(length, ring)
         out = {k: v[:, order] for k, v in out.items()}
     chunk = length // size

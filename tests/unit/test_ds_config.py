@@ -51,13 +51,15 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     raw = dsc.load(name)
     assert dsc._find_auto(raw), "shipped configs leave recipe-owned values to the recipe"
     r = recipe("--train.grad_accum_steps=3")
-    world = 16 if name.startswith("sp8") else 4
+    world = 16 if name.startswith("sp8") else 8 if name.startswith("sp2cp2") else 4
     cfg = dsc.resolve(raw, r, world_size=world, caps=GPU, hidden_size=128)
     assert dsc._find_auto(cfg) is None
-    dp = Layout.from_ds_config(cfg, world).data_parallel
-    assert dp == (2 if ("pipe2" in name or "tp2" in name or "sp" in name) else 4)
-    parsed = deepspeed_accepts(cfg, dp)
-    assert parsed.train_batch_size == 8 * 3 * dp
+    layout = Layout.from_ds_config(cfg, world)
+    dp = layout.data_parallel
+    assert dp == (2 if ("pipe2" in name or "tp2" in name or "sp" in name or "cp" in name) else 4)
+    engine_dp = dp * layout.context_parallel  # DeepSpeed counts a ring's ranks as data-parallel ones
+    parsed = deepspeed_accepts(cfg, engine_dp)
+    assert parsed.train_batch_size == 8 * 3 * engine_dp
     assert parsed.gradient_accumulation_steps == 3
     assert parsed.gradient_clipping == r.train.max_grad_norm
     assert cfg["optimizer"]["params"]["lr"] == r.train.lr

@@ -262,7 +262,7 @@ def test_what_preference_training_refuses_in_the_validation_pass():
         layout = Layout.from_ds_config(ds or {}, 2)
         return Setup(r, layout, {}, "fp32", None, Path("/tmp/x"), None, print)
     cases = [((), {"pipeline": {"stages": 2}}, "does not run on pipeline stages"),
-             ((), {"sequence_parallel_size": 2}, "does not run with sequence parallelism")]
+             ((), {"sequence_parallel_size": 2}, "does not run with Ulysses sequence parallelism")]
     for overrides, ds, message in cases:
         with pytest.raises(UserError, match=message):
             Preference(PreferenceSection()).validate(setup(*overrides, ds=ds))
