@@ -598,3 +598,19 @@ def defer_muon_compile() -> None:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401 -- imports MUON_MODULE
     finally:
         compiler.compile = original
+
+
+def cpu_flash_attention(q, k, v, causal: bool, mask, scale: float):
+    """torch's CPU flash attention with its log-sum-exp: (output [b, h, sq, d], lse [b, h, sq], float32 or
+    float64). aten._scaled_dot_product_flash_attention_for_cpu (private: what F.scaled_dot_product_attention
+    dispatches to on CPU, which returns no lse). `mask`: additive, the query's dtype, or None. A row whose keys
+    are all masked comes back as output 0 and lse 0: the caller marks it."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                       scale=scale)
+
+
+def cpu_flash_attention_backward(grad_out, q, k, v, out, lse, causal: bool, mask, scale: float):
+    """(dq, dk, dv) of cpu_flash_attention's block from the output and lse it is normalised by (ring attention
+    passes the merged ones). aten._scaled_dot_product_flash_attention_for_cpu_backward."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)

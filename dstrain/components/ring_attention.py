@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import ds_internals
 from ..layout import zigzag_index
 
 
@@ -67,30 +68,83 @@ def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _block_forward(q, k, v, mask, scale):
-    """Attention of q over one key/value block: (output, log-sum-exp), float32; rows with no key: 0 and -inf."""
-    scores = torch.matmul(_wide(q), _wide(_expand(k, q.shape[1])).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+# The kernel of one block: torch's CPU flash attention (ds_internals: it returns the log-sum-exp the merge needs,
+# memory O(block) per head), else plain matmuls in the wide dtype (other devices for now: memory O(block^2) per
+# head while a block is computed). MATH_ONLY: the kernel test runs both on CPU.
+MATH_ONLY = False
+
+
+def _flash(q) -> bool:
+    return q.device.type == "cpu" and not MATH_ONLY
+
+
+def _additive(mask, dtype):
+    """[b, sq, sk] boolean -> the [b, 1, sq, sk] additive mask the flash kernel takes, or None."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))[:, None]
+
+
+def _sum_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Gradients of repeated key/value heads summed back onto their head."""
+    if grad.shape[1] == kv_heads:
+        return grad
+    shape = (grad.shape[0], kv_heads, grad.shape[1] // kv_heads) + grad.shape[2:]
+    return grad.view(shape).sum(2)
+
+
+def _block_forward(q, k, v, causal: bool, mask, scale):
+    """Attention of q over one key/value block (causal: the diagonal block, no documents; mask [b, sq, sk]:
+    causal and documents; neither: every pair): (output, log-sum-exp) in the wide dtype; rows with no key:
+    0 and -inf."""
+    heads = q.shape[1]
+    k, v = _expand(k, heads), _expand(v, heads)
+    if _flash(q):
+        out, lse = ds_internals.cpu_flash_attention(q, k, v, causal, _additive(mask, q.dtype), scale)
+        if mask is not None:  # the kernel gives a row with no key lse 0: it must weigh nothing in the merge
+            lse = lse.masked_fill(~mask.any(-1)[:, None], float("-inf"))
+        return _wide(out), _wide(lse)
+    scores = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
+    allowed = _allowed(q, causal, mask, k.shape[2])
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    return torch.matmul(probs, _wide(_expand(v, q.shape[1]))), lse
+    return torch.matmul(probs, _wide(v)), lse
 
 
-def _block_backward(q, k, v, mask, scale, lse, grad_out, delta):
-    """Gradients of one block from the final log-sum-exp: (dq, dk, dv), float32, dk/dv per key/value head."""
+def _allowed(q, causal: bool, mask, keys: int):
+    """The math path's boolean mask [b or 1, 1, sq, sk], or None."""
+    if mask is not None:
+        return mask[:, None]
+    if causal:
+        return torch.ones(q.shape[2], keys, dtype=torch.bool, device=q.device).tril()[None, None]
+    return None
+
+
+def _block_backward(q, k, v, causal: bool, mask, scale, out, lse, grad_out):
+    """Gradients of one block from the merged output and log-sum-exp: (dq, dk, dv) in the wide dtype, dk/dv per
+    key/value head."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    kf, vf = _wide(_expand(k, heads)), _wide(_expand(v, heads))
-    scores = torch.matmul(_wide(q), kf.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    k, v = _expand(k, heads), _expand(v, heads)
+    if _flash(q):
+        dq, dk, dv = ds_internals.cpu_flash_attention_backward(
+            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64
+                                                                       else torch.float32),
+            causal, _additive(mask, q.dtype), scale)
+        return _wide(dq), _sum_heads(_wide(dk), kv_heads), _sum_heads(_wide(dv), kv_heads)
+    kf, vf, qf, grad_out = _wide(k), _wide(v), _wide(q), _wide(grad_out)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    allowed = _allowed(q, causal, mask, k.shape[2])
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))
+    delta = (grad_out * _wide(out)).sum(-1)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
     grad_scores = probs * (torch.matmul(grad_out, vf.transpose(-1, -2)) - delta.unsqueeze(-1))
     grad_q = torch.matmul(grad_scores, kf) * scale
-    grad_k = torch.matmul(grad_scores.transpose(-1, -2), _wide(q)) * scale
-    if kv_heads != heads:  # sum the repeated heads back onto their key/value head
-        shape = (grad_k.shape[0], kv_heads, heads // kv_heads) + grad_k.shape[2:]
-        grad_k, grad_v = grad_k.view(shape).sum(2), grad_v.view(shape).sum(2)
-    return grad_q, grad_k, grad_v
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), qf) * scale
+    return grad_q, _sum_heads(grad_k, kv_heads), _sum_heads(grad_v, kv_heads)
 
 
 def _pieces(mine: int, owner: int, length: int):
@@ -105,21 +159,32 @@ def _pieces(mine: int, owner: int, length: int):
     return slice(half, length), slice(0, length)
 
 
+def _block_masks(index, starts, owner_starts, mine: int, owner: int, size: int, length: int):
+    """(query slice, key slice, causal, mask) of the block from `owner`: a mask only where a document boundary
+    falls inside the block (packed rows); otherwise causal on the diagonal and every pair elsewhere."""
+    qs, ks = _pieces(mine, owner, length)
+    q_starts, k_starts = starts[:, qs], owner_starts[:, ks]
+    first = q_starts[:, :1]
+    if bool((q_starts == first).all()) and bool((k_starts == first).all()):
+        return qs, ks, owner == mine, None
+    k_index = zigzag_index(owner, size, length, index.device)
+    return qs, ks, False, _mask(index[qs], k_index[ks], q_starts, k_starts)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, ring: Ring, scale: float):
         b, heads, length, dim = q.shape
         index = zigzag_index(ring.index, ring.size, length, q.device)
         starts = index[None] - positions  # a token's document: where it starts in the whole sequence
-        out = torch.zeros(b, heads, length, dim, dtype=_wide(q[:0]).dtype, device=q.device)
-        lse = torch.full((b, heads, length), float("-inf"), dtype=_wide(q[:0]).dtype, device=q.device)
+        wide = _wide(q[:0]).dtype
+        out = torch.zeros(b, heads, length, dim, dtype=wide, device=q.device)
+        lse = torch.full((b, heads, length), float("-inf"), dtype=wide, device=q.device)
         block, owner = [k, v, starts], ring.index
         for step in range(ring.size):
             pending = ring.start_pass(block) if step < ring.size - 1 else None
-            qs, ks = _pieces(ring.index, owner, length)
-            k_index = zigzag_index(owner, ring.size, length, q.device)
-            mask = _mask(index[qs], k_index[ks], starts[:, qs], block[2][:, ks])
-            part, part_lse = _block_forward(q[:, :, qs], block[0][:, :, ks], block[1][:, :, ks], mask, scale)
+            qs, ks, causal, mask = _block_masks(index, starts, block[2], ring.index, owner, ring.size, length)
+            part, part_lse = _block_forward(q[:, :, qs], block[0][:, :, ks], block[1][:, :, ks], causal, mask, scale)
             merged = torch.logaddexp(lse[:, :, qs], part_lse)
             keep = torch.exp(lse[:, :, qs] - merged).nan_to_num(0.0)  # both -inf: nothing yet, nothing here
             take = torch.exp(part_lse - merged).nan_to_num(0.0)
@@ -140,19 +205,15 @@ class RingAttention(torch.autograd.Function):
         q, k, v, starts, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         length = q.shape[2]
-        grad_out = _wide(grad_out)
-        delta = (grad_out * _wide(out)).sum(-1)
         index = zigzag_index(ring.index, ring.size, length, q.device)
         grad_q = torch.zeros_like(_wide(q))
         block, owner = [k, v, starts], ring.index
         grads = [torch.zeros_like(_wide(k)), torch.zeros_like(_wide(v))]
         for step in range(ring.size):
             pending = ring.start_pass(block) if step < ring.size - 1 else None
-            qs, ks = _pieces(ring.index, owner, length)
-            k_index = zigzag_index(owner, ring.size, length, q.device)
-            mask = _mask(index[qs], k_index[ks], starts[:, qs], block[2][:, ks])
-            dq, dk, dv = _block_backward(q[:, :, qs], block[0][:, :, ks], block[1][:, :, ks], mask, scale,
-                                         lse[:, :, qs], grad_out[:, :, qs], delta[:, :, qs])
+            qs, ks, causal, mask = _block_masks(index, starts, block[2], ring.index, owner, ring.size, length)
+            dq, dk, dv = _block_backward(q[:, :, qs], block[0][:, :, ks], block[1][:, :, ks], causal, mask, scale,
+                                         out[:, :, qs], lse[:, :, qs], grad_out[:, :, qs])
             grad_q[:, :, qs] += dq
             grads[0][:, :, ks] += dk
             grads[1][:, :, ks] += dv

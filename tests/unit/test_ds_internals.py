@@ -572,3 +572,24 @@ def test_muon_compile_deferred_to_first_call(tmp_path):
     # still true of this DeepSpeed: when it stops importing inductor with Muon, defer_muon_compile can go
     assert check("as_is") == "True"
     assert check("deferred") == "False ['zeropower_via_newtonschulz5'] True"
+
+
+def test_cpu_flash_attention_returns_its_log_sum_exp():
+    """Ring attention's CPU block kernel: the output equals sdpa's, the lse is the rows' log-sum-exp, a row with
+    every key masked comes back as 0 / lse 0 (what the caller marks), and the backward takes an output and lse."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask[0] = False
+    additive = torch.zeros(1, 1, 6, 6, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    try:
+        out, lse = ds_internals.cpu_flash_attention(q, k, v, False, additive, 0.5)
+        grads = ds_internals.cpu_flash_attention_backward(torch.ones_like(out), q, k, v, out, lse, False, additive,
+                                                          0.5)
+    except (AttributeError, RuntimeError, TypeError) as error:
+        pytest.fail(moved(f"aten._scaled_dot_product_flash_attention_for_cpu(_backward) ({error})"))
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~mask, float("-inf"))
+    assert torch.allclose(lse[..., 1:], scores[..., 1:, :].logsumexp(-1)), moved("the CPU flash kernel's lse")
+    assert torch.allclose(out[..., 1:, :], torch.softmax(scores[..., 1:, :], -1) @ v), moved("its output")
+    assert float(out[..., 0, :].abs().sum()) == 0 and float(lse[..., 0].abs().sum()) == 0, moved("a masked row")
+    assert [t.shape for t in grads] == [q.shape, k.shape, v.shape]

@@ -14,21 +14,22 @@ from dstrain.components.ring_attention import Ring, ring_attention
 from dstrain.layout import zigzag_index, zigzag_order
 
 
-def _inputs(length: int, kv_heads: int):
+def _inputs(length: int, kv_heads: int, packed: bool = True):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, length, 8, generator=g, dtype=torch.float64)
     k = torch.randn(2, kv_heads, length, 8, generator=g, dtype=torch.float64)
     v = torch.randn(2, kv_heads, length, 8, generator=g, dtype=torch.float64)
     grad = torch.randn(2, 4, length, 8, generator=g, dtype=torch.float64)
     positions = torch.arange(length).repeat(2, 1)
-    cut = length // 3 + 1  # row 1 packs three documents of uneven length
-    positions[1, cut:] = torch.arange(length - cut)
-    positions[1, 2 * cut:] = torch.arange(length - 2 * cut)
+    if packed:
+        cut = length // 3 + 1  # row 1 packs three documents of uneven length
+        positions[1, cut:] = torch.arange(length - cut)
+        positions[1, 2 * cut:] = torch.arange(length - 2 * cut)
     return q, k, v, grad, positions
 
 
-def _reference(length: int, kv_heads: int):
-    q, k, v, grad, positions = _inputs(length, kv_heads)
+def _reference(length: int, kv_heads: int, packed: bool):
+    q, k, v, grad, positions = _inputs(length, kv_heads, packed)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     index = torch.arange(length)
     starts = index[None] - positions
@@ -40,10 +41,13 @@ def _reference(length: int, kv_heads: int):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _worker(rank: int, size: int, length: int, kv_heads: int, init: str, results) -> None:
+def _worker(rank: int, size: int, length: int, kv_heads: int, init: str, results, math_only: bool,
+            packed: bool) -> None:
+    from dstrain.components import ring_attention as module
+    module.MATH_ONLY = math_only
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
-        q, k, v, grad, positions = _inputs(length, kv_heads)
+        q, k, v, grad, positions = _inputs(length, kv_heads, packed)
         order = zigzag_order(length, size)
         local = length // size
         mine = order[rank * local:(rank + 1) * local]
@@ -57,12 +61,16 @@ def _worker(rank: int, size: int, length: int, kv_heads: int, init: str, results
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size,kv_heads", [(2, 2), (4, 1), (3, 4)])
-def test_ring_equals_sdpa_over_the_whole_sequence(tmp_path, size, kv_heads):
+@pytest.mark.parametrize("size,kv_heads,math_only,packed", [(2, 2, False, True), (4, 1, False, True),
+                                                            (3, 4, False, False), (2, 1, True, True),
+                                                            (3, 2, True, False)])
+def test_ring_equals_sdpa_over_the_whole_sequence(tmp_path, size, kv_heads, math_only, packed):
+    """math_only: the plain-matmul block kernel (other devices) instead of torch's CPU flash attention."""
     length = 8 * size
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(size, length, kv_heads, f"file://{tmp_path}/store", results), nprocs=size)
-    want = _reference(length, kv_heads)
+    mp.spawn(_worker, args=(size, length, kv_heads, f"file://{tmp_path}/store", results, math_only, packed),
+             nprocs=size)
+    want = _reference(length, kv_heads, packed)
     got = [torch.zeros_like(t) for t in want]
     for rank in range(size):
         mine, *parts = results[rank]
