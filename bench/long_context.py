@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
-"""Long context on 2 CPU ranks: how much longer a sequence fits per rank with Ulysses sequence parallelism, and
-what packing saves on SFT data, side by side.
+"""Long context on CPU ranks: how much longer a sequence fits per rank with Ulysses sequence parallelism and with
+ring attention (context parallelism), and what packing saves on SFT data, side by side.
 
-Part 1, memory: recipes/tiny/long_context.yaml (the tiny Llama, ZeRO-3 over 2 ranks, activation checkpointing,
-the MLP in 512-token slices, micro batch 1) for a few steps at each sequence length, once with zero3.json (sp=1:
-2 data-parallel ranks, each holding whole sequences) and once with sp2_zero3.json (sp=2: each rank half of every
-sequence). Peak: the larger of the two ranks' RSS above their pre-model baseline (run_dir/memory.json, rank 0
-records; both ranks hold the same). The longest length within a budget is interpolated between measured
-lengths (peaks grow monotonically); the preflight's own prediction for the same budget is beside it.
+Part 1, memory: recipes/tiny/long_context.yaml (the tiny Llama, ZeRO-3, activation checkpointing, the MLP in
+512-token slices, micro batch 1) for a few steps at each sequence length under each layout: zero3.json (2 data-
+parallel ranks, each holding whole sequences), sp2_zero3.json (Ulysses: each of 2 ranks half of every sequence),
+cp2_zero3.json (a ring of 2: each rank 2 of 4 zigzag chunks) and a ring of 4 (4 ranks, each 2 of 8 chunks; 4
+processes on this machine's cores, so its step time is not comparable). Peak: rank 0's RSS above its pre-model
+baseline (run_dir/memory.json; every rank holds the same). The longest length within a budget is interpolated
+between measured lengths (peaks grow monotonically); the preflight's own prediction for the same budget is beside
+it.
 
 Part 2, packing: recipes/tiny/sft.yaml (ZeRO-2, 2 ranks) with data.packing false and true, alternating
 --repeats times: the padding fraction of the tokenized rows, tokens/s counting real tokens only (medians over
 steps after the first), and the losses.
 
     python bench/long_context.py [--lengths 2048 4096 8192 16384] [--budget_mib 400] [--repeats 2] [--write]
+                                 [--layouts zero3.json sp2_zero3.json cp2_zero3.json cp4]
 """
 from __future__ import annotations
 
@@ -36,8 +39,24 @@ QUIET = ["--log.wandb=false", "--log.progress_bar=false", "--log.plot=false", "-
          "--checkpoint.every=0", "--eval.every=0", "--eval.max_batches=1"]
 
 
-def launch(args: list[str], out: Path, work: Path) -> Path:
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+# label -> (DeepSpeed JSON, ranks); cp4 is written into the work directory (cp2_zero3.json with a ring of 4)
+LAYOUTS = {"zero3.json": ("zero3.json", 2), "sp2_zero3.json": ("sp2_zero3.json", 2),
+           "cp2_zero3.json": ("cp2_zero3.json", 2), "cp4": ("cp4_zero3.json", 4)}
+TITLES = {"zero3.json": "sp=1", "sp2_zero3.json": "Ulysses 2", "cp2_zero3.json": "ring 2", "cp4": "ring 4"}
+
+
+def layout_config(label: str, work: Path) -> tuple[str, int]:
+    name, ranks = LAYOUTS[label]
+    if label == "cp4":
+        cfg = json.loads((ROOT / "ds_configs" / "cp2_zero3.json").read_text())
+        path = work / name
+        path.write_text(json.dumps(dict(cfg, context_parallel_size=4)))
+        return str(path), ranks
+    return name, ranks
+
+
+def launch(args: list[str], out: Path, work: Path, ranks: int = 2) -> Path:
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
            "train.py", "--output_dir", str(out), *QUIET, *args]
     # a fixed mmap threshold returns freed large tensors to the OS, so RSS peaks are live memory (bench/memory.py)
     env = dict(os.environ, OMP_NUM_THREADS="1", DSTRAIN_CACHE=str(work / "cache"), MALLOC_MMAP_THRESHOLD_="131072")
@@ -52,10 +71,11 @@ def steps_of(out: Path) -> list[dict]:
     return [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def memory_run(ds: str, length: int, work: Path, steps: int) -> dict:
+def memory_run(label: str, length: int, work: Path, steps: int) -> dict:
+    ds, ranks = layout_config(label, work)
     out = launch(["--recipe", "tiny/long_context.yaml", "--ds_config", ds, f"--train.seq_len={length}",
-                  f"--train.max_steps={steps}", "--train.warmup_steps=1", "--train.grad_accum_steps=1"],
-                 work / f"{ds}-{length}", work)
+                  f"--train.max_steps={steps}", "--train.warmup_steps=1", "--train.grad_accum_steps=1",
+                  f"--world_size={ranks}"], work / f"{label}-{length}", work, ranks)
     memory = json.loads((out / "memory.json").read_text())
     rows = steps_of(out)
     return {"peak_mib": memory["peak_above_baseline_bytes"] / 2**20,
@@ -76,18 +96,19 @@ def longest_within(points: list[tuple[int, float]], budget: float) -> str:
     return f"{int(n0 + (n1 - n0) * (budget - p0) / (p1 - p0)):,}"
 
 
-def predicted_longest(ds: str, budget_bytes: int) -> int:
+def predicted_longest(label: str, budget_bytes: int, work: Path) -> int:
     """What the preflight says for the same run and budget (memory.longest_seq_len)."""
     from dstrain import ds_config, memory
     from dstrain.config import load_recipe, parse_overrides
     from dstrain.layout import Layout
     from dstrain.model import hidden_size, load_config
 
+    ds, ranks = layout_config(label, work)
     recipe = load_recipe("tiny/long_context.yaml", parse_overrides(["--train.grad_accum_steps=1"]))
     config = load_config(recipe.model, recipe.train.seq_len)[1]
-    cfg = ds_config.resolve(ds_config.load(ds), recipe, 2, ds_config.DeviceCaps.detect(), hidden_size(config))
-    return memory.longest_seq_len(config, memory.count_parameters(config), recipe, cfg, Layout.from_ds_config(cfg, 2),
-                                  None, 0, budget_bytes)
+    cfg = ds_config.resolve(ds_config.load(ds), recipe, ranks, ds_config.DeviceCaps.detect(), hidden_size(config))
+    return memory.longest_seq_len(config, memory.count_parameters(config), recipe, cfg,
+                                  Layout.from_ds_config(cfg, ranks), None, 0, budget_bytes)
 
 
 def packing_run(packing: bool, work: Path, steps: int, tag: str) -> dict:
@@ -110,6 +131,7 @@ def main() -> None:
     parser.add_argument("--packing_steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip", choices=["memory", "packing"], help="run one part only")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--results", type=Path, help="also write every run's figures to this JSON file")
     parser.add_argument("--load", type=Path, help="report the runs of an earlier --results file (e.g. another budget)")
@@ -125,11 +147,11 @@ def main() -> None:
     try:
         if args.skip not in ("memory", "both"):
             for length in args.lengths:
-                for ds in ("zero3.json", "sp2_zero3.json"):
-                    r = memory_run(ds, length, work, args.memory_steps)
-                    results["memory"].setdefault(ds, {})[length] = r
-                    print(f"  {ds} seq {length}: peak {r['peak_mib']:,.0f} MiB (estimate {r['estimate_mib']:,.0f}), "
-                          f"step {r['step_s']:.2f} s", flush=True)
+                for label in args.layouts:
+                    r = memory_run(label, length, work, args.memory_steps)
+                    results["memory"].setdefault(label, {})[length] = r
+                    print(f"  {label} seq {length}: peak {r['peak_mib']:,.0f} MiB (estimate "
+                          f"{r['estimate_mib']:,.0f}), step {r['step_s']:.2f} s", flush=True)
         if args.skip not in ("packing", "both"):
             for repeat in range(args.repeats):  # alternating: drift hits both settings alike
                 for packing in (False, True):
@@ -145,27 +167,33 @@ def main() -> None:
     if results["memory"]:
         budget = args.budget_mib
         mem = results["memory"]
-        body += (f"### Longest sequence per rank budget: sp=1 against sp=2\n\nrecipes/tiny/long_context.yaml (0.8M-"
-                 f"parameter Llama, ZeRO-3 over both ranks, activation checkpointing, train.mlp_chunk_tokens=512, "
-                 f"micro batch 1), {args.memory_steps} steps per length, {where}. Peak: rank 0's RSS above its "
-                 f"pre-model baseline; estimate: the preflight's per-rank figure for the same run.\n\n"
-                 "| seq_len | sp=1 peak MiB | sp=1 estimate | sp=2 peak MiB | sp=2 estimate | sp=1 step s | "
-                 "sp=2 step s |\n|---|---|---|---|---|---|---|\n")
+        labels = [label for label in LAYOUTS if label in mem]
+        body += (f"### Longest sequence per rank budget: whole sequences, Ulysses and ring attention\n\n"
+                 f"recipes/tiny/long_context.yaml (0.8M-parameter Llama, ZeRO-3 over the ranks, activation "
+                 f"checkpointing, train.mlp_chunk_tokens=512, micro batch 1), {args.memory_steps} steps per length, "
+                 f"{where.replace('2 CPU ranks', 'CPU ranks')}: 2 ranks, the ring of 4 on 4. Peak: rank 0's RSS "
+                 f"above its pre-model baseline; estimate: the preflight's per-rank figure for the same run "
+                 f"(peak / estimate in brackets).\n\n"
+                 "| seq_len | " + " | ".join(f"{TITLES[x]} peak MiB (/est.)" for x in labels) + " | " +
+                 " | ".join(f"{TITLES[x]} step s" for x in labels) + " |\n|---|" + "---|" * (2 * len(labels)) + "\n")
         for length in args.lengths:
-            a, b = mem["zero3.json"][length], mem["sp2_zero3.json"][length]
-            body += (f"| {length:,} | {a['peak_mib']:,.0f} | {a['estimate_mib']:,.0f} | {b['peak_mib']:,.0f} | "
-                     f"{b['estimate_mib']:,.0f} | {a['step_s']:.2f} | {b['step_s']:.2f} |\n")
-        longest = {ds: longest_within([(n, mem[ds][n]["peak_mib"]) for n in args.lengths], budget) for ds in mem}
-        predicted = {ds: predicted_longest(ds, int(budget * 2**20)) for ds in mem}
-        ratio = ""
-        try:
-            sp1, sp2 = (float(longest[ds].replace(",", "")) for ds in ("zero3.json", "sp2_zero3.json"))
-            ratio = f" ({sp2 / sp1:.2f}x)"
-        except ValueError:  # a bound (< or >) rather than a figure
-            pass
-        body += (f"\nWithin {budget:,.0f} MiB per rank: sp=1 trains up to seq_len {longest['zero3.json']}, sp=2 "
-                 f"up to {longest['sp2_zero3.json']}{ratio}. The preflight predicts {predicted['zero3.json']:,} and "
-                 f"{predicted['sp2_zero3.json']:,} for the same budget.\n\n")
+            runs = [mem[x].get(length) for x in labels]
+            body += (f"| {length:,} | " + " | ".join(
+                f"{r['peak_mib']:,.0f} ({r['peak_mib'] / r['estimate_mib']:.2f})" if r else "-" for r in runs) +
+                " | " + " | ".join(f"{r['step_s']:.2f}" if r else "-" for r in runs) + " |\n")
+        longest = {x: longest_within([(n, mem[x][n]["peak_mib"]) for n in args.lengths if n in mem[x]], budget)
+                   for x in labels}
+        predicted = {x: predicted_longest(x, int(budget * 2**20), Path(tempfile.mkdtemp())) for x in labels}
+        figures = []
+        for x in labels:
+            ratio = ""
+            try:
+                ratio = (f", {float(longest[x].replace(',', '')) / float(longest[labels[0]].replace(',', '')):.2f}x"
+                         if x != labels[0] else "")
+            except ValueError:  # a bound (< or >) rather than a figure
+                pass
+            figures.append(f"{TITLES[x]} up to seq_len {longest[x]} (preflight: {predicted[x]:,}{ratio})")
+        body += f"\nWithin {budget:,.0f} MiB per rank: " + "; ".join(figures) + ".\n\n"
         results["longest"], results["predicted_longest"] = longest, predicted
     if results["packing"]["true"]:
         pk = results["packing"]
@@ -189,7 +217,8 @@ def main() -> None:
     if args.results:
         args.results.write_text(json.dumps(results, indent=1, default=str))
     if args.write:
-        write_section("bench/long_context.py", "Long context: sequence parallelism and packing", body)
+        write_section("bench/long_context.py", "Long context: sequence parallelism, ring attention and packing",
+                      body)
 
 
 if __name__ == "__main__":

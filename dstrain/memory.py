@@ -149,20 +149,36 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     hidden, layers, ffn, vocab = _dims(config)
     from .objectives import sequences_per_sample
     rows = train.micro_batch_size * sequences_per_sample(recipe)  # a preference pair: two rows
-    tokens = rows * train.seq_len // layout.sequence_parallel  # Ulysses: a 1/sp slice per rank
+    tokens = rows * train.seq_len // layout.sequence_shards  # Ulysses x ring: a 1/(sp x cp) slice per rank
     layers_here = -(-layers // layout.pipeline_stages)
     mlp_tokens = min(tokens, train.mlp_chunk_tokens or tokens)  # tiled MLP: one slice's intermediates at a time
     per_layer = (tokens * 8 * hidden + mlp_tokens * 4 * ffn) * w // layout.tensor_parallel
     head = tokens * vocab * (w + 12)
     if train.loss_chunk_tokens:
         head = min(tokens, train.loss_chunk_tokens) * vocab * (2 * w + 4) + (tokens + vocab) * hidden * w
-    full = layers_here * per_layer + head + tokens * hidden * w
-    checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w
+    ring = _ring(config, tokens, w) if layout.context_parallel > 1 else 0  # one layer's at a time
+    full = layers_here * per_layer + head + tokens * hidden * w + ring
+    checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w + ring
     est = Estimate(parameters, psi, device, host, checkpointed, full)
     est.device["activations"] = checkpointed if train.activation_checkpointing else full
     if recipe.data.format == "prompt":
         est.device.update(_rl(config, recipe, stored // (n if stage == 3 else 1), w, n if stage == 3 else 1))
     return est
+
+
+def _ring(config, tokens: int, w: int) -> int:
+    """What ring attention (components/ring_attention.py) holds beyond plain attention while one layer's backward
+    runs: the key/value block being computed and the one arriving (w bytes, with their document starts), their
+    gradients travelling with them and the copies arriving (fp32), the query gradient and the merged output
+    (fp32), one block's expanded keys/values (grouped-query heads repeated, w) and its fp32 gradients. Per token
+    of this rank's part: the ring's bytes on the wire per layer are the key/value block (forward) and that plus
+    its gradients (backward), (ring size - 1) and ring size times."""
+    hidden, _, _, _ = _dims(config)
+    heads = getattr(config, "num_attention_heads", None) or 1
+    width = (getattr(config, "head_dim", None) or hidden // heads)
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * width
+    q_width = heads * width
+    return tokens * (kv_width * (2 * w + 16) + q_width * (16 + 2 * w) + 16)
 
 
 def _rl(config, recipe, stored_params: int, w: int, shards: int) -> dict:
@@ -297,6 +313,22 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
     return "\n".join(lines)
 
 
+def ring_bytes_per_layer(config, recipe, layout, w: int) -> int:
+    """What one rank sends round its ring for one layer of one micro-batch (components/ring_attention.py): its
+    key/value block C-1 times forward; in backward the block C-1 times more and the fp32 key/value gradients C
+    times."""
+    hidden, _, _, _ = _dims(config)
+    heads = getattr(config, "num_attention_heads", None) or 1
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
+                                                                          or hidden // heads)
+    from .objectives import sequences_per_sample
+    tokens = recipe.train.micro_batch_size * sequences_per_sample(recipe) * recipe.train.seq_len // \
+        layout.sequence_shards
+    c = layout.context_parallel
+    block = tokens * (2 * kv_width * w + 8)  # keys, values and the tokens' document starts
+    return (c - 1) * 2 * block + c * tokens * 2 * kv_width * 4
+
+
 def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_node: int, caps,
               target: tuple[int, str] | None = None) -> tuple[bool, str]:
     """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits.
@@ -319,6 +351,12 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         quantized = linear if recipe.lora.quantize else 0
     est = estimate(config, parameters, recipe, resolved, layout, trained, quantized or 0)
     text = report(est, recipe, ds_name, layout, capacity, capacity_name, resolved)
+    if layout.context_parallel > 1:
+        sent = ring_bytes_per_layer(config, recipe, layout, w=4 if ds_config.precision(resolved) == "fp32" else 2)
+        text += (f"\nring attention over {layout.context_parallel} ranks: each rank holds "
+                 f"{recipe.train.seq_len // layout.sequence_shards:,} tokens of every sequence and sends "
+                 f"{sent / 2**20:,.1f} MiB per layer per micro-batch (keys/values forward, and with their gradients "
+                 f"backward; with activation checkpointing the forward's again)")
     if trained is not None:
         text += (f"\nLoRA r={recipe.lora.r}: {trained / 1e6:,.1f}M adapter parameters train (gradients and optimizer "
                  f"states); the {parameters / 1e6:,.1f}M-parameter base is frozen"
@@ -342,8 +380,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     else:
         text += (f"\nlongest train.seq_len that fits with this config: {longest:,}" if longest else
                  "\nno train.seq_len fits with this config") + \
-            (f" ({longest // layout.sequence_parallel:,} tokens on each of {layout.sequence_parallel} "
-             f"sequence-parallel ranks)" if longest and layout.sequence_parallel > 1 else "")
+            (f" ({longest // layout.sequence_shards:,} tokens on each of {layout.sequence_shards} "
+             f"sequence-parallel ranks)" if longest and layout.sequence_shards > 1 else "")
     if est.device_total <= capacity:
         return True, text + f"\nfits: {est.device_total / capacity:.0%} of the device's memory"
     for candidate in LADDER:
@@ -365,7 +403,7 @@ def longest_seq_len(config, parameters: int, recipe, ds_cfg: dict, layout, train
     """The longest sequence (a multiple of 128 x sp) whose estimate fits in `capacity`, everything else as given;
     0 when none does. The estimate grows with seq_len, so a binary search over multiples finds it."""
     from dataclasses import replace
-    unit = 128 * layout.sequence_parallel
+    unit = 128 * layout.sequence_shards * (2 if layout.context_parallel > 1 else 1)
 
     def fits(units: int) -> bool:
         trial = replace(recipe, train=replace(recipe.train, seq_len=units * unit))

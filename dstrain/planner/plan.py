@@ -20,9 +20,12 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
     if args.trial is not None and args.trial < 1:
         raise UserError(f"--trial {args.trial}: give the number of top candidates to run (1 or more)")
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
-    if parallel_sizes(raw_ds).sequence > 1:  # no candidate, probe or cost term for it yet
-        raise UserError(f"--plan does not model sequence parallelism yet (sequence_parallel_size="
-                        f"{parallel_sizes(raw_ds).sequence}); plan with a ZeRO config, or use --preflight for memory")
+    sizes = parallel_sizes(raw_ds)
+    if sizes.sequence > 1 or sizes.context > 1:  # no candidate, probe or cost term for them yet
+        key = "sequence_parallel_size" if sizes.sequence > 1 else "context_parallel_size"
+        raise UserError(f"--plan does not model sequence parallelism yet ({key}="
+                        f"{max(sizes.sequence, sizes.context) if key[0] == 'c' else sizes.sequence}); plan with a "
+                        f"ZeRO config, or use --preflight for memory")
     model_config = load_config(recipe.model, recipe.train.seq_len)[1]
     run_dir = cli.run_dir_of(args)
     cli.prepare_run_dir(run_dir)
