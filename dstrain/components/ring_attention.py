@@ -35,21 +35,34 @@ class Ring:
         self.next = ranks[(self.index + 1) % self.size]
         self.prev = ranks[(self.index - 1) % self.size]
 
-    def start_pass(self, tensors: list[torch.Tensor]):
-        """Send tensors to the next rank and receive the previous rank's: (received, requests to wait on)."""
+    def start_pass(self, tensors: list[torch.Tensor]) -> _Pass:
+        """Send tensors to the next rank and receive the previous rank's; the returned pass's wait() gives them.
+        A gloo ring of accelerator tensors (C processes sharing one GPU, the GPU check) goes through host copies:
+        gloo sends host memory only."""
         # isend/irecv one by one, not batch_isend_irecv: comm_counter wraps them to count the ring's bytes, and
         # batch_isend_irecv refuses wrapped functions
-        tensors = [t.contiguous() for t in tensors]
+        device = tensors[0].device
+        staged = device.type != "cpu" and dist.get_backend(self.group) == "gloo"
+        tensors = [t.cpu() if staged else t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in tensors]
         requests = [dist.isend(t, self.next, self.group) for t in tensors]
         requests += [dist.irecv(r, self.prev, self.group) for r in received]
-        return received, requests
+        return _Pass(received, requests, device if staged else None)
 
     def pass_along(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        received, requests = self.start_pass(tensors)
-        for request in requests:
+        return self.start_pass(tensors).wait()
+
+
+class _Pass:
+    """One step of the ring in flight."""
+
+    def __init__(self, received, requests, device):
+        self.received, self.requests, self.device = received, requests, device
+
+    def wait(self) -> list[torch.Tensor]:
+        for request in self.requests:
             request.wait()
-        return received
+        return [t.to(self.device) for t in self.received] if self.device is not None else self.received
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -191,10 +204,7 @@ class RingAttention(torch.autograd.Function):
             out[:, :, qs] = out[:, :, qs] * keep.unsqueeze(-1) + part * take.unsqueeze(-1)
             lse[:, :, qs] = merged
             if pending is not None:
-                received, requests = pending
-                for request in requests:
-                    request.wait()
-                block, owner = received, (owner - 1) % ring.size
+                block, owner = pending.wait(), (owner - 1) % ring.size
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, starts, out, lse)
         ctx.ring, ctx.scale = ring, scale
@@ -220,10 +230,7 @@ class RingAttention(torch.autograd.Function):
             # the block's gradients travel on with it; after `size` passes they are back with their owner
             grads = ring.pass_along(grads)
             if pending is not None:
-                received, requests = pending
-                for request in requests:
-                    request.wait()
-                block, owner = received, (owner - 1) % ring.size
+                block, owner = pending.wait(), (owner - 1) % ring.size
         return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
 
 
