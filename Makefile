@@ -136,7 +136,7 @@ bench-planner: setup
 # Ulysses sequence parallelism: longest sequence within a per-rank budget at sp=1 and sp=2; packing's padding and
 # tokens/s on the SFT recipe (about 15 min on 2 cores)
 bench-long-context: setup
-	$(PY) bench/long_context.py --lengths 4096 8192 16384 32768 --results docs/long_context_bench.json --write $(BENCH_ARGS)
+	$(PY) bench/long_context.py --lengths 4096 8192 16384 32768 --budget_mib 120 --results docs/long_context_bench.json --write $(BENCH_ARGS)
 
 # prepare_data on a generated 2 GiB corpus (1 vs 2 workers), then start-up and RSS per rank on it vs the tiny corpus
 bench-prepare-data: setup

@@ -188,11 +188,11 @@ def main() -> None:
         for x in labels:
             ratio = ""
             try:
-                ratio = (f", {float(longest[x].replace(',', '')) / float(longest[labels[0]].replace(',', '')):.2f}x"
-                         if x != labels[0] else "")
+                ratio = (f", {float(longest[x].replace(',', '')) / float(longest[labels[0]].replace(',', '')):.2f}x "
+                         f"{TITLES[labels[0]]}'s" if x != labels[0] else "")
             except ValueError:  # a bound (< or >) rather than a figure
                 pass
-            figures.append(f"{TITLES[x]} up to seq_len {longest[x]} (preflight: {predicted[x]:,}{ratio})")
+            figures.append(f"{TITLES[x]} up to seq_len {longest[x]}{ratio} (the preflight predicts {predicted[x]:,})")
         body += f"\nWithin {budget:,.0f} MiB per rank: " + "; ".join(figures) + ".\n\n"
         results["longest"], results["predicted_longest"] = longest, predicted
     if results["packing"]["true"]:

@@ -36,6 +36,12 @@ SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_a
 RING_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")  # what the ring takes the place of
 
 
+def text_config(setup: Setup):
+    """The language model's config (a multimodal config's text part)."""
+    config = setup.model_config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def attention_of(setup: Setup) -> str:
     """The attention implementation the model will load with: the recipe's, else transformers' default (sdpa)."""
     return setup.recipe.model.attn_implementation or "sdpa"
@@ -64,8 +70,7 @@ class SequenceParallel(Component):
             raise UserError(f"train.seq_len={recipe.train.seq_len} does not split into 2 zigzag chunks per ring rank "
                             f"(2 x context_parallel_size {cp} x sequence_parallel_size {self.size} = {unit}); "
                             f"choose a multiple of {unit}")
-        config = setup.model_config.get_text_config() if hasattr(setup.model_config, "get_text_config") \
-            else setup.model_config
+        config = text_config(setup)
         window = getattr(config, "sliding_window", None)
         if window and getattr(config, "use_sliding_window", True) and window < recipe.train.seq_len:
             raise UserError(f"context_parallel_size={cp}: the model attends within a sliding window of {window} "
@@ -77,8 +82,8 @@ class SequenceParallel(Component):
                                 f"attention does not do; drop context_parallel_size")
         if getattr(config, "attention_dropout", 0.0):
             raise UserError(f"context_parallel_size={cp}: ring attention has no attention dropout and the model's is "
-                            f"{config.attention_dropout}; pass --model.attention_dropout=0 or drop "
-                            f"context_parallel_size")
+                            f"{config.attention_dropout}; set model.config_overrides: {{attention_dropout: 0}} in the "
+                            f"recipe or drop context_parallel_size")
         if recipe.train.compile:
             raise UserError(f"train.compile with context_parallel_size={cp} is not supported (the ring's point-to-"
                             f"point passes inside compiled blocks are untested here); set train.compile=false")
@@ -90,8 +95,7 @@ class SequenceParallel(Component):
             raise UserError(f"sequence_parallel_size={sp} needs model.attn_implementation sdpa or flash_attention_2 "
                             f"(Ulysses drops the 4D masks {attention} attention needs); set "
                             f"model.attn_implementation=sdpa")
-        config = setup.model_config.get_text_config() if hasattr(setup.model_config, "get_text_config") \
-            else setup.model_config
+        config = text_config(setup)
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if not heads or heads % sp:
