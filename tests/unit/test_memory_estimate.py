@@ -134,6 +134,36 @@ def test_sequence_parallel_preflight_fits_128k_and_names_the_longest_length(tmp_
     assert longest["sp8_zero3.json"] == pytest.approx(8 * longest["zero3.json"], rel=0.02)
 
 
+def test_ring_attention_preflight_halves_each_ranks_part_and_counts_the_rings_bytes(tmp_path):
+    """Issue 57: the 128k recipe with Ulysses 8 x a ring of 2 on 16 GPUs: each rank holds 1/16 of every sequence,
+    the longest length is about twice Ulysses 8's on 8 (activations halve, ZeRO-3's states spread over twice the
+    ranks, the ring's buffers take a little back),
+    and the ring's bytes per layer are said: keys/values (bf16, 8 kv heads x 128) of the rank's 8,192 tokens sent
+    once forward and once backward, their fp32 gradients twice."""
+    import json
+
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2 ** 22).save_pretrained(tmp_path)
+    r = load_recipe("llama-3.1-8b/long_context_sft.yaml", parse_overrides([
+        f"--model.name_or_path={tmp_path}", "--model.tokenizer=recipes/tiny/model"]))
+    h100 = (80 * GiB, "H100 80GB")
+    ring = dict(dsc.load("sp8_zero3.json"), context_parallel_size=2)
+    fits, text = memory.preflight(r, json.loads(json.dumps(ring)), "sp8cp2", 16, 8, GPU, h100)
+    assert fits, text
+    assert "context-parallel (ring) 2 x sequence-parallel 8" in text
+    tokens = 131072 // 16
+    sent = tokens * 2 * 1024 * 2 + tokens * 8  # one pass of the keys and values (+ each token's document start)
+    want = (2 * sent + 2 * tokens * 2 * 1024 * 4) / 2 ** 20
+    assert f"each rank holds {tokens:,} tokens of every sequence and sends {want:,.1f} MiB per layer" in text
+    longest = {}
+    for name, cfg, world in (("sp8", dsc.load("sp8_zero3.json"), 8), ("sp8cp2", ring, 16)):
+        text = memory.preflight(r, json.loads(json.dumps(cfg)), name, world, 8, GPU, h100)[1]
+        line = next(x for x in text.splitlines() if x.startswith("longest train.seq_len that fits"))
+        longest[name] = int(line.split(": ")[1].split()[0].replace(",", ""))
+    assert 1.9 < longest["sp8cp2"] / longest["sp8"] < 2.3, longest  # measured 2.13
+
+
 def test_diloco_counts_its_outer_state_and_partitions_within_a_replica(llama8b, monkeypatch):
     """Issue 33: the preflight partitioned ZeRO over the whole world and left out DiLoCo's outer state (the shared
     weights and the momentum, fp32, the whole model on every rank: 64 GB for 8B) and its sync's full vector; with
