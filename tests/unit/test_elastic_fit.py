@@ -87,3 +87,13 @@ def test_a_world_no_number_of_nodes_can_train_is_bad_input_not_a_wait(tmp_path):
         elastic.fit(1, load("zero2.json", {}), recipe(), None, "auto", tmp_path)
     with pytest.raises(UserError, match="pipeline.stages=0"):
         elastic.fit(2, load("pipe2_zero1.json", {"pipeline": {"stages": 0}}), recipe(), None, "never", tmp_path / "x")
+
+
+def test_a_one_rank_world_is_tried_when_only_it_fits(tmp_path):
+    """Issue 58's audit: a fit that never tried a 1-rank world passed every test. A run written for 1 rank with a
+    global batch of 12 (micro 4 x accumulation 3), checkpointed there; 2 ranks joined, which cannot make up 12 from
+    micro batches of 4: 1 of them trains, the other stands by."""
+    written = recipe("--train.grad_accum_steps=3", "--world_size=1")
+    checkpoint(tmp_path, global_batch=12, world_size=1, data_parallel=1)
+    found = elastic.fit(2, load("zero2.json", {}), written, None, "auto", tmp_path)
+    assert (found.formed, found.used) == (2, 1), found

@@ -120,3 +120,30 @@ def test_refusals_name_the_fix():
     from dstrain.config import load_recipe
     with pytest.raises(UserError, match="train.loss_chunk_tokens=-1 must be 0"):
         load_recipe(None, {"train": {"loss_chunk_tokens": -1}})
+
+
+@pytest.mark.parametrize("chunk", [3, 8, 64])
+def test_per_token_path_with_a_biased_head_gives_every_gradient_of_the_full_logits(chunk):
+    """Issue 58's audit: the per-token path (preference training with train.loss_chunk_tokens reads each token's
+    loss, then a non-linear function of their sums) got a biased head's (Phi-like) bias gradient wrong and no test
+    saw it: only the summed path was checked with a bias. Here each token's loss gets its own upstream gradient.
+    fp32 (the fused path's softmax is fp32 whatever the input): the audit's bias gradient was off by 2.6."""
+    from dstrain.components.chunked_loss import linear_cross_entropy_tokens
+    g = torch.Generator().manual_seed(0)
+    tokens, width, vocab = 13, 8, 11
+    hidden = torch.randn(tokens, width, generator=g, dtype=torch.float32)
+    weight = torch.randn(vocab, width, generator=g, dtype=torch.float32) * 0.3
+    bias = torch.randn(vocab, generator=g, dtype=torch.float32) * 0.5
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    upstream = torch.randn(tokens, generator=g, dtype=torch.float32)
+    grads = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        if fused:
+            nll = linear_cross_entropy_tokens(*leaves, labels, chunk)
+        else:
+            nll = F.cross_entropy(F.linear(*leaves), labels, reduction="none")
+        torch.sigmoid((nll * upstream).sum()).backward()  # a non-linear function of weighted per-token losses
+        grads.append([t.grad for t in leaves])
+    for name, got, want in zip(("hidden", "weight", "bias"), *grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)

@@ -287,3 +287,15 @@ def test_identical_pairs_are_counted_and_warned():
     data, stats = fmt.tokenize(Dataset.from_list(rows), DataConfig(format="preference"), tokenizer, 48, None)
     assert stats["identical"] == 1 and stats["pairs"] == 4 and len(data) == 4
     assert "warning: 1 pairs have identical chosen and rejected responses" in report(stats, 48)
+
+
+def test_ties_are_not_accurate_at_step_one_as_in_trl(tiny):
+    """Issue 58's audit: counting ties (>=) as accurate passed every test, because no test had a tie. At step 1
+    the policy is the reference: every reward is 0, and TRL's rule (DPOTrainer: chosen_rewards > rejected_rewards)
+    counts none of them; its step-1 log is 0.0 where exact ties hold (ours; TRL's own forward passes differ by
+    ~1e-4 there, so its value is noise and not compared)."""
+    _, reference, tokenizer = tiny
+    policy = copy.deepcopy(reference)
+    got = ours(PreferenceSection(loss="dpo", beta=0.1), policy, reference, tokenizer)[1]
+    assert got["rewards/margins"] == 0 and got["rewards/chosen"] == 0
+    assert got["rewards/accuracies"] == 0.0
