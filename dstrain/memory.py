@@ -172,11 +172,16 @@ def _ring(config, tokens: int, w: int) -> int:
     in fp32. The rest of its buffers (the travelling gradients, a block's expanded heads) live one block at a
     time beside activations that are already freed: bench/long_context.py measured a ring of 2 within 6% of
     Ulysses 2 at 8k-16k tokens, and this term brings the estimate to the measured peak there."""
+    q_width, kv_width = _attention_widths(config)
+    return tokens * (2 * kv_width * w + q_width * 4)
+
+
+def _attention_widths(config) -> tuple[int, int]:
+    """(query width, key/value width) per token: heads x head_dim, key/value heads x head_dim."""
     hidden, _, _, _ = _dims(config)
-    heads = getattr(config, "num_attention_heads", None) or 1
-    width = (getattr(config, "head_dim", None) or hidden // heads)
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * width
-    return tokens * (2 * kv_width * w + heads * width * 4)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+    width = getattr(config, "head_dim", None) or hidden // heads
+    return heads * width, (getattr(config, "num_key_value_heads", None) or heads) * width
 
 
 def _rl(config, recipe, stored_params: int, w: int, shards: int) -> dict:
@@ -186,10 +191,8 @@ def _rl(config, recipe, stored_params: int, w: int, shards: int) -> dict:
     the KV cache of a step's rollout (every micro-batch's prompts x rl.num_generations rows at once, keys and
     values of every layer up to train.seq_len) and one position's fp32 logits and probabilities."""
     train, rl = recipe.train, recipe.rl
-    hidden, layers, _, vocab = _dims(config)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
-                                                                          or hidden // heads)
+    _, layers, _, vocab = _dims(config)
+    kv_width = _attention_widths(config)[1]
     micro_batches = train.grad_accum_steps  # a rank's micro-batches of the step: sampled together
     rows = train.micro_batch_size * rl.num_generations * micro_batches
     out = {"rollout_kv_cache": 2 * layers * rows * train.seq_len * kv_width * w + rows * vocab * 12}
@@ -315,10 +318,7 @@ def ring_bytes_per_layer(config, recipe, layout, w: int) -> int:
     """What one rank sends round its ring for one layer of one micro-batch (components/ring_attention.py): its
     key/value block C-1 times forward; in backward the block C-1 times more and the fp32 key/value gradients C
     times."""
-    hidden, _, _, _ = _dims(config)
-    heads = getattr(config, "num_attention_heads", None) or 1
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None)
-                                                                          or hidden // heads)
+    kv_width = _attention_widths(config)[1]
     from .objectives import sequences_per_sample
     tokens = recipe.train.micro_batch_size * sequences_per_sample(recipe) * recipe.train.seq_len // \
         layout.sequence_shards

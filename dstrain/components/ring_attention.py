@@ -13,10 +13,10 @@ across documents and RoPE sees the positions the data gave.
 
 Written by hand because nothing that runs on CPU ranks does it: torch's context parallel
 (torch.distributed.tensor.experimental) dispatches only the CUDA flash/efficient SDPA ops and only plain causal
-masks, and ring-flash-attn needs flash-attn's CUDA kernels. The block kernel here is plain matmuls in float32
-(memory O(block^2) per head while a block is computed); on GPUs the next step is a fused block kernel that
-returns the log-sum-exp (flash-attn's varlen, or torch's efficient attention with an additive mask).
-"""
+masks, and ring-flash-attn needs flash-attn's CUDA kernels. Each block runs through torch's CPU flash attention
+(which returns the log-sum-exp the merge needs) on CPU ranks, and as plain matmuls in float32 elsewhere (memory
+O(block^2) per head while a block is computed); on GPUs the next step is a fused block kernel that returns the
+log-sum-exp (flash-attn's varlen, or torch's efficient attention with an additive mask)."""
 from __future__ import annotations
 
 import torch
