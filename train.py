@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dstrain import cli, env, preempt, run_lock  # preempt notes the launchers while they live
 from dstrain.config import Recipe
-from dstrain.errors import EXIT_FAILED, EXIT_OK, UserError
+from dstrain.errors import EXIT_FAILED, EXIT_NONFINITE, EXIT_OK, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +98,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     from dstrain.layout import Layout, recipe_accumulation
     from dstrain.metrics import Metrics
     from dstrain.paths import weights_fingerprint
+    from dstrain.run import health
     from dstrain.steps import evaluate, train_step
 
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
@@ -136,6 +137,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     objective = objectives.make(recipe)  # what a step minimises: next-token loss, or DPO and its kin
     components.validate_all(features + [objective], setup)
     checkpoint.check_background(recipe.checkpoint, ds_cfg)
+    health.check(recipe.fault, ds_config.precision(ds_cfg), layout)
     tokenizer = models.load_tokenizer(recipe.model)
     chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
         if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
@@ -216,6 +218,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                       flops_per_token, peak.flops * ctx.world_size,
                       lambda achieved: flops.record_achieved(engine.device, ds_config.precision(ds_cfg),
                                                              achieved / ctx.world_size))
+    checks = health.StepHealth(recipe.fault, ds_config.precision(ds_cfg) == "fp16", metrics.message).attach(engine)
+    checks.restore(start_from.manifest.get("health") if start_from else None)
     metrics.message(f"data: {prepared.summary}; "
                     f"{data.amount.describe(train.max_steps // per, global_batch, len(prepared.train))}")
     metrics.message(f"{'resumed from ' + str(start_from.path) if start_from else 'starting'} at step {start}; "
@@ -226,12 +230,16 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     def saved(step: int) -> dict:  # what a checkpoint records besides DeepSpeed's state
         return {"global_batch": stream.global_batch, "samples": step // per * stream.global_batch + stream.offset,
                 "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel,
-                "context_parallel": layout.context_parallel, "replicas": layout.replicas, "run": identity}
+                "context_parallel": layout.context_parallel, "replicas": layout.replicas, "run": identity,
+                "health": checks.state()}
 
     # ---- the loop
     def evaluation(step: int) -> None:
         with components.evaluated(features):  # DiLoCo streaming: the shared weights
             metrics.evaluation(step, *evaluate(engine, val, layout, objective))
+
+    def search(step: int) -> str | None:  # the first non-finite step, re-run with hooks: the module it began in
+        return health.locate(engine, stream.micro_batches((step - 1) // per), objective, layout, step)
 
     if start == 0 and val:
         evaluation(0)
@@ -241,16 +249,18 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     for step in range(start + 1, last + 1):
         faults.point("step", ctx.rank, step)
         began, lr, comm = time.perf_counter(), engine.get_lr()[0], counter.snapshot()
+        checks.begin(step)
         try:
             loss, counts, tokens, extra = train_step(engine, stream.micro_batches((step - 1) // per), layout, objective,
-                                                     ckpt.before_update, step)
+                                                     ckpt.before_update, step, checks.loss_hook)
         except UserError as error:  # bad data every rank met in this step (a reward function's): the save in
             if getattr(error, "every_rank", False):  # flight, the last good state, is finished before leaving
                 ckpt.finish(step - 1, metrics.message)
             raise
         for feature in features:  # a step's work (DiLoCo's outer step) counts in its time and bytes
             feature.after_step(step, metrics.message)
-        metrics.step(step, loss, lr, _as_float(engine.get_global_grad_norm()), tokens, int(counts["label_tokens"]),
+        extra |= checks.after(step, loss, _as_float(engine.get_global_grad_norm()), search)
+        metrics.step(step, loss, lr, extra.pop("grad_norm"), tokens, int(counts["label_tokens"]),
                      time.perf_counter() - began, counter.since(comm), extra)
         watchdog.progress()
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
@@ -258,6 +268,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
             watchdog.progress()
         if step % per:  # inside a rollout batch (RL's rl.num_iterations): saves and stops wait for its last step
             continue
+        if checks.stopping:  # steps not finite (the same on every rank): the finish saves the last good weights
+            last = step
+            break
         ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
         ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
                              metrics.message)  # checkpoint.every=auto, once the first save's stall is known
@@ -270,15 +283,23 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
     # ---- finish
     counter.stop()
-    final = ckpt.save(engine, max(start, last), saved(max(start, last)), say=metrics.message)  # waits: written
+    checks.close()
+    if checks.weights_bad:  # an optimizer that never asked applied a non-finite step: those weights are not saved
+        ckpt.finish(last, metrics.message, last=True)
+        final = None
+    else:
+        final = ckpt.save(engine, max(start, last), saved(max(start, last)), say=metrics.message)  # waits: written
     watchdog.close()  # past the last collective: ranks may now leave at different times
-    resume_hint = f"run the same command again (--resume auto) to continue from {final.name}"
-    outcome = {"status": "finished", "max_steps": train.max_steps, "checkpoint": str(final), "export": None,
+    resume_hint = f"run the same command again (--resume auto) to continue from {final and final.name}"
+    outcome = {"status": "finished", "max_steps": train.max_steps, "checkpoint": final and str(final), "export": None,
                "next": None, "train_sequences": len(prepared.train),
                "epochs": round(data.amount.epochs(max(start, last), global_batch, len(prepared.train)), 3),
                "saves": {"background": background, "every": ckpt.every or recipe.checkpoint.every,
-                         "stall_s": ckpt.stalls, "write_s": ckpt.writes}}
-    if stop.stopped_at:
+                         "stall_s": ckpt.stalls, "write_s": ckpt.writes}, "health": checks.summary()}
+    if checks.stopping:
+        outcome.update(status="stopped (fault.max_skipped_steps)", next=checks.advice(last))
+        events.record_stop(run_dir, ctx, last, "fault.max_skipped_steps")
+    elif stop.stopped_at:
         metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
                         f"run again with --resume auto to continue")
         outcome.update(status=f"stopped ({stop.reason})", next=resume_hint)
@@ -295,7 +316,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     memory.record(run_dir / "memory.json", ctx, baseline_memory, setup_peak,
                   memory.estimate(model_config, params_total, recipe, ds_cfg, layout, trained))
     metrics.close(outcome)
-    return preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
+    return EXIT_NONFINITE if checks.stopping else preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
 
 
 def run_preflight(args, recipe: Recipe, ds_overrides: dict) -> int:

@@ -213,6 +213,16 @@ class FaultConfig:
     # mean time between failures of one node, hours (checkpoint.every=auto divides it by the nodes). Default from
     # Llama 3's report: 419 unexpected interruptions in 54 days on 2,048 nodes of 8 GPUs, about 6,300 h a node
     mtbf_hours: float = 6000.0
+    # a step whose loss or gradient is not finite is skipped on every rank (dstrain/run/health.py); this many in a
+    # row end the run (exit 65) with a checkpoint of the last good weights
+    max_skipped_steps: int = 5
+    # a loss (or pre-clip grad norm) this many standard deviations above the mean of the last `spike_window` good
+    # steps is a spike (judged once the window is full)
+    spike_sigma: float = 6.0
+    spike_window: int = 100  # good steps the mean and standard deviation of a spike's judgement are taken over
+    # `log`: a spike is counted and said; `skip`: also skipped like a non-finite step (the step's loss is then
+    # all-reduced before the update, not after)
+    on_spike: str = "log"
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval <= self.peer_timeout / 3:
@@ -222,6 +232,14 @@ class FaultConfig:
             raise UserError(f"fault.stall_timeout={self.stall_timeout} must be positive (seconds)")
         if self.mtbf_hours <= 0:
             raise UserError(f"fault.mtbf_hours={self.mtbf_hours} must be positive (hours between failures of a node)")
+        if self.max_skipped_steps < 1:
+            raise UserError(f"fault.max_skipped_steps={self.max_skipped_steps} must be at least 1 (skipped steps in a "
+                            f"row before the run stops)")
+        if self.spike_sigma <= 0 or self.spike_window < 2:
+            raise UserError(f"fault.spike_sigma={self.spike_sigma} must be positive and fault.spike_window="
+                            f"{self.spike_window} at least 2 (steps)")
+        if self.on_spike not in ("log", "skip"):
+            raise UserError(f"fault.on_spike={self.on_spike!r} must be log or skip")
 
 
 @dataclass

@@ -614,3 +614,57 @@ def cpu_flash_attention_backward(grad_out, q, k, v, out, lse, causal: bool, mask
     passes the merged ones). aten._scaled_dot_product_flash_attention_for_cpu_backward."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def gate_optimizer_step(engine, decide: Callable[[float], bool]) -> Callable[[], None]:
+    """Let `decide(grad_norm)` skip an optimizer step through DeepSpeed's own overflow path (no weight, optimizer
+    state or schedule change; engine.skipped_steps counts it). Returns the function that undoes this.
+
+    DeepSpeed's ZeRO-1/2 (DeepSpeedZeroOptimizer.step), ZeRO-3 (DeepSpeedZeroOptimizer_Stage3.step) and bf16
+    (BF16_Optimizer.step; FP16_UnfusedOptimizer.step, which DeepSpeed picks for bf16 at ZeRO-0) optimizers each call
+    their module's `is_invalid_grad_norm(norm)` on the step's global gradient norm and, when it answers True,
+    discard the step (clear the gradients, keep the weights; the engine
+    then leaves the LR scheduler alone). That name, looked up in the optimizer's own module, is replaced by one
+    that asks `decide` with the norm as a float (every rank gets the same all-reduced norm, so every rank decides
+    the same). Under fp16 nothing is replaced: there a non-finite step is the loss scaler's (it lowers the scale).
+    ZeRO-0 in fp32 has no wrapper: the engine holds the torch optimizer itself, whose step() is wrapped to take the
+    norm (engine._global_grad_norm when clipping has set it this step, else the norm of the local gradients, which
+    ZeRO-0 has all-reduced) and to set `optimizer.overflow`, the attribute DeepSpeedEngine._take_model_step reads."""
+    import sys
+
+    optimizer = engine.optimizer
+    module = sys.modules.get(type(optimizer).__module__)
+    if engine.fp16_enabled():
+        return lambda: None
+    if module is not None and hasattr(module, "is_invalid_grad_norm"):
+        original = module.is_invalid_grad_norm
+
+        def gated(norm) -> bool:
+            return decide(float(norm))
+        module.is_invalid_grad_norm = gated
+
+        def undo() -> None:
+            module.is_invalid_grad_norm = original
+        return undo
+    if isinstance(optimizer, torch.optim.Optimizer):
+        step = optimizer.step
+
+        def gated_step(*args, **kwargs):
+            norm = engine._global_grad_norm if engine.gradient_clipping() > 0 else None
+            if norm is None:  # tensor-parallel shards' norms are combined over `mpu`, as the clipping does
+                from deepspeed.runtime.utils import get_global_norm_of_tensors
+                norm = get_global_norm_of_tensors([p.grad for g in optimizer.param_groups for p in g["params"]
+                                                   if p.grad is not None], mpu=engine.mpu)
+            optimizer.overflow = decide(float(norm))
+            if optimizer.overflow:
+                optimizer.zero_grad(set_to_none=True)
+                return None
+            return step(*args, **kwargs)
+        optimizer.step = gated_step
+        optimizer.overflow = False
+
+        def undo_step() -> None:
+            optimizer.step = step
+            del optimizer.overflow
+        return undo_step
+    return lambda: None

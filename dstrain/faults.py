@@ -7,11 +7,15 @@ points   validate (before the validation pass, step 0), step (before a training 
          written, not yet listed), save:manifest
          (complete.json written, not yet published), save:publish (renamed, `latest` not yet written),
          save:prune (published, old checkpoints not yet pruned)
+         forward, backward (a training step's module, `module=NAME` of engine.module, e.g. model.layers.0.mlp:
+         its output, or the gradient flowing back through it; armed by arm())
 actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
          "No space left on device", like a full disk), slow (sleep `seconds=N`, default 30, then go on:
          a slow data loader or file system; with `until=EVENT` only until the code calls release(EVENT):
          `step:slow:seconds=10:until=compiled` slows the steps while train.compile works in the background;
-         `until=signalled`: until a signal asks the rank to stop, dstrain/preempt.py)
+         `until=signalled`: until a signal asks the rank to stop, dstrain/preempt.py);
+         for forward/backward: nan (the module's output, or its input's gradient, made NaN), scale (the module's
+         output times `factor=F`, default 30: an activation outlier, a loss spike)
 
 Real failures are used where a test can make them (kill -9 from outside, a full tmpfs); injection covers
 the points in between that no outside timing can hit reliably.
@@ -23,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from . import env
 
@@ -53,6 +58,60 @@ def release(event: str) -> None:
     """The code reached `event` (e.g. "compiled"): a `slow ... until=event` fault stops slowing."""
     if _RULES:
         _RELEASED.setdefault(event, threading.Event()).set()
+
+
+def _nan_gradient(x):
+    """Identity forward; the gradient passed back is NaN (a backward that went wrong inside a module). torch is
+    imported here: this module is imported before anything heavy (bad input answers without torch)."""
+    import torch
+
+    class NaNGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.full_like(grad, float("nan"))
+    return NaNGradient.apply(x)
+
+
+def _first_tensor(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_first(output, tensor):
+    return (tensor, *output[1:]) if isinstance(output, tuple) else tensor
+
+
+def arm(model, rank: int, step: int) -> Callable[[], None]:
+    """Hooks for the `forward`/`backward` rules of this rank and step on `model`'s named modules (nothing when
+    DSTRAIN_FAULT is unset); returns their removal. Applied inside the module: its own output is changed, so a
+    hook registered after it (run/health.py's search) sees the module as the origin."""
+    if not _RULES:
+        return _nothing
+    handles = []
+    for where, action, cond in _RULES:
+        if where not in ("forward", "backward") or cond.get("rank", rank) != rank or cond.get("step", step) != step:
+            continue
+        module = model.get_submodule(cond["module"])
+        if where == "backward" and action == "nan":
+            def hook(_module, _inputs, output):
+                return _replace_first(output, _nan_gradient(_first_tensor(output)))
+        elif where == "forward" and action in ("nan", "scale"):
+            factor = float("nan") if action == "nan" else float(cond.get("factor", 30))
+
+            def hook(_module, _inputs, output, factor=factor):
+                return _replace_first(output, _first_tensor(output) * factor)
+        else:
+            raise ValueError(f"DSTRAIN_FAULT: {where}:{action} is not a fault (forward:nan, forward:scale, "
+                             f"backward:nan)")
+        handles.append(module.register_forward_hook(hook))
+    return lambda: [h.remove() for h in handles]
+
+
+def _nothing() -> None:
+    pass
 
 
 def point(name: str, rank: int, step: int) -> None:

@@ -130,7 +130,9 @@ class Metrics:
                                         else "")
                                      + (f" mfu={mfu:.1%}" if mfu is not None else "")
                                      + (f" comm={row['comm_fraction']:.0%}" if row.get("comm_fraction") is not None
-                                        else ""), refresh=False)
+                                        else "")
+                                     + (f" skipped={row['skipped_steps']}" if row.get("skipped_steps") else "")
+                                     + (f" spikes={row['spikes']}" if row.get("spikes") else ""), refresh=False)
             self.bar.update(1)
 
     def _peak_too_low(self, achieved: float) -> None:
@@ -244,6 +246,15 @@ def format_summary(summary: dict) -> str:
     if summary.get("epochs") is not None:
         lines.append(f"  data        {summary['epochs']:,.2f} epochs of {summary['train_sequences']:,} training "
                      f"sequences")
+    checks = summary.get("health") or {}
+    if checks.get("skipped_steps") or checks.get("spikes"):  # run/health.py: what went wrong without a sound
+        told = [f"{n} {why}" for why, n in (checks.get("skipped_steps") or {}).items()]
+        spikes = [f"{n} {what}" for what, n in (checks.get("spikes") or {}).items()]
+        lines.append("  health      " + "; ".join(
+            ([f"steps skipped: {', '.join(told)}"] if told else []) + ([f"spikes: {', '.join(spikes)}"] if spikes
+                                                                       else [])
+            + ([f"first non-finite module: {checks['first_nonfinite_module']}"]
+               if checks.get("first_nonfinite_module") else [])))
     if summary.get("checkpoint"):
         lines.append(f"  checkpoint  {summary['checkpoint']}")
     if summary.get("export"):

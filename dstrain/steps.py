@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import faults
 from .dist import all_reduce_sum
 from .layout import Layout
 from .objectives.causal_lm import label_count, real_count
@@ -72,12 +73,22 @@ def _add(acc: torch.Tensor | None, summed: torch.Tensor, stats: torch.Tensor | N
 
 
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout, objective,
-               before_update: Callable[[], None] = lambda: None, step: int = 0) -> tuple[float, dict, int, dict]:
+               before_update: Callable[[], None] = lambda: None, step: int = 0,
+               loss_before_update: Callable[[float], None] | None = None) -> tuple[float, dict, int, dict]:
     """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, the objective's counts
     over the global batch, its input tokens that are not padding, the objective's metrics): throughput and MFU
     count work, not padding. before_update() runs just before the optimizer changes the weights (a background
     save's copy of them is finished there). An objective with `prepare` makes its micro-batches first (RL: the
-    rollout of step `step`)."""
+    rollout of step `step`). With `loss_before_update`, the step's loss is all-reduced before the optimizer step
+    (not after) and passed to it (run/health.py: a loss spike is skipped)."""
+    disarm = faults.arm(engine.module, layout.rank, step)  # tests' injected NaNs and spikes; nothing otherwise
+    try:
+        return _train_step(engine, micro_batches, layout, objective, before_update, step, loss_before_update)
+    finally:
+        disarm()
+
+
+def _train_step(engine, micro_batches, layout, objective, before_update, step, loss_before_update):
     if hasattr(objective, "prepare"):
         micro_batches = objective.prepare(engine, micro_batches, layout, step)
     if layout.is_pipeline:
@@ -94,14 +105,22 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Lay
         batch = to_device(engine, batch, objective)  # pinned on GPUs (TrainStream)
         summed, stats = objective.loss_sum(engine, batch, own)
         engine.backward(summed * scale)
+        acc = _add(acc, summed, stats)
         if i == len(micro_batches) - 1:
             before_update()
+            if loss_before_update is not None:
+                _all_reduce(acc)
+                loss_before_update(acc[0].item() / layout.token_replicas / totals[objective.primary])
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
-        acc = _add(acc, summed, stats)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(acc)
+    if loss_before_update is None:
+        _all_reduce(acc)
     values = (acc / layout.token_replicas).tolist()  # the step's one sync, for the log
     return values[0] / totals[objective.primary], totals, real, objective.metrics(values[1:], totals)
+
+
+def _all_reduce(acc: torch.Tensor) -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(acc)
 
 
 @torch.no_grad()

@@ -36,11 +36,12 @@ export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 # Retries: a run that fails (a dead rank, a lost node, a hang the watchdog ended) starts again, up to
 # MAX_RESTARTS times, RESTART_DELAY seconds apart; each attempt resumes from the newest complete
 # checkpoint (--resume auto). Not retried: success (0), bad input (2), a checkpoint that could not be
-# written (74: a full disk stays full), a requested stop (75: SIGTERM/SIGUSR1/STOP file), Ctrl-C before
+# written (74: a full disk stays full), a requested stop (75: SIGTERM/SIGUSR1/STOP file), steps that were
+# not finite (65: the same data and weights fail the same way), Ctrl-C before
 # the first step (130).
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RESTART_DELAY=${RESTART_DELAY:-10}
-final_status() { case "$1" in 0|2|74|75|130) return 0;; *) return 1;; esac; }
+final_status() { case "$1" in 0|2|65|74|75|130) return 0;; *) return 1;; esac; }
 
 # SIGTERM or SIGINT to this script (`docker stop`, a scheduler, `kill`, Ctrl-C) reaches the training ranks, which
 # checkpoint at the next step and exit 75; the launcher is left alone, since DeepSpeed's runner dies on SIGTERM

@@ -211,7 +211,8 @@ def metrics(run_dir: Path) -> tuple[list[float], list[dict]]:
 def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warmup: int, min_lr_ratio: float,
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
                      lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None,
-                     lora: dict | None = None, dpo_beta: float | None = None, topk: dict | None = None):
+                     lora: dict | None = None, dpo_beta: float | None = None, topk: dict | None = None,
+                     skip: tuple = (), stop_after: int | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
@@ -229,7 +230,10 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     ranks' gradient is computed on its share of the global batch (micro-batch m of rank r holds positions
     (m x world + r) x micro ...), and each matrix's is cut to its fraction largest-magnitude entries plus the
     rank's carried-over remainder (error feedback), the cut ones summed over the ranks and averaged; vectors
-    and the `exempt` shapes (the embedding) averaged whole. Written from the method's definition."""
+    and the `exempt` shapes (the embedding) averaged whole. Written from the method's definition. `skip`: the
+    (1-based) steps whose update is left out: their loss is taken, no weight or optimizer state changes and the
+    schedule does not advance (the next step has the skipped one's learning rate). `stop_after`: the steps run
+    (default `steps`, which also sets the schedule's length)."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -273,9 +277,10 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
 
     losses = []
     errors: dict = {}  # topk: (rank, parameter index) -> the remainder not sent yet
-    for step in range(steps):
+    applied = 0
+    for step in range(stop_after or steps):
         for group in opt.param_groups:
-            group["lr"] = lr * lr_scale * factor(step + 1)
+            group["lr"] = lr * lr_scale * factor(applied + 1)
         if topk is not None and step >= topk["warmup"]:
             loss, target, real = _topk_step(model, batch(step), trained, topk, errors)
         elif dpo_beta is not None:
@@ -286,7 +291,9 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
             opt.zero_grad()
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm if max_grad_norm else float("inf"))
-        opt.step()
+        if step + 1 not in skip:
+            opt.step()
+            applied += 1
         losses.append(loss.item())
         if record is not None:
             record.setdefault("grad_norm", []).append(norm.item())

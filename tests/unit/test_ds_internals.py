@@ -107,6 +107,28 @@ def checkpoint_engine_seam():  # every file of a save goes through checkpoint_en
     written = sorted(f for f in os.listdir(os.path.join(folder, "t")) if f.endswith(".pt"))
     return [sorted(seen), written, type(e1.checkpoint_engine).__name__]
 check("checkpoint_engine", checkpoint_engine_seam)
+def gate(stage, bf16):  # the optimizer's norm check asks ds_internals.gate_optimizer_step's `decide`
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 10**9,
+           "bf16": {"enabled": bf16}}
+    e = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    asked, answers = [], [True, False]  # per step: (the norm asked about, the step); ZeRO-1/2's clipping asks again
+    undo = ds_internals.gate_optimizer_step(e, lambda norm: asked.append((norm, len(changed))) or answers[len(changed)])
+    changed = []
+    for _ in answers:
+        before = [p.detach().float().clone() for p in e.module.parameters()]
+        x = torch.randn(2, 8, dtype=torch.bfloat16 if bf16 else torch.float32)
+        e.backward(e(x).float().pow(2).sum())
+        e.step()
+        changed.append(any(not torch.equal(b, p.detach().float()) for b, p in zip(before, e.module.parameters())))
+    undo()
+    return [type(e.optimizer).__name__, sorted({s for _, s in asked}), all(n > 0 for n, _ in asked), changed,
+            e.skipped_steps]
+for stage in (0, 1, 2, 3):
+    for bf16 in (False, True):
+        check(f"gate{stage}{'bf16' if bf16 else ''}", lambda: gate(stage, bf16))
 backend = ds_internals.comm_backend()
 out["comm_backend"] = backend is not None and all(hasattr(backend, a) for a in ("all_gather_function",
                                                                                  "reduce_scatter_function"))
@@ -158,6 +180,19 @@ def test_fp32_grad_norm_seam(engine_results):
     got, want = engine_results["fp32_norm"]
     assert got == pytest.approx(want, rel=1e-6) and want > 1e-2, moved(
         "DeepSpeedEngine.clip_fp32_gradients / deepspeed.runtime.utils.clip_grad_norm_") + f": {got} vs {want}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_optimizer_step_gate(engine_results, stage, bf16):
+    """Each optimizer DeepSpeed picks asks the gate in every step with the step's positive norm; a True answer
+    leaves every weight as it was and counts a skipped step, a False one updates."""
+    got = engine_results[f"gate{stage}{'bf16' if bf16 else ''}"]
+    assert not isinstance(got, str), moved(f"the optimizer's norm check at ZeRO-{stage}{' bf16' if bf16 else ''}") \
+        + f": {got}"
+    name, asked, positive, changed, skipped = got
+    assert (asked, positive, changed, skipped) == ([0, 1], True, [False, True], 1), \
+        moved(f"{name}'s step (ZeRO-{stage}{' bf16' if bf16 else ''})") + f": {got}"
 
 
 def test_checkpoint_engine_seam(engine_results):
