@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dstrain import cli, env, preempt, run_lock  # preempt notes the launchers while they live
 from dstrain.config import Recipe
-from dstrain.errors import EXIT_FAILED, EXIT_NONFINITE, EXIT_OK, UserError
+from dstrain.errors import EXIT_FAILED, EXIT_OK, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +218,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                       flops_per_token, peak.flops * ctx.world_size,
                       lambda achieved: flops.record_achieved(engine.device, ds_config.precision(ds_cfg),
                                                              achieved / ctx.world_size))
-    checks = health.StepHealth(recipe.fault, ds_config.precision(ds_cfg) == "fp16", metrics.message).attach(engine)
+    checks = health.StepHealth.for_run(recipe.fault, ds_config.precision(ds_cfg), ds_config.zero_stage(ds_cfg),
+                                       layout, run_dir, engine, metrics.message)  # NaNs, spikes, slow ranks, SDC
     checks.restore(start_from.manifest.get("health") if start_from else None)
     metrics.message(f"data: {prepared.summary}; "
                     f"{data.amount.describe(train.max_steps // per, global_batch, len(prepared.train))}")
@@ -252,40 +253,40 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         checks.begin(step)
         try:
             loss, counts, tokens, extra = train_step(engine, stream.micro_batches((step - 1) // per), layout, objective,
-                                                     ckpt.before_update, step, checks.loss_hook)
+                                                     ckpt.before_update, step, checks)
         except UserError as error:  # bad data every rank met in this step (a reward function's): the save in
             if getattr(error, "every_rank", False):  # flight, the last good state, is finished before leaving
                 ckpt.finish(step - 1, metrics.message)
             raise
         for feature in features:  # a step's work (DiLoCo's outer step) counts in its time and bytes
             feature.after_step(step, metrics.message)
-        extra |= checks.after(step, loss, _as_float(engine.get_global_grad_norm()), search)
-        metrics.step(step, loss, lr, extra.pop("grad_norm"), tokens, int(counts["label_tokens"]),
-                     time.perf_counter() - began, counter.since(comm), extra)
+        seconds, spent = time.perf_counter() - began, counter.since(comm)
+        extra |= checks.after(step, loss, _as_float(engine.get_global_grad_norm()), search, seconds, spent["comm_s"])
+        metrics.step(step, loss, lr, extra.pop("grad_norm"), tokens, int(counts["label_tokens"]), seconds, spent,
+                     extra)
         watchdog.progress()
         if val and (step == train.max_steps or (recipe.eval.every and step % recipe.eval.every == 0)):
             evaluation(step)
             watchdog.progress()
         if step % per:  # inside a rollout batch (RL's rl.num_iterations): saves and stops wait for its last step
             continue
-        if checks.stopping:  # steps not finite (the same on every rank): the finish saves the last good weights
-            last = step
-            break
         ckpt.poll(step, engine.device, metrics.message)  # a background save whose files are all written is published
         ckpt.choose_interval(ctx.world_size // env.ranks_per_node(), recipe.fault.mtbf_hours, engine.device,
                              metrics.message)  # checkpoint.every=auto, once the first save's stall is known
-        if ckpt.due(step, last):
+        if not checks.stopping and ckpt.due(step, last) and checks.safe_to_save(engine, step):
             ckpt.save(engine, step, saved(step), wait=step == last, say=metrics.message)  # the last: no copy
             watchdog.progress()
-        if stop.agreed(step, engine.device):
+        if checks.stopping or stop.agreed(step, engine.device):  # checks: the same on every rank
+            last = step
+            break
             last = step
             break
 
     # ---- finish
     counter.stop()
     checks.close()
-    if checks.weights_bad:  # an optimizer that never asked applied a non-finite step: those weights are not saved
-        ckpt.finish(last, metrics.message, last=True)
+    if checks.weights_bad or not checks.safe_to_save(engine, last):  # a non-finite update applied, or SDC
+        ckpt.finish(last, metrics.message, last=True)  # an earlier save in flight held a state checked good
         final = None
     else:
         final = ckpt.save(engine, max(start, last), saved(max(start, last)), say=metrics.message)  # waits: written
@@ -297,8 +298,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
                "saves": {"background": background, "every": ckpt.every or recipe.checkpoint.every,
                          "stall_s": ckpt.stalls, "write_s": ckpt.writes}, "health": checks.summary()}
     if checks.stopping:
-        outcome.update(status="stopped (fault.max_skipped_steps)", next=checks.advice(last))
-        events.record_stop(run_dir, ctx, last, "fault.max_skipped_steps")
+        outcome.update(status=f"stopped ({checks.why})", next=checks.advice(last))
+        events.record_stop(run_dir, ctx, last, checks.why)
     elif stop.stopped_at:
         metrics.message(f"stopped at step {last} ({stop.reason}); checkpoint {final.name} saved; "
                         f"run again with --resume auto to continue")
@@ -316,7 +317,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     memory.record(run_dir / "memory.json", ctx, baseline_memory, setup_peak,
                   memory.estimate(model_config, params_total, recipe, ds_cfg, layout, trained))
     metrics.close(outcome)
-    return EXIT_NONFINITE if checks.stopping else preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
+    return checks.exit_code if checks.stopping else preempt.EXIT_CODE if stop.stopped_at else EXIT_OK
 
 
 def run_preflight(args, recipe: Recipe, ds_overrides: dict) -> int:

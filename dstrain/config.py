@@ -223,6 +223,14 @@ class FaultConfig:
     # `log`: a spike is counted and said; `skip`: also skipped like a non-finite step (the step's loss is then
     # all-reduced before the update, not after)
     on_spike: str = "log"
+    # every this many steps the ranks' compute times (step time less time waited in collectives) are compared
+    # (dstrain/run/stragglers.py); 0: never
+    straggler_every: int = 20
+    straggler_factor: float = 1.2  # a rank this much slower than the others' median in a window is slow...
+    straggler_checks: int = 3  # ...in this many windows in a row: it is named (log, events.jsonl, summary.json)
+    # every this many steps: the data-parallel ranks' weights compared by an exact checksum, and the step's first
+    # micro-batch replayed before the update (dstrain/run/sdc.py); 0: only the checksum before each checkpoint
+    sdc_check_every: int = 100
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval <= self.peer_timeout / 3:
@@ -240,6 +248,12 @@ class FaultConfig:
                             f"{self.spike_window} at least 2 (steps)")
         if self.on_spike not in ("log", "skip"):
             raise UserError(f"fault.on_spike={self.on_spike!r} must be log or skip")
+        if self.straggler_every < 0 or self.sdc_check_every < 0:
+            raise UserError(f"fault.straggler_every={self.straggler_every} and fault.sdc_check_every="
+                            f"{self.sdc_check_every} must be steps (0: off)")
+        if self.straggler_factor <= 1 or self.straggler_checks < 1:
+            raise UserError(f"fault.straggler_factor={self.straggler_factor} must be above 1 and "
+                            f"fault.straggler_checks={self.straggler_checks} at least 1")
 
 
 @dataclass

@@ -649,6 +649,7 @@ def gate_optimizer_step(engine, decide: Callable[[float], bool]) -> Callable[[],
     if isinstance(optimizer, torch.optim.Optimizer):
         step = optimizer.step
 
+        @functools.wraps(step)  # keeps the LR scheduler's mark on it (torch warns of an overridden step otherwise)
         def gated_step(*args, **kwargs):
             norm = engine._global_grad_norm if engine.gradient_clipping() > 0 else None
             if norm is None:  # tensor-parallel shards' norms are combined over `mpu`, as the clipping does

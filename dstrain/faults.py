@@ -7,6 +7,8 @@ points   validate (before the validation pass, step 0), step (before a training 
          written, not yet listed), save:manifest
          (complete.json written, not yet published), save:publish (renamed, `latest` not yet written),
          save:prune (published, old checkpoints not yet pruned)
+         compute (a training step's micro-batches: `compute:slower:factor=F`, see stretch()), params (a
+         training step's weights before its forward: `params:flip[:param=NAME][:bit=B]` flips one bit),
          forward, backward (a training step's module, `module=NAME` of engine.module, e.g. model.layers.0.mlp:
          its output, or the gradient flowing back through it; armed by arm())
 actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
@@ -15,7 +17,8 @@ actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data lo
          `step:slow:seconds=10:until=compiled` slows the steps while train.compile works in the background;
          `until=signalled`: until a signal asks the rank to stop, dstrain/preempt.py);
          for forward/backward: nan (the module's output, or its input's gradient, made NaN), scale (the module's
-         output times `factor=F`, default 30: an activation outlier, a loss spike)
+         output times `factor=F`, default 30: an activation outlier, a loss spike; `times=N`: only the first N
+         calls of the step, a transient fault)
 
 Real failures are used where a test can make them (kill -9 from outside, a full tmpfs); injection covers
 the points in between that no outside timing can hit reliably.
@@ -92,7 +95,11 @@ def arm(model, rank: int, step: int) -> Callable[[], None]:
         return _nothing
     handles = []
     for where, action, cond in _RULES:
-        if where not in ("forward", "backward") or cond.get("rank", rank) != rank or cond.get("step", step) != step:
+        if where not in ("forward", "backward", "params") or cond.get("rank", rank) != rank \
+                or cond.get("step", step) != step:
+            continue
+        if where == "params" and action == "flip":
+            _flip(model, cond)
             continue
         module = model.get_submodule(cond["module"])
         if where == "backward" and action == "nan":
@@ -100,8 +107,12 @@ def arm(model, rank: int, step: int) -> Callable[[], None]:
                 return _replace_first(output, _nan_gradient(_first_tensor(output)))
         elif where == "forward" and action in ("nan", "scale"):
             factor = float("nan") if action == "nan" else float(cond.get("factor", 30))
+            left = [cond.get("times", -1)]  # `times=N`: only the first N calls (a transient fault)
 
-            def hook(_module, _inputs, output, factor=factor):
+            def hook(_module, _inputs, output, factor=factor, left=left):
+                if left[0] == 0:
+                    return None
+                left[0] -= 1
                 return _replace_first(output, _first_tensor(output) * factor)
         else:
             raise ValueError(f"DSTRAIN_FAULT: {where}:{action} is not a fault (forward:nan, forward:scale, "
@@ -110,8 +121,30 @@ def arm(model, rank: int, step: int) -> Callable[[], None]:
     return lambda: [h.remove() for h in handles]
 
 
+def _flip(model, cond: dict) -> None:
+    """Flip bit `bit` (default 20 of fp32, 4 of 16-bit: a mantissa bit, the loss barely moves) of element 0 of
+    parameter `param` (default the first) in place: the memory error silent data corruption checks are for."""
+    import torch
+
+    name = cond.get("param")
+    param = model.get_parameter(name) if name else next(iter(model.parameters()))
+    with torch.no_grad():
+        bits = param.data.view(-1)[:1].view({2: torch.int16, 4: torch.int32}[param.element_size()])
+        bits ^= 1 << int(cond.get("bit", 20 if param.element_size() == 4 else 4))
+
+
 def _nothing() -> None:
     pass
+
+
+def stretch(rank: int, step: int, seconds: float) -> None:
+    """A `compute:slower:factor=F` rule (any step, or `step=S`) makes this rank's micro-batch take F times as long:
+    it sleeps (F - 1) x the `seconds` the micro-batch's forward and backward took (a slow device, not a slow
+    network: the other ranks wait for it in their collectives)."""
+    for where, action, cond in _RULES:
+        if where == "compute" and action == "slower" and cond.get("rank", rank) == rank \
+                and cond.get("step", step) == step:
+            time.sleep((float(cond.get("factor", 2)) - 1) * seconds)
 
 
 def point(name: str, rank: int, step: int) -> None:

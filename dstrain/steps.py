@@ -8,7 +8,9 @@ by accum and averages over dp (Layout.gradients_averaged_over: dp x sp under ZeR
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -73,22 +75,23 @@ def _add(acc: torch.Tensor | None, summed: torch.Tensor, stats: torch.Tensor | N
 
 
 def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Layout, objective,
-               before_update: Callable[[], None] = lambda: None, step: int = 0,
-               loss_before_update: Callable[[float], None] | None = None) -> tuple[float, dict, int, dict]:
+               before_update: Callable[[], None] = lambda: None, step: int = 0, checks=None
+               ) -> tuple[float, dict, int, dict]:
     """Forward/backward every micro-batch and take one optimizer step; returns (mean loss, the objective's counts
     over the global batch, its input tokens that are not padding, the objective's metrics): throughput and MFU
     count work, not padding. before_update() runs just before the optimizer changes the weights (a background
     save's copy of them is finished there). An objective with `prepare` makes its micro-batches first (RL: the
-    rollout of step `step`). With `loss_before_update`, the step's loss is all-reduced before the optimizer step
-    (not after) and passed to it (run/health.py: a loss spike is skipped)."""
+    rollout of step `step`). `checks` (run/health.py's StepHealth) may want the step's loss before the update (a
+    loss spike is skipped: the loss is then all-reduced before the optimizer step, not after) and, at its check
+    steps, the first micro-batch replayed before the update (run/sdc.py)."""
     disarm = faults.arm(engine.module, layout.rank, step)  # tests' injected NaNs and spikes; nothing otherwise
     try:
-        return _train_step(engine, micro_batches, layout, objective, before_update, step, loss_before_update)
+        return _train_step(engine, micro_batches, layout, objective, before_update, step, checks)
     finally:
         disarm()
 
 
-def _train_step(engine, micro_batches, layout, objective, before_update, step, loss_before_update):
+def _train_step(engine, micro_batches, layout, objective, before_update, step, checks):
     if hasattr(objective, "prepare"):
         micro_batches = objective.prepare(engine, micro_batches, layout, step)
     if layout.is_pipeline:
@@ -100,19 +103,30 @@ def _train_step(engine, micro_batches, layout, objective, before_update, step, l
     own = _totals(objective, micro_batches, layout, engine.device, layout.data_parallel_group)[0] \
         if layout.replicas > 1 else totals
     scale = len(micro_batches) * layout.gradients_averaged_over / own[objective.primary]
+    loss_hook = checks.loss_hook if checks is not None else None
+    replay = checks is not None and checks.replay_due(step, layout)
     acc = None  # summed on the device: no sync per micro-batch
     for i, batch in enumerate(micro_batches):
+        began = time.perf_counter()
         batch = to_device(engine, batch, objective)  # pinned on GPUs (TrainStream)
-        summed, stats = objective.loss_sum(engine, batch, own)
-        engine.backward(summed * scale)
+        with checks.sdc.capture(engine.module, replay and i == 0) if replay else nullcontext([]) as grads:
+            summed, stats = objective.loss_sum(engine, batch, own)
+            engine.backward(summed * scale)
+        if replay and i == 0:  # the step's own numbers, to compare with its replay (fp16's carry the loss scale)
+            grad = grads[0] if grads and not engine.fp16_enabled() else None
+            first = (micro_batches[0], float(summed.detach()), grad)
+        faults.stretch(layout.rank, step, time.perf_counter() - began)  # tests: a rank made slower
         acc = _add(acc, summed, stats)
         if i == len(micro_batches) - 1:
             before_update()
-            if loss_before_update is not None:
+            if loss_hook is not None:
                 _all_reduce(acc)
-                loss_before_update(acc[0].item() / layout.token_replicas / totals[objective.primary])
+                loss_hook(acc[0].item() / layout.token_replicas / totals[objective.primary])
+            if replay:  # engine.backward divided the loss by the accumulation steps
+                checks.sdc.replay(engine, first[0], objective, own, first[1], first[2],
+                                  scale / engine.gradient_accumulation_steps(), step)
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
-    if loss_before_update is None:
+    if loss_hook is None:
         _all_reduce(acc)
     values = (acc / layout.token_replicas).tolist()  # the step's one sync, for the log
     return values[0] / totals[objective.primary], totals, real, objective.metrics(values[1:], totals)

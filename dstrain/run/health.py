@@ -1,4 +1,6 @@
-"""Steps that go wrong without a sound: a loss or gradient that is not finite, a loss or grad-norm spike.
+"""Steps that go wrong without a sound: a loss or gradient that is not finite, a loss or grad-norm spike; and the
+run's other quiet checks in one object train.py asks (run/stragglers.py: slow ranks; run/sdc.py: silent data
+corruption).
 
 A non-finite step is skipped on every rank (no weight, optimizer state or schedule change) through DeepSpeed's own
 overflow path (ds_internals.gate_optimizer_step: the optimizer asks `decide(grad_norm)` at the step's one norm
@@ -13,9 +15,9 @@ scaler's, as it always was: counted, not searched, never a reason to stop.
 from __future__ import annotations
 
 import math
+import socket
 import statistics
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 
@@ -23,9 +25,14 @@ import torch
 
 from .. import ds_internals, faults
 from ..config import FaultConfig
-from ..errors import UserError
+from ..dist import all_gather_objects
+from ..errors import EXIT_FAILED, EXIT_NONFINITE, UserError
+from .rerun import rerun_loss, without_parameter_gradients
+from .sdc import CorruptionCheck
+from .stragglers import Stragglers
 
-NONFINITE, LOSS_SPIKE, NORM_SPIKE, SCALER = "non-finite", "loss spike", "grad-norm spike", "fp16 overflow"
+NONFINITE, LOSS_SPIKE, NORM_SPIKE, SCALER, SDC = ("non-finite", "loss spike", "grad-norm spike", "fp16 overflow",
+                                                  "silent data corruption")
 
 
 def _finite(value: float | None) -> bool:
@@ -53,12 +60,35 @@ class StepHealth:
         is skipped); None: the loss is all-reduced after the update, as without these checks."""
         return self.loss_before_update if self.cfg.on_spike == "skip" else None
 
-    def attach(self, engine) -> StepHealth:
-        self.engine = engine
+    def attach(self, engine, sdc: CorruptionCheck | None = None, stragglers: Stragglers | None = None
+               ) -> StepHealth:
+        self.engine, self.sdc, self.stragglers = engine, sdc, stragglers
         self._skipped_before = engine.skipped_steps
         self._undo = ds_internals.gate_optimizer_step(engine, self._decide)
         return self
 
+    @classmethod
+    def for_run(cls, cfg: FaultConfig, precision: str, zero_stage: int, layout, run_dir, engine,
+                say: Callable[[str], None]) -> StepHealth:
+        """Every check of a training run, attached to its engine (every rank: the hosts are all-gathered once)."""
+        hosts = all_gather_objects(socket.gethostname())
+        return cls(cfg, precision == "fp16", say).attach(
+            engine, CorruptionCheck(cfg, layout, zero_stage, hosts, say),
+            Stragglers(cfg, layout.rank, layout.world_size, hosts, run_dir, say, engine.device))
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FAILED if self.sdc is not None and self.sdc.found else EXIT_NONFINITE
+
+    def replay_due(self, step: int, layout) -> bool:
+        """The step's first micro-batch is replayed before its update (run/sdc.py)."""
+        return self.sdc is not None and self.sdc.due(step) and not layout.is_pipeline
+
+    def safe_to_save(self, engine, step: int) -> bool:
+        """Before a checkpoint: the replicas still agree (every rank calls this). False: nothing may be saved."""
+        if self.sdc is not None and not self.sdc.replicas(engine, step, "before the checkpoint of"):
+            self.stopping = self.weights_bad = True
+        return not self.weights_bad
     def close(self) -> None:
         self._undo()
 
@@ -77,8 +107,11 @@ class StepHealth:
     def _begin(self, step: int | None) -> None:
         self.step, self.loss, self.norm, self.reason, self.decided = step, None, None, None, False
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int, engine=None) -> None:
+        """Before a step: at a check step, the replicas' weights are compared (a difference skips the update)."""
         self._begin(step)
+        if self.sdc is not None and self.sdc.due(step):
+            self.sdc.replicas(engine or self.engine, step, "at the start of")
 
     def loss_before_update(self, loss: float) -> None:
         self.loss = loss
@@ -102,7 +135,9 @@ class StepHealth:
         if self.decided:
             return self.reason is not None
         self.decided, self.norm = True, norm
-        if not _finite(norm) or norm < 0 or (self.loss is not None and not _finite(self.loss)):
+        if self.sdc is not None and self.sdc.found:
+            self.reason = SDC
+        elif not _finite(norm) or norm < 0 or (self.loss is not None and not _finite(self.loss)):
             self.reason = SCALER if self.fp16 else NONFINITE
         elif self.cfg.on_spike == "skip" and self._spike(self.losses, self.loss):
             self.reason = LOSS_SPIKE
@@ -110,10 +145,13 @@ class StepHealth:
             self.reason = NORM_SPIKE
         return self.reason is not None
 
-    def after(self, step: int, loss: float, grad_norm: float | None, rerun: Callable[[int], str | None]) -> dict:
+    def after(self, step: int, loss: float, grad_norm: float | None, rerun: Callable[[int], str | None],
+              seconds: float = 0.0, comm_s: float = 0.0) -> dict:
         """Judge the finished step: count it, say it, search the first non-finite one (`rerun`: every rank
-        re-runs the step's micro-batches with hooks; the origins they found); returns the metrics row's fields."""
+        re-runs the step's micro-batches with hooks; the origins they found); compare the ranks' compute times
+        (`seconds` less `comm_s` in collectives) now and then; returns the metrics row's fields."""
         began = time.perf_counter()
+        slow = self.stragglers.step(step, seconds, comm_s) if self.stragglers is not None else {}
 
         def search(at: int) -> str | None:
             searched = time.perf_counter()
@@ -122,13 +160,18 @@ class StepHealth:
             finally:
                 self.search_s += time.perf_counter() - searched
         try:
-            return self._after(step, loss, grad_norm, search)
+            return self._after(step, loss, grad_norm, search) | slow
         finally:
             self.check_s += time.perf_counter() - began
 
     def _after(self, step: int, loss: float, grad_norm: float | None, rerun: Callable[[int], str | None]) -> dict:
         skipped_by_engine = self.engine.skipped_steps - self._skipped_before
         self._skipped_before = self.engine.skipped_steps
+        if self.sdc is not None and self.sdc.found:  # said by run/sdc.py; nothing of this step may be kept
+            self.stopping = self.weights_bad = True
+            self.skipped[SDC] = 1
+            return {"grad_norm": grad_norm, "skipped": SDC, "skipped_steps": sum(self.skipped.values()),
+                    "spikes": sum(self.spikes.values())}
         reason = self.reason or (SCALER if skipped_by_engine and self.fp16 else
                                  NONFINITE if skipped_by_engine else None)
         if reason is None and not (_finite(loss) and (grad_norm is None or _finite(grad_norm))):
@@ -177,7 +220,17 @@ class StepHealth:
         return {"grad_norm": norm, "skipped_steps": sum(self.skipped.values()), "spikes": sum(self.spikes.values())} \
             | ({"skipped": reason} if reason else {}) | ({"spike": spike} if spike else {})
 
+    @property
+    def why(self) -> str:
+        """The status a stopped run ends with."""
+        return SDC if self.sdc is not None and self.sdc.found else "fault.max_skipped_steps"
+
     def advice(self, step: int) -> str:
+        if self.sdc is not None and self.sdc.found:
+            return (f"no checkpoint of step {step} was written (each one is checked before it is written); check "
+                    f"the named rank's host, then run again (--resume auto) from the newest checkpoint")
+        if self.weights_bad:
+            return "no checkpoint of these weights was written; run again (--resume auto) from the newest one"
         what = "not finite" if NONFINITE in self.skipped else "a spike"
         return (f"stopping: {self.in_a_row} steps in a row ({step - self.in_a_row + 1}-{step}) were {what} "
                 f"(fault.max_skipped_steps={self.cfg.max_skipped_steps}); the checkpoint saved now holds the last "
@@ -187,8 +240,14 @@ class StepHealth:
                 + ("; fault.on_spike=log trains through spikes" if what == "a spike" else ""))
 
     def summary(self) -> dict:
+        extra = {}
+        if self.sdc is not None:
+            extra |= self.sdc.summary()
+        if self.stragglers is not None:
+            extra["slow_ranks"] = self.stragglers.summary()
+        check_s = self.check_s - self.search_s + sum(c.check_s for c in (self.sdc, self.stragglers) if c is not None)
         return {"skipped_steps": self.skipped, "spikes": self.spikes, "first_nonfinite_module": self.located,
-                "check_s": round(self.check_s - self.search_s, 6), "search_s": round(self.search_s, 3)}
+                **extra, "check_s": round(check_s, 6), "search_s": round(self.search_s, 3)}
 
 
 def check(cfg: FaultConfig, precision: str, layout) -> None:
@@ -208,7 +267,7 @@ def locate(engine, micro_batches: list[dict], objective, layout, step: int) -> s
     for a gradient instead), so DeepSpeed's gradient buffers and hooks see nothing. Every rank runs every
     micro-batch (ZeRO-3 gathers parameters collectively) and the origins are gathered; returns "rank R: NAME
     (output|gradient)" for the first rank that found one."""
-    from ..steps import _totals, to_device
+    from ..steps import _totals
 
     if layout.is_pipeline or hasattr(objective, "prepare"):
         return "not searched (a pipeline's stages, or learning from rewards: the rollout is not re-run)"
@@ -241,38 +300,22 @@ def locate(engine, micro_batches: list[dict], objective, layout, step: int) -> s
                 found.append(f"{name or 'the model'} (gradient)")
         return hook
 
-    def wants_gradient(_module, _args, output):
-        return output.requires_grad_() if isinstance(output, torch.Tensor) and output.is_floating_point() else None
-
-    frozen = [p for p in model.parameters() if p.requires_grad]
     hooks, error = [], None
-    quiet = warnings.catch_warnings()  # torch warns that hooks on modules returning ModelOutput never fire
-    quiet.__enter__()
-    warnings.simplefilter("ignore", UserWarning)
     disarm = faults.arm(model, rank, step)  # an injected fault of this step happens again, as a real bug would
     try:
-        for p in frozen:
-            p.requires_grad_(False)
-        for name, module in model.named_modules():
-            hooks.append(module.register_forward_hook(forward_hook(name), with_kwargs=True))
-            hooks.append(module.register_full_backward_hook(backward_hook(name)))
-        hooks.append(model.get_input_embeddings().register_forward_hook(wants_gradient))
-        totals = _totals(objective, micro_batches, layout, engine.device)[0]
-        for batch in micro_batches:
-            # the module, not the engine: the engine's forward hooks its outputs so that any backward through
-            # them runs DeepSpeed's gradient reduction (DeepSpeedEngine._backward_prologue)
-            summed, _ = objective.loss_sum(model, to_device(engine, batch, objective), totals)
-            if summed.requires_grad:
-                summed.backward()
+        with without_parameter_gradients(model):
+            for name, module in model.named_modules():
+                hooks.append(module.register_forward_hook(forward_hook(name), with_kwargs=True))
+                hooks.append(module.register_full_backward_hook(backward_hook(name)))
+            totals = _totals(objective, micro_batches, layout, engine.device)[0]
+            for batch in micro_batches:
+                rerun_loss(engine, batch, objective, totals, backward=True)
     except Exception as failure:  # noqa: BLE001 - the search is a diagnosis; its failure must not end the run
         error = f"not searched ({type(failure).__name__}: {str(failure)[:120]})"
     finally:
         for hook in hooks:
             hook.remove()
         disarm()
-        for p in frozen:
-            p.requires_grad_(True)
-        quiet.__exit__(None, None, None)
     mine = found[0] if found else error
     everyone = [mine]
     if torch.distributed.is_initialized():

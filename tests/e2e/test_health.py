@@ -21,11 +21,15 @@ def test_a_nonfinite_gradient_and_a_loss_spike_are_skipped_and_the_run_equals_on
         tmp_path, cache, tiny_llama):
     """ZeRO-3 (parameters built under zero.Init): rank 1's gradient turns NaN inside layer 0's MLP at step 3, and
     the LM head's output is 30x too large at step 6 (a loss spike; fault.on_spike=skip over a 3-step window).
-    Both steps change nothing; every other step's loss equals the reference's with those updates left out."""
+    Both steps change nothing; every other step's loss equals the reference's with those updates left out.
+    The same run: rank 1 computes 3x slower throughout and is named as slow by step 4 (windows of 2 steps, 2 in a
+    row), rank 0 never; the replays of steps 4 and 8 (fault.sdc_check_every=4) find the honest ranks honest."""
     run_dir = tmp_path / "run"
-    faults = "backward:nan:rank=1:step=3:module=model.layers.0.mlp;forward:scale:step=6:factor=30:module=lm_head"
+    faults = ("backward:nan:rank=1:step=3:module=model.layers.0.mlp;forward:scale:step=6:factor=30:module=lm_head;"
+              "compute:slower:factor=3:rank=1")
     proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "ds_configs/zero3.json",
-                            "--output_dir", str(run_dir), "--fault.on_spike=skip", "--fault.spike_window=3"],
+                            "--output_dir", str(run_dir), "--fault.on_spike=skip", "--fault.spike_window=3",
+                            "--fault.straggler_every=2", "--fault.straggler_checks=2", "--fault.sdc_check_every=4"],
                   cache, DSTRAIN_FAULT=faults)
     got, _ = metrics(run_dir)
     want, _ = reference_losses(tiny_llama, run_dir, STEPS, LR, WARMUP, MIN_LR, weight_decay=0.1, skip=(3, 6))
@@ -40,9 +44,16 @@ def test_a_nonfinite_gradient_and_a_loss_spike_are_skipped_and_the_run_equals_on
     assert "step 6: loss spike" in proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     checks = {k: v for k, v in summary["health"].items() if not k.endswith("_s")}
+    slow = checks.pop("slow_ranks")
     assert checks == {"skipped_steps": {"non-finite": 1, "loss spike": 1}, "spikes": {"loss spike": 1},
-                      "first_nonfinite_module": "rank 1: model.layers.0.mlp (gradient)"}
-    assert 0 < summary["health"]["search_s"] < 30 and summary["health"]["check_s"] < 0.1
+                      "first_nonfinite_module": "rank 1: model.layers.0.mlp (gradient)", "sdc_replica_checks": 0,
+                      "sdc_replays": 2, "sdc_found": None}
+    assert [(r["rank"], r["step"]) for r in slow] == [(1, 4)] and slow[0]["ratio"] > 1.5, slow
+    assert f"slow rank: rank 1 on {slow[0]['host']}" in proc.stderr
+    assert [r["slowest_rank"] for r in rows if "slowest_rank" in r] == [1, 1, 1, 1]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["rank"] for e in events if e["event"] == "slow_rank"] == [1]
+    assert 0 < summary["health"]["search_s"] < 30 and summary["health"]["check_s"] < 5
     assert "health      steps skipped: 1 non-finite, 1 loss spike; spikes: 1 loss spike" in proc.stderr
 
 
@@ -70,3 +81,37 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_the_last_good_weights_checkp
     assert all(torch.isfinite(t).all() for t in state.values())
     worst = max((state[k].float() - want_state[k]).abs().max().item() for k in state)
     assert worst < 1e-5, f"the checkpoint's weights differ from the last good step's by {worst:.1e}"
+
+
+def test_a_flipped_bit_in_one_ranks_weights_is_found_named_and_never_checkpointed(tmp_path, cache, tiny_llama):
+    """ZeRO-0 on 3 ranks (every rank holds the whole model; a majority can say who is wrong): one bit of rank 2's
+    embedding flips during step 3 (after the checkpoint of step 2). The check at the start of step 4
+    (fault.sdc_check_every=2) names rank 2, skips the update, writes no checkpoint, exits 1 (launch/ retries)."""
+    run_dir = tmp_path / "run"
+    proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "ds_configs/zero0.json",
+                            "--output_dir", str(run_dir), "--fault.sdc_check_every=2", "--checkpoint.every=2"],
+                  cache, nproc=3, check=False, DSTRAIN_FAULT="params:flip:rank=2:step=3")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "silent data corruption: the weights of rank 2 (" in proc.stderr
+    assert "differ from the other ranks' at the start of step 4" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped (silent data corruption)" and summary["checkpoint"] is None
+    assert summary["health"]["sdc_replica_checks"] == 2  # at the start of step 2 (its checkpoint's too), of step 4
+
+
+def test_a_step_one_rank_computes_wrongly_is_found_by_its_replay(tmp_path, cache, tiny_llama):
+    """ZeRO-2: at step 4 rank 1's layer-0 MLP output is 1% off in the step itself (a transient fault: the replay
+    computes it right). The replay of step 4 (fault.sdc_check_every=2) names rank 1 before the update; step 2's
+    replay passed. No checkpoint holds step 4; the run exits 1."""
+    run_dir = tmp_path / "run"
+    proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "ds_configs/zero2.json",
+                            "--output_dir", str(run_dir), "--fault.sdc_check_every=2", "--checkpoint.every=2"],
+                  cache, check=False,
+                  DSTRAIN_FAULT="forward:scale:rank=1:step=4:factor=1.01:times=1:module=model.layers.0.mlp")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "silent data corruption: step 4 replayed on the same weights gave other numbers on rank 1 (" \
+        in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped") for r in rows if "loss" in r] == [None, None, None, "silent data corruption"]
