@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dstrain.checkpoint import verify
+from dstrain.dist import DistContext
 from tests.helpers import launch, metrics, reference_losses
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",
@@ -52,17 +54,21 @@ def test_the_checkpoint_holds_its_step_and_a_kill_during_the_next_write_resumes_
 
 def test_a_failed_background_write_is_said_and_the_next_save_tries_again(tmp_path, cache, tiny_llama):
     """Also: the run's last save (step 12) is written at once, with no host copy, so a fault in the background
-    writer at that step never fires (through the writer, it failed the run: a failure of the last save raises)."""
+    writer at that step never fires (through the writer, it failed the run: a failure of the last save raises).
+    And step 8 is published only once every rank's writer is done: rank 1 writes its files slowly (1 s each)
+    while rank 0's are done at once; published when any one writer was done, complete.json recorded rank 1's
+    files as they stood then (missing or partly written) and the checkpoint fails verification."""
     run = tmp_path / "run"
     proc = launch(ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run)], cache,
                   DSTRAIN_FAULT="save:write:enospc:rank=1:step=4;save:write:enospc:rank=1:step=12;"
-                                "save:copy:enospc:rank=1:step=12")
+                                "save:copy:enospc:rank=1:step=12;save:write:slow:seconds=1:rank=1:step=8")
     said = [line for line in proc.stderr.splitlines() if "could not save checkpoint step_00000004" in line]
     assert len(said) == 1 and "No space left on device" in said[0] and "the next save tries again" in said[0], \
         proc.stderr[-3000:]
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000008", "step_00000012"]
     assert not list(checkpoints.glob(".tmp-*"))  # the failed write's files were removed
+    assert verify(checkpoints / "step_00000008", DistContext(0, 0, 1)) == []
     got = metrics(run)[0]
     assert len(got) == 12 and got == pytest.approx(uninterrupted(run, tiny_llama), rel=1e-5, abs=0)
 

@@ -73,28 +73,35 @@ def test_finished_run_does_not_train_again(tmp_path, cache, tiny_llama):
 def test_sigterm_to_one_rank_checkpoints_exits_75_and_resumes_exactly(tmp_path, cache, tiny_llama):
     """A spot VM's or scheduler's SIGTERM reaching one rank: both ranks agree on the step, save it, and the
     launcher exits 75 (try again); the resumed run's losses are the plain single-process loop's (reference_losses:
-    what an uninterrupted run computes, without a launch)."""
+    what an uninterrupted run computes, without a launch). Fails fast and leaves nothing running: without the
+    ranks' vote the signalled rank leaves alone and the other one's watchdog ends the job within its 10 s peer
+    timeout (seen: exit 1 after 12 s, where it hung 300 s before), and the launcher's process tree is killed
+    whatever happens."""
     import signal
     import subprocess
     import time
 
-    from tests.helpers import BIN, ROOT, env, free_port
+    from tests.helpers import BIN, ROOT, env, free_port, kill_tree
 
     steps = 40  # long enough that the signal lands mid-run (a step takes tens of ms; the stop comes 1-2 steps later)
     args = ARGS + [f"--model.name_or_path={tiny_llama}", f"--train.max_steps={steps}", "--eval.every=0",
                    "--checkpoint.every=0"]
     run = tmp_path / "run"
     proc = subprocess.Popen([BIN / "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
-                             *args, "--output_dir", str(run)], cwd=ROOT, env=env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not (run / "metrics.jsonl").exists() or len(metrics(run)[0]) < 2:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.1)
-    rank1 = processes_below(proc.pid, "train.py", "--local_rank=1")
-    assert len(rank1) == 1
-    rank1[0].send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+                             *args, "--output_dir", str(run), "--fault.peer_timeout=10",
+                             "--fault.heartbeat_interval=1"], cwd=ROOT, env=env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (run / "metrics.jsonl").exists() or len(metrics(run)[0]) < 2:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        rank1 = processes_below(proc.pid, "train.py", "--local_rank=1")
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)  # a step and a save; the watchdog's 10 s if the ranks disagree
+    finally:
+        kill_tree(proc.pid)
     assert proc.returncode == 75, err[-4000:]
     stopped_at = len(metrics(run)[0])
     assert 2 <= stopped_at < steps

@@ -34,6 +34,31 @@ def test_zero2_sequence_parallel_checkpoint_stays_on_its_world(tmp_path):
         adapt_to_world(ckpt, TRAIN, Layout(4, sequence_parallel=2), log=lambda _: None)
 
 
+@pytest.mark.parametrize("ranks, accum, universal", [(1, 8, True), (2, 4, False), (4, 2, True), (8, 1, True)])
+def test_a_user_set_accumulation_is_re_derived_to_keep_the_global_batch(tmp_path, ranks, accum, universal):
+    """Saved on 2 data-parallel ranks x micro 4 x the user's grad_accum_steps 4 = 32 samples a step: each world
+    keeps 32 (the arithmetic one e2e test guarded before: tests/e2e/test_faults.py resumes 2 -> 1 only)."""
+    ckpt = checkpoint(tmp_path, ["zero_pp_rank_0_mp_rank_00_optim_states.pt"], global_batch=32, data_parallel=2,
+                      sequence_parallel=1)
+    said = []
+    train, resume = adapt_to_world(ckpt, TrainConfig(micro_batch_size=4, grad_accum_steps=4), Layout(ranks),
+                                   log=said.append)
+    assert (train.grad_accum_steps, resume.universal) == (accum, universal)
+    assert Layout(ranks).global_batch(train.micro_batch_size, train.grad_accum_steps) == 32
+    assert said == ([] if ranks == 2 else [f"world changed from 2 to {ranks} data-parallel ranks: grad_accum_steps 4 "
+                                           f"-> {accum} keeps the global batch at 32"])
+
+
+def test_a_global_batch_no_world_can_make_up_or_a_changed_one_is_refused(tmp_path):
+    ckpt = checkpoint(tmp_path, ["zero_pp_rank_0_mp_rank_00_optim_states.pt"], global_batch=32, data_parallel=2,
+                      sequence_parallel=1)
+    with pytest.raises(UserError, match="has a global batch of 32 samples, which 3 ranks x micro_batch_size 4 "
+                                        "cannot make up"):
+        adapt_to_world(ckpt, TrainConfig(micro_batch_size=4, grad_accum_steps=4), Layout(3), log=lambda _: None)
+    with pytest.raises(UserError, match="global batch of 32 samples, this run has 16"):  # same world, accum changed
+        adapt_to_world(ckpt, TrainConfig(micro_batch_size=4, grad_accum_steps=2), Layout(2))
+
+
 def test_another_sequence_parallel_size_is_refused(tmp_path):
     ckpt = checkpoint(tmp_path, ["zero_pp_rank_0_mp_rank_00_model_states.pt"])
     with pytest.raises(UserError, match="trained with sequence_parallel_size=2 and this run has 4"):
