@@ -15,9 +15,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dstrain import cli, env, preempt, run_lock  # preempt notes the launchers while they live
+from dstrain import cli, env
 from dstrain.config import Recipe
 from dstrain.errors import EXIT_FAILED, EXIT_OK, UserError
+from dstrain.run import preempt, run_lock  # preempt notes the launchers while they live
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +39,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path, created: bool) -> int:
-    from dstrain import checkpoint, dist, ds_config, resume
-    from dstrain.watchdog import Watchdog
+    from dstrain.parallel import dist, ds_config
+    from dstrain.run import checkpoint, resume
+    from dstrain.run.watchdog import Watchdog
 
     resume.resolve_resume(args.resume, run_dir / "checkpoints")  # a bad --resume fails before anything starts
     init_from = resume.resolve_init_from(args.init_from)
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
     if env.elastic():  # the world the elastic agents formed may be more than the run can use
-        from dstrain import elastic
+        from dstrain.run import elastic
         found = elastic.fit(env.world_size(), raw_ds, recipe, args.world_size, args.resume, run_dir)
         if not elastic.apply(found, run_dir):
             return elastic.stand_by(run_dir)
@@ -75,30 +77,14 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     # should answer without them
     import deepspeed
 
-    from dstrain import (
-        chat_templates,
-        checkpoint,
-        comm_counter,
-        components,
-        data,
-        ds_config,
-        ds_internals,
-        env,
-        events,
-        export,
-        faults,
-        flops,
-        memory,
-        objectives,
-        resume,
-        schedule,
-    )
+    from dstrain import chat_templates, components, data, env, flops, memory, objectives, schedule
     from dstrain import model as models
     from dstrain.components.diloco import replicas_for
-    from dstrain.layout import Layout, recipe_accumulation
     from dstrain.metrics import Metrics
+    from dstrain.parallel import comm_counter, ds_config, ds_internals
+    from dstrain.parallel.layout import Layout, recipe_accumulation
     from dstrain.paths import weights_fingerprint
-    from dstrain.run import health
+    from dstrain.run import checkpoint, events, export, faults, health, resume
     from dstrain.steps import evaluate, train_step
 
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)
@@ -321,7 +307,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
 
 def run_preflight(args, recipe: Recipe, ds_overrides: dict) -> int:
-    from dstrain import ds_config, env, memory
+    from dstrain import env, memory
+    from dstrain.parallel import ds_config
 
     world = args.world_size or env.world_size(default=0) or recipe.world_size or 1
     target = memory.target_device(args.device, args.device_memory)  # planning for GPUs this machine lacks

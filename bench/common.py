@@ -24,7 +24,7 @@ def make_llama(out: Path, **sizes) -> int:
 
 
 def free_port() -> int:
-    from dstrain.dist import free_port as pick  # below the ephemeral range: no connection takes it meanwhile
+    from dstrain.parallel.dist import free_port as pick  # below the ephemeral range: no connection takes it meanwhile
     return pick()
 
 
@@ -72,7 +72,7 @@ def engine_of(trainer) -> dict:
 
 
 def leave() -> None:
-    """End a peer rank skipping interpreter teardown, as train.py does (dstrain.dist.leave): destroying gloo's
+    """End a peer rank skipping interpreter teardown, as train.py does (dstrain.parallel.dist.leave): destroying gloo's
     threads there aborted a finished Trainer rank ("terminate called without an active exception", SIGABRT)."""
     import os
     import sys

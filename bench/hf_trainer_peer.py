@@ -86,7 +86,7 @@ def main() -> None:
     # DeepSpeed's JIT-built ops from the directories `make setup` built them into, as train.py finds them: neither
     # side pays a compile inside the comparison (built into torch's default directory instead, the shared-memory op
     # cost the peer ~30 s on a fresh machine)
-    from dstrain.ds_internals import announce_jit_builds
+    from dstrain.parallel.ds_internals import announce_jit_builds
     announce_jit_builds(lambda text: print(text, flush=True))
 
     import datasets

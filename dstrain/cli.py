@@ -139,6 +139,6 @@ def exit_with(main: Callable[[], int]) -> NoReturn:
             print(stop.code, file=sys.stderr)
         code = stop.code if isinstance(stop.code, int) else (EXIT_OK if stop.code is None else EXIT_FAILED)
     if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
-        from . import dist
+        from .parallel import dist
         dist.leave(code)
     sys.exit(code)

@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import ds_config
 from .cli import load_inputs
 from .errors import EXIT_OK, EXIT_USER_ERROR, UserError
-from .layout import Layout, recipe_accumulation
 from .model import hidden_size, load_config
+from .parallel import ds_config
+from .parallel.layout import Layout, recipe_accumulation
 
 HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\[\]-]+)\s+slots=(?P<slots>\S+)$")
 

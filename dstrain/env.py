@@ -27,7 +27,7 @@ DOCUMENTED = {
                                     "new store",
     "ACCELERATE_DEEPSPEED_CONFIG_FILE": "the DeepSpeed JSON under `accelerate launch` (when --ds_config is absent)",
     "DSTRAIN_CACHE": "where tokenized datasets are cached (default ~/.cache/dstrain)",
-    "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/faults.py); unset in real runs",
+    "DSTRAIN_FAULT": "failure injection for the fault-tolerance tests (dstrain/run/faults.py); unset in real runs",
     "WANDB_API_KEY": "with log.wandb=true: log online; without it wandb writes offline runs into the run dir",
     "TORCH_EXTENSIONS_DIR": "where DeepSpeed's JIT-built ops live, one directory per op and build setting "
                             "(`<op>-<key>`: two environments never rebuild each other's op); stale build locks there "
@@ -44,14 +44,14 @@ DOCUMENTED = {
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
     "SLURM_ARRAY_TASK_MIN": "prepare_data in a SLURM array job: the first task id (0 when absent)",
-    "DSTRAIN_ELASTIC": "set to 1 by `python -m dstrain.elastic_run` (launch/elastic.sh): a world the DeepSpeed config "
-                       "or the checkpoint cannot use is fitted (the largest usable subset trains, the other ranks "
-                       "stand by) instead of refused; set it yourself under a bare elastic `torchrun`",
+    "DSTRAIN_ELASTIC": "set to 1 by `python -m dstrain.run.elastic_run` (launch/elastic.sh): a world the DeepSpeed "
+                       "config or the checkpoint cannot use is fitted (the largest usable subset trains, the other "
+                       "ranks stand by) instead of refused; set it yourself under a bare elastic `torchrun`",
     "HF_ENDPOINT": "the Hugging Face Hub's address (default https://huggingface.co): probed once before a Hub id is "
                    "loaded; unreachable, the run goes offline (cached files only) instead of retrying",
     "HF_HUB_OFFLINE": "huggingface_hub's offline mode; set by dstrain for its own processes when the Hub is "
                       "unreachable",
-    "DSTRAIN_EXIT_BARRIER_TIMEOUT": "`python -m dstrain.elastic_run` (launch/elastic.sh): seconds torch's elastic "
+    "DSTRAIN_EXIT_BARRIER_TIMEOUT": "`python -m dstrain.run.elastic_run` (launch/elastic.sh): seconds torch's elastic "
                                     "agent waits at the end for the other agents, which may be gone (default 30; "
                                     "torchrun's own is 300)",
 }

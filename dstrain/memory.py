@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from . import env
-from .layout import Layout
+from .parallel.layout import Layout
 
 GiB = 1024 ** 3
 BACKWARD = ("activations", "buffers")        # alive during forward/backward only
@@ -289,7 +289,7 @@ def _fmt(b: int) -> str:
 
 
 def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_name: str, ds_cfg: dict) -> str:
-    from .ds_config import precision
+    from .parallel.ds_config import precision
     stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
     held = (f"{est.params_per_rank / layout.zero_shards / 1e6:,.1f}M parameters held per rank (ZeRO-3 partitions "
             f"{est.params_per_rank / 1e6:,.1f}M over {layout.zero_shards} ranks)" if stage == 3 else
@@ -331,8 +331,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
               target: tuple[int, str] | None = None) -> tuple[bool, str]:
     """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits.
     target: (bytes, name) of the GPU the run is planned for (--device / --device_memory), else this machine's."""
-    from . import ds_config
     from .model import hidden_size, load_config
+    from .parallel import ds_config
 
     _, config = load_config(recipe.model, recipe.train.seq_len)
     parameters = count_parameters(config)
@@ -363,7 +363,7 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         per_rank = sum(est.host.values())
         text += (f"\nhost memory: {per_rank * ranks_per_node / GiB:,.1f} GiB per node for what is offloaded "
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
-    from .checkpoint import background_saves, checkpoint_copy_bytes
+    from .run.checkpoint import background_saves, checkpoint_copy_bytes
     if background_saves(recipe.checkpoint, resolved):
         copy = checkpoint_copy_bytes(resolved, layout, parameters, trained)
         locked = ", page-locked" if caps.name == "cuda" else ""

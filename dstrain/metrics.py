@@ -13,7 +13,7 @@ import psutil
 
 from . import env
 from .config import LogConfig
-from .dist import DistContext
+from .parallel.dist import DistContext
 
 COMM_WARN = 0.3  # share of the step spent waiting in collectives that is worth a remedy
 COMM_WINDOW = 10  # steps it must hold for (median), after the first

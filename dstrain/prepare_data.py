@@ -28,11 +28,13 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
-from . import cli, data, ds_internals, env, faults
+from . import cli, data, env
 from .config import load_recipe, parse_overrides
 from .data import prepared
 from .errors import UserError
+from .parallel import ds_internals
 from .paths import local_or_hub
+from .run import faults
 
 _JOB: dict = {}  # what forked workers inherit: the splits, tokenizer and output directory
 

@@ -14,10 +14,10 @@ from contextlib import nullcontext
 
 import torch
 
-from . import faults
-from .dist import all_reduce_sum
-from .layout import Layout
 from .objectives.causal_lm import label_count, real_count
+from .parallel.dist import all_reduce_sum
+from .parallel.layout import Layout
+from .run import faults
 
 
 def to_device(engine, batch: dict[str, torch.Tensor], objective) -> dict[str, torch.Tensor]:

@@ -49,7 +49,7 @@ final_status() { case "$1" in 0|2|65|74|75|130) return 0;; *) return 1;; esac; }
 LAUNCHER_PID=
 stop_ranks() {
   # no rank below the launcher (pdsh: they run under sshd on each node): the launcher's own handler passes it on
-  if [[ -n "$LAUNCHER_PID" ]]; then "$PYTHON" -m dstrain.preempt "$LAUNCHER_PID" || kill -TERM "$LAUNCHER_PID" || true; fi
+  if [[ -n "$LAUNCHER_PID" ]]; then "$PYTHON" -m dstrain.run.preempt "$LAUNCHER_PID" || kill -TERM "$LAUNCHER_PID" || true; fi
 }
 # Bash runs a trap only between commands, so a launcher or a job step runs in the background and is waited for
 # here, through the trap's interruptions (wait returns 128+signal early); sets STATUS to its exit status.

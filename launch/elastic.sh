@@ -21,7 +21,7 @@
 #                  MIN_NODES are there (torch's default is 30 s)                                default: last_call_timeout=5
 #   NODE_ADDR      this node's address as the others reach it (--local-addr)                   default: unset
 #   DSTRAIN_EXIT_BARRIER_TIMEOUT  seconds an agent waits at the end for the others, which may be gone
-#                  (torchrun's own is 300; the agent runs as python -m dstrain.elastic_run)     default: 30
+#                  (torchrun's own is 300; the agent runs as python -m dstrain.run.elastic_run)     default: 30
 set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -47,4 +47,4 @@ agent_args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --rdzv-backend
             --monitor-interval "$MONITOR_INTERVAL" --rdzv-conf "$RDZV_CONF")
 if [[ -n "${NODE_ADDR:-}" ]]; then agent_args+=(--local-addr "$NODE_ADDR"); fi
 
-run_with_retries "$PYTHON" -m dstrain.elastic_run "${agent_args[@]}" train.py "${TRAIN_ARGS[@]}" "$@"
+run_with_retries "$PYTHON" -m dstrain.run.elastic_run "${agent_args[@]}" train.py "${TRAIN_ARGS[@]}" "$@"

@@ -24,7 +24,7 @@ FP16 = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_sc
         "min_loss_scale": 1}
 ZERO12 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50_000_000,
           "allgather_bucket_size": 50_000_000}
-# "auto": scaled to the model's hidden size by dstrain.ds_config.zero3_sizes (measured: docs/benchmarks.md)
+# "auto": scaled to the model's hidden size by dstrain.parallel.ds_config.zero3_sizes (measured: docs/benchmarks.md)
 ZERO3 = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
          "stage3_max_live_parameters": "auto", "stage3_max_reuse_distance": "auto", "sub_group_size": "auto"}

@@ -8,7 +8,7 @@ import sys
 
 from deepspeed.accelerator import get_accelerator
 
-from dstrain.ds_internals import announce_jit_builds  # the Dockerfile, which installs no dstrain, sets PYTHONPATH
+from dstrain.parallel.ds_internals import announce_jit_builds
 
 
 def main(names: list[str]) -> None:

@@ -63,10 +63,10 @@ _next_port: list[int] = []
 
 
 def free_port() -> int:
-    """A free TCP port for a launch's master (or a test server), below the ephemeral range (dstrain.dist.free_port
+    """A free TCP port for a launch's master (or a test server), below the ephemeral range (dstrain.parallel.dist.free_port
     says why). Each xdist worker draws from its own block, in turn, so two workers never pick the same one and a
     worker does not reuse a port that its previous run may still hold while exiting."""
-    from dstrain.dist import free_port as pick
+    from dstrain.parallel.dist import free_port as pick
 
     if not _next_port:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Recipe
-from ..dist import DistContext
-from ..layout import Layout
+from ..parallel.dist import DistContext
+from ..parallel.layout import Layout
 
 
 @dataclass

@@ -33,12 +33,13 @@ from pathlib import Path
 
 import torch
 
-from .. import env, faults
+from .. import env
 from ..config import Recipe
-from ..ds_config import zero_stage
-from ..ds_internals import inductor_cache_dir
 from ..errors import UserError
-from ..layout import Layout
+from ..parallel.ds_config import zero_stage
+from ..parallel.ds_internals import inductor_cache_dir
+from ..parallel.layout import Layout
+from ..run import faults
 from . import Component, Setup
 
 
@@ -212,7 +213,7 @@ def install(engine, zero_stage: int, layout: Layout, activation_checkpointing: b
         say(f"train.compile: the whole model, compiled on the first step ({reason})")
         engine.compile()
         return None
-    from ..dist import all_reduce_sum
+    from ..parallel.dist import all_reduce_sum
 
     # every rank must switch at the same step: the agreement counts all ranks of the world
     regional = RegionalCompile(blocks, wait, leader=local_rank == 0, marker=None if wait else node_marker(),

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from .. import ds_internals
 from ..config import CompressionSection, Recipe
 from ..errors import UserError
-from ..layout import Layout, parallel_sizes
+from ..parallel import ds_internals
+from ..parallel.layout import Layout, parallel_sizes
 from . import Component, Setup
 
 SIGN_BLOCK = 128  # sign: elements sharing one scale (1/8 + 4/128 bytes per element: 25.6x less than fp32)

@@ -126,7 +126,7 @@ class Diloco(Component):
     def attach(self, engine, setup: Setup) -> None:
         from deepspeed.accelerator import get_accelerator
 
-        from .. import ds_internals
+        from ..parallel import ds_internals
 
         self.engine, self.max_steps, self.unit = engine, setup.recipe.train.max_steps, ds_internals.replica_unit()
         if not isinstance(self.unit, ds_internals.ReplicaUnit):

@@ -1,8 +1,9 @@
 """log.flops_profile_step: DeepSpeed's flops profiler for one step, on rank 0 (dstrain/flops.py)."""
 from __future__ import annotations
 
-from .. import ds_internals, flops
+from .. import flops
 from ..config import Recipe
+from ..parallel import ds_internals
 from . import Component, Setup
 
 

@@ -9,7 +9,7 @@ peft builds and runs the adapters; what this component adds is what peft leaves 
   - checkpoints hold what is trained: the Checkpointer leaves frozen parameters out (DeepSpeed's
     exclude_frozen_parameters) and resume re-reads the base from where it was loaded;
   - model_config/lora/adapter_config.json (peft's format, naming the base) lets export rebuild base + trained
-    adapters offline from any checkpoint: adapter/ in PEFT's format and hf/ merged (dstrain/export.py). The
+    adapters offline from any checkpoint: adapter/ in PEFT's format and hf/ merged (dstrain/run/export.py). The
     adapters come from the checkpoint's fp32 partitions, never from a ZeRO-3 module's state_dict, which is
     empty on every rank for partitioned adapters.
 """
@@ -85,7 +85,7 @@ class Lora(Component):
         return model
 
     def attach(self, engine, setup: Setup) -> None:
-        from .. import ds_internals
+        from ..parallel import ds_internals
         ds_internals.drop_frozen_aliases(engine)  # a tied head is frozen base too
 
     def describe(self) -> dict:

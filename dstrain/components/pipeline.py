@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import write_pipeline_names
 from ..errors import UserError
-from ..layout import parallel_sizes
+from ..parallel.layout import parallel_sizes
+from ..run.checkpoint import write_pipeline_names
 from . import Component, Setup
 
 # model_type -> adapter name. Qwen2/3 and Mistral share Llama's layout (embed_tokens, layers, norm, rotary_emb).
@@ -143,7 +143,7 @@ def convert(model: nn.Module, stages: int, partition_method: str, activation_che
     replica_data_parallel (ds_internals.pipeline_in_replicas)."""
     from deepspeed.pipe import PipelineModule
 
-    from .. import ds_internals
+    from ..parallel import ds_internals
 
     specs, names = _specs(model)
     blocks = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer

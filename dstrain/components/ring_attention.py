@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import ds_internals
-from ..layout import zigzag_index
+from ..parallel import ds_internals
+from ..parallel.layout import zigzag_index
 
 
 class Ring:

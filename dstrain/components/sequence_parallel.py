@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..layout import parallel_sizes
+from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -197,7 +197,7 @@ class Shards:
 
     def columns(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of [rows, length] tensors, as data.shard_sequence cuts a batch."""
-        from ..layout import zigzag_order
+        from ..parallel.layout import zigzag_order
         length = t.shape[1]
         if self.ring > 1:
             t = t[:, zigzag_order(length, self.ring).to(t.device)]

@@ -8,7 +8,7 @@ checked while the model was being built, after a damaged newer checkpoint had al
 from __future__ import annotations
 
 from ..errors import UserError
-from ..layout import parallel_sizes
+from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
 

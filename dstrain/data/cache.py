@@ -17,8 +17,8 @@ from typing import Any
 
 from .. import env
 from ..config import DataConfig
-from ..ds_internals import dataset_fingerprint
 from ..errors import UserError
+from ..parallel.ds_internals import dataset_fingerprint
 from ..paths import local_or_hub
 from .formats import check_fields, check_rows, failing_row, report, tokenize, tokenizer_fingerprint
 from .load import load_raw, row_location, split_train_val

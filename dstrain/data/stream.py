@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..layout import Layout, zigzag_order
+from ..parallel.layout import Layout, zigzag_order
 from .formats.sft import IGNORE_INDEX
 from .order import EpochOrder
 

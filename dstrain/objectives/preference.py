@@ -240,7 +240,7 @@ class Preference:
         from the data cache (the same data and base weights before), or computed now, once."""
         if not self.cfg.needs_reference or self.adapters_off:
             return datasets
-        from .. import dist
+        from ..parallel import dist
         key = hashlib.sha256(json.dumps({"weights": weights, "data": str(cache_path)}).encode()).hexdigest()[:16]
         stored = run_dir / REFERENCE_FILE
         cached = cache_path / f"reference-{key}.pt" if cache_path is not None else None
@@ -271,7 +271,7 @@ class Preference:
     def _compute(self, engine, dataset, layout, micro_batch_size: int) -> torch.Tensor:
         """[rows, 2] reference log-probs: each data-parallel rank its strided share, in micro-batches (every rank
         runs the same number of forwards, as ZeRO-3 needs), gathered to every rank."""
-        from .. import dist
+        from ..parallel import dist
         n, dp, rank = len(dataset), layout.data_parallel, layout.data_parallel_rank
         share = list(range(rank, n, dp))
         per_rank = -(-n // dp)

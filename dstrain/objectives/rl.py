@@ -123,7 +123,7 @@ class RL:
     # ------------------------------------------------------------------ the rollout
     def prepare(self, engine, micro_batches: list[dict], layout, step: int) -> list[dict]:
         """This rank's prompts -> micro-batches of completions with their advantages (see the module docstring)."""
-        from ..dist import all_reduce_sum
+        from ..parallel.dist import all_reduce_sum
         mu = self.cfg.num_iterations
         if step > 0 and mu > 1 and (step - 1) % mu:  # a later step of the rollout batch: its completions again
             return [dict(b, rollout_s=torch.tensor(0.0)) for b in self.cycle]
@@ -192,7 +192,7 @@ class RL:
         else:
             spread = None
             if self.cfg.scale_rewards == "batch":  # the global batch's std: sums over the data-parallel ranks
-                from ..dist import all_reduce_sum
+                from ..parallel.dist import all_reduce_sum
                 spread = rl_math.batch_std(penalised, lambda v: all_reduce_sum(v, engine.device,
                                                                                layout.data_parallel_group))
             advantages = rl_math.advantages(penalised, G, self.cfg.scale_rewards, spread)
@@ -211,7 +211,7 @@ class RL:
         """The reward functions on this rank's completions; a function failing on any rank (one line naming it and
         the completion, rewards.py) stops every rank with that line, together, so the run ends as on any bad input
         (exit 2) and the save in flight, the last good state, is finished first (train.py)."""
-        from ..dist import all_gather_objects, all_reduce_sum
+        from ..parallel.dist import all_gather_objects, all_reduce_sum
         try:
             scored, problem = reward_fns.score(self.rewards, self.cfg.reward_weights, prompts, completions,
                                                completion_ids, columns), None

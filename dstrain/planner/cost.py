@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError
-from ..layout import Layout, parallel_sizes
+from ..parallel.layout import Layout, parallel_sizes
 from .probe import Measurements
 
 ROOT_CONFIGS = ("zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero3_offload.json",
@@ -180,7 +180,7 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
     """Every shipped strategy (and tensor/pipeline sizes that divide the world), each with every micro batch x
     accumulation that keeps the recipe's global batch; the recipe's precision and optimizer stay as written.
     On more than one node (ranks_per_node given), DiLoCo with one replica per node too."""
-    from .. import ds_config
+    from ..parallel import ds_config
 
     load = load or ds_config.load
     heads = getattr(model_config, "num_attention_heads", 1)
@@ -367,8 +367,9 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     """Fit and step time of one candidate. overlap: whether communication can hide behind compute (GPUs); by
     default from the measurements' device. checked=False takes candidate.ds as resolved (a layout DeepSpeed's
     engine here does not offer, such as Megatron's tensor x pipeline x data for published runs)."""
-    from .. import ds_config, memory
+    from .. import memory
     from ..components.compression import check_combination
+    from ..parallel import ds_config
 
     trial = _recipe_for(recipe, candidate)
     tokens = work.global_batch * work.seq_len * work.sequences_per_sample

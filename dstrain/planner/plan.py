@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 from ..errors import EXIT_OK, UserError
-from ..layout import parallel_sizes
+from ..parallel.layout import parallel_sizes
 
 
 def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
-    from .. import cli, ds_config
+    from .. import cli
     from ..model import hidden_size, load_config
+    from ..parallel import ds_config
 
     if args.simulate:
         from . import simulate
@@ -30,7 +31,7 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
     run_dir = cli.run_dir_of(args)
     cli.prepare_run_dir(run_dir)
 
-    from .. import dist
+    from ..parallel import dist
     from . import cost, probe
     ctx = dist.init()
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if ctx.is_main else (lambda text: None)

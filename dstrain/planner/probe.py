@@ -311,9 +311,9 @@ def measure_engine_overhead(model_config, precision: str, seq_len: int, micro_si
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from .. import ds_internals
-    from ..comm_counter import CommCounter
     from ..flops import DTYPES
+    from ..parallel import ds_internals
+    from ..parallel.comm_counter import CommCounter
 
     dtype = DTYPES.get(precision, torch.float32)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -150,8 +150,8 @@ def check(args) -> None:
 
 
 def run(args, recipe, ds_overrides: dict) -> int:
-    from .. import ds_config
     from ..model import hidden_size, load_config
+    from ..parallel import ds_config
 
     check(args)
     measured = None
@@ -173,7 +173,7 @@ def run(args, recipe, ds_overrides: dict) -> int:
 
 def scaling(recipe, raw_ds: dict, model_config, gpu, interconnect, gpus_per_node: int, max_gpus: int,
             hidden: int | None, measured: Measurements | None = None) -> list[dict]:
-    from .. import ds_config
+    from ..parallel import ds_config
     caps = ds_config.DeviceCaps("cuda", bf16=True, fp16=True)
     precision = "fp32" if recipe.train.precision == "fp32" else "bf16"
     rows = []
@@ -223,7 +223,7 @@ def report(rows: list[dict], recipe, args, measured) -> str:
 def predict_layout(model_config, recipe, gpu: str, interconnect: str, gpus_per_node: int, world: int, tp: int,
                    pp: int, micro: int, global_batch: int, checkpointing: bool, zero_stage: int = 0):
     """One fixed layout (tensor x pipeline x data parallel, as a published run states it) on table hardware."""
-    from .. import ds_config
+    from ..parallel import ds_config
     meas = hardware(gpu, interconnect, world, gpus_per_node, model_config, recipe.train.seq_len, "bf16")
     dp = world // (tp * pp)
     ds = {"zero_optimization": {"stage": zero_stage}, "bf16": {"enabled": True}, "fp16": {"enabled": False},

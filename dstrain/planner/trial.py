@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from ..dist import free_port
 from ..metrics import read_metrics
+from ..parallel.dist import free_port
 
 TRIAL_STEPS = 6
 TRIAL_SKIP = 2

@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ds_internals, faults
 from ..config import FaultConfig
-from ..dist import all_gather_objects
 from ..errors import EXIT_FAILED, EXIT_NONFINITE, UserError
+from ..parallel import ds_internals
+from ..parallel.dist import all_gather_objects
+from . import faults
 from .rerun import rerun_loss, without_parameter_gradients
 from .sdc import CorruptionCheck
 from .stragglers import Stragglers

@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ..config import FaultConfig
-from ..dist import all_gather_objects
+from ..parallel.dist import all_gather_objects
 from .rerun import rerun_loss, without_parameter_gradients
 
 # the replay against the step: the same kernels on the same inputs; the gradient differs by the step's scale

@@ -132,7 +132,7 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_with_the_uninterrupt
     agents = {}
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if "dstrain.elastic_run" in " ".join(proc.info["cmdline"] or []):
+            if "dstrain.run.elastic_run" in " ".join(proc.info["cmdline"] or []):
                 agents[proc.environ()["SLURMD_NODENAME"]] = proc
         except (psutil.Error, KeyError):
             continue

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.checkpoint import verify
-from dstrain.dist import DistContext
+from dstrain.parallel.dist import DistContext
+from dstrain.run.checkpoint import verify
 from tests.helpers import launch, metrics, reference_losses
 
 ARGS = ["--train.max_steps=12", "--train.lr=3e-3", "--train.warmup_steps=3", "--train.micro_batch_size=4",

@@ -119,7 +119,7 @@ def test_tiny_lora_recipe_on_the_default_runs_export(tmp_path, cache, default_ru
     import torch
     from safetensors.torch import load_file
 
-    from dstrain.export import export_dtype, export_hf
+    from dstrain.run.export import export_dtype, export_hf
     config = run / "model_config" / "config.json"
     config.write_text(json.dumps(dict(json.loads(config.read_text()), quantization_config={
         "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",

@@ -98,7 +98,7 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
         wait_for(lambda: "world changed from 1 to 2" in logs["a"].read_text(), a, logs["a"])
         # b2's node freezes (its agent stopped, its rank goes on to the end): at the end a's agent waits for it
         # only DSTRAIN_EXIT_BARRIER_TIMEOUT seconds (torchrun's own barrier: 300 s), then exits
-        frozen = processes_below(agents[2].pid, "dstrain.elastic_run")
+        frozen = processes_below(agents[2].pid, "dstrain.run.elastic_run")
         assert len(frozen) == 1
         frozen[0].suspend()
         assert a.wait(timeout=600) == 0, logs["a"].read_text()[-6000:]

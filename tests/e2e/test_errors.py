@@ -83,7 +83,7 @@ CASES = {
 def test_simple_mistakes(name, cache, tmp_path):
     args, expected = CASES[name]
     if name == "fp16 on cpu":
-        from dstrain.ds_config import DeviceCaps
+        from dstrain.parallel.ds_config import DeviceCaps
         if DeviceCaps.detect().fp16:  # DeepSpeed's CPU accelerator says yes where oneDNN has fp16 (AVX512-FP16/AMX)
             pytest.skip("this CPU runs fp16 (DeepSpeed's accelerator reports it), so fp16 is no mistake here; "
                         "tests/unit/test_ds_config.py checks the refusal on a CPU without it")

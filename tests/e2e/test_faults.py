@@ -235,9 +235,9 @@ def small_disk(tmp_path, tiny_llama):
 
 
 def test_full_disk_stops_with_clear_error_and_earlier_checkpoint_intact(tmp_path, cache, tiny_llama, small_disk):
-    from dstrain import checkpoint
-    from dstrain.dist import DistContext
     from dstrain.errors import EXIT_SAVE_FAILED
+    from dstrain.parallel.dist import DistContext
+    from dstrain.run import checkpoint
 
     mount, fault = small_disk
     run = mount / "run"
@@ -293,8 +293,8 @@ from datetime import timedelta
 from pathlib import Path
 import torch.distributed as dist
 from dstrain.config import FaultConfig
-from dstrain.dist import env_context
-from dstrain.watchdog import Watchdog
+from dstrain.parallel.dist import env_context
+from dstrain.run.watchdog import Watchdog
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 ctx = env_context()
 watchdog = Watchdog(Path(sys.argv[1]), FaultConfig(heartbeat_interval=0.2, peer_timeout=20), ctx).start()

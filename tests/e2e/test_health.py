@@ -1,4 +1,4 @@
-"""Failures that make no noise, made to happen in real 2-rank runs through the real launcher (dstrain/faults.py
+"""Failures that make no noise, made to happen in real 2-rank runs through the real launcher (dstrain/run/faults.py
 injects them inside a module, as a bad kernel or an activation outlier would) and checked against the plain
 single-process loop (tests/helpers.reference_losses) with the bad steps' updates left out.
 

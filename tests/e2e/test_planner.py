@@ -80,8 +80,8 @@ def test_best_json_is_accepted_by_train_py(planned):
     # issue 54 item 5: the command dropped --num_gpus (one rank on a CPU machine) and the plan's own overrides
     assert command[:4] == ["deepspeed", "--num_gpus", "2", "train.py"] and str(plan_dir / "best.json") in command
     assert "--train.precision=fp32" in command and command[command.index("--output_dir") + 1] == str(plan_dir.parent)
-    from dstrain import ds_config as dsc
     from dstrain.config import load_recipe, parse_overrides
+    from dstrain.parallel import ds_config as dsc
     overrides = [a for a in command if a.startswith("--train.")]
     recipe = load_recipe("tiny/pretrain.yaml", parse_overrides(["--train.precision=fp32", *overrides]))
     resolved = dsc.resolve(dsc.load(plan_dir / "best.json"), recipe, 2, dsc.DeviceCaps("cpu"), 128)

@@ -92,7 +92,7 @@ def test_a_mix_reads_its_sources_in_proportion_to_their_weights(corpora):
     from dstrain import data
     from dstrain.config import DataConfig
     from dstrain.data import prepared
-    from dstrain.layout import Layout
+    from dstrain.parallel.layout import Layout
 
     cfg = DataConfig(mix=[{"path": str(corpora[0]), "weight": 0.7}, {"path": str(corpora[1]), "weight": 0.3}])
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "recipes" / "tiny" / "model")

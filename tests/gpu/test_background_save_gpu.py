@@ -1,4 +1,4 @@
-"""Background checkpoints on a CUDA GPU (dstrain/background_save.py): the copy off the device lands in page-locked
+"""Background checkpoints on a CUDA GPU (dstrain/run/background_save.py): the copy off the device lands in page-locked
 host buffers of exactly its size (background_save.HostPages, cudaHostRegister), where PyTorch's pinned allocator
 rounds each up to a power of two (the 30.8 GB host peak of gpu-1b on an H200 and an H100); and a run killed after
 a background save resumes from it to the losses the killed run computed. Skipped without a GPU (CI has none)."""
@@ -20,8 +20,8 @@ def _rss() -> int:
 
 
 def test_copies_off_the_gpu_are_page_locked_at_their_own_size(tmp_path):
-    from dstrain import checkpoint
-    from dstrain.background_save import Writer
+    from dstrain.run import checkpoint
+    from dstrain.run.background_save import Writer
 
     sizes = [257 * MiB // 4, 300 * MiB // 4, 129 * MiB // 4]  # fp32 elements: each just past a power of two in bytes
     state = {f"b{i}": torch.full((n,), float(i + 1), device="cuda") for i, n in enumerate(sizes)}

@@ -44,7 +44,7 @@ def _sdpa(dtype, repeats: int = 0):
 
 def _worker(rank: int, init: str, results) -> None:
     from dstrain.components.ring_attention import Ring, ring_attention
-    from dstrain.layout import zigzag_order
+    from dstrain.parallel.layout import zigzag_order
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=SIZE)
     try:

@@ -1,4 +1,4 @@
-"""The host copy a background checkpoint writes (dstrain/background_save.py) and when saves go to the background."""
+"""The host copy a background checkpoint writes (dstrain/run/background_save.py) and when saves go to the background."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstrain import checkpoint
-from dstrain.background_save import HostPages, Writer, host_copy
 from dstrain.config import CheckpointConfig
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel.layout import Layout
+from dstrain.run import checkpoint
+from dstrain.run.background_save import HostPages, Writer, host_copy
 
 
 def test_host_copy_is_independent_of_later_in_place_updates_and_keeps_views_shared():
@@ -115,7 +115,7 @@ def test_background_decision():
 
 def test_every_auto_is_young_daly_from_the_measured_stall(monkeypatch):
     """The first save at step 5 measures the stall; the interval is sqrt(2 x stall x MTBF of the job) in steps."""
-    from dstrain.dist import DistContext
+    from dstrain.parallel.dist import DistContext
 
     ckpt = checkpoint.Checkpointer(Path("/nonexistent"), CheckpointConfig(every="auto"), DistContext(0, 0, 1))
     clock = iter(float(i) * 0.5 for i in range(100))  # steps of 0.5 s
@@ -137,7 +137,7 @@ def test_every_auto_is_young_daly_from_the_measured_stall(monkeypatch):
 def test_engine_state_is_copied_before_the_next_update_and_the_rest_at_once(tmp_path, monkeypatch):
     """The engine's host-memory state (until_update) is copied by the copy thread, which the next optimizer step
     waits for; what else a rank saves is copied at the save (the next backward may change it)."""
-    from dstrain import faults
+    from dstrain.run import faults
 
     writer = Writer(0, checkpoint._file_record)
     weights, residual = torch.zeros(1000), torch.zeros(10)

@@ -8,10 +8,10 @@ from transformers import AutoConfig
 from dstrain import components
 from dstrain.components.compression import GradientCompression
 from dstrain.config import load_recipe, parse_overrides
-from dstrain.dist import DistContext
-from dstrain.ds_config import load
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel.dist import DistContext
+from dstrain.parallel.ds_config import load
+from dstrain.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 

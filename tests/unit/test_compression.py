@@ -7,11 +7,11 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from dstrain import ds_config as dsc
-from dstrain.comm_counter import CommCounter
 from dstrain.components import compression as C
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.errors import UserError
+from dstrain.parallel import ds_config as dsc
+from dstrain.parallel.comm_counter import CommCounter
 from tests.helpers import free_port
 
 SHAPES = [(64, 48), (32, 3, 3), (48,), (7, 5)]  # a matrix, a conv-like tensor, a vector, a tiny matrix
@@ -268,11 +268,11 @@ def test_zeropp_on_cpu_is_refused_before_anything_starts():
 def test_checkpointed_state_on_the_same_and_on_another_world(tmp_path):
     """Same data-parallel world: this rank's residuals and the factors come back. Another world: the factors
     only (residuals belong to ranks that no longer exist), with a warning."""
-    from dstrain.checkpoint import Checkpointer
     from dstrain.components.compression import GradientCompression
     from dstrain.config import CheckpointConfig
-    from dstrain.dist import DistContext
-    from dstrain.resume import Resume
+    from dstrain.parallel.dist import DistContext
+    from dstrain.run.checkpoint import Checkpointer
+    from dstrain.run.resume import Resume
 
     saved = {"method": "powersgd", "errors": {0: torch.ones(2, 2)}, "factors": {0: torch.full((2, 1), 3.0)}}
     torch.save(saved, tmp_path / "compression_rank0.pt")

@@ -8,8 +8,8 @@ import torch
 from dstrain import data
 from dstrain.config import DataConfig, ModelConfig
 from dstrain.errors import UserError
-from dstrain.layout import Layout
 from dstrain.model import load_tokenizer
+from dstrain.parallel.layout import Layout
 
 
 @pytest.fixture(scope="module")

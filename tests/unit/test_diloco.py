@@ -7,10 +7,10 @@ from transformers import AutoConfig
 from dstrain import components
 from dstrain.components.diloco import replicas_for
 from dstrain.config import load_recipe, parse_overrides
-from dstrain.dist import DistContext
-from dstrain.ds_config import DeviceCaps, load, resolve
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel.dist import DistContext
+from dstrain.parallel.ds_config import DeviceCaps, load, resolve
+from dstrain.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,7 +95,7 @@ def test_one_replica_per_node_by_default_and_the_replica_arithmetic():
 def test_pipeline_stages_inside_replicas_of_consecutive_ranks():
     """ds_internals.pipeline_in_replicas' topology [replica, pipe, data]: 8 ranks, 2 replicas of 2 stages x 2
     data-parallel ranks; without replicas DeepSpeed's own order (rank = stage x dp + dp_rank)."""
-    from dstrain.ds_internals import pipeline_in_replicas
+    from dstrain.parallel.ds_internals import pipeline_in_replicas
 
     ranks = [Layout(8, pipeline_stages=2, rank=r, replicas=2) for r in range(8)]
     assert [(x.replica, x.pipeline_stage, x.data_parallel_rank, x.replica_data_parallel_rank) for x in ranks] == [
@@ -143,7 +143,7 @@ def test_what_is_sent_plus_what_is_carried_is_the_pseudo_gradient(dtype, bound):
 
 
 def _diloco_checkpoint(tmp_path, world=2, replicas=2, global_batch=24):
-    from dstrain.checkpoint import Resume
+    from dstrain.run.checkpoint import Resume
     path = tmp_path / "step_00000003"
     path.mkdir(exist_ok=True)
     return Resume(path, {"global_batch": global_batch, "data_parallel": world, "world_size": world,
@@ -153,8 +153,8 @@ def _diloco_checkpoint(tmp_path, world=2, replicas=2, global_batch=24):
 def test_whole_replicas_join_and_leave_on_resume_and_other_sizes_are_refused(tmp_path):
     from dstrain.config import TrainConfig
     from dstrain.errors import UserError
-    from dstrain.layout import Layout
-    from dstrain.resume import adapt_to_world
+    from dstrain.parallel.layout import Layout
+    from dstrain.run.resume import adapt_to_world
 
     said = []
     train = TrainConfig(micro_batch_size=4, grad_accum_steps=3)
@@ -188,9 +188,9 @@ def test_each_rank_keeps_its_slice_of_the_outer_state_and_resumes_it_on_another_
     model's state on every rank) is cut on load."""
     import torch
 
-    from dstrain.checkpoint import Checkpointer
     from dstrain.components.diloco import Diloco, slice_length
     from dstrain.config import DilocoSection
+    from dstrain.run.checkpoint import Checkpointer
 
     n, size = 300, 2
     chunk = slice_length(n, size)  # 256: slice 0 is [0, 256), slice 1 [256, 300)
@@ -242,9 +242,9 @@ def _sync_worker(rank: int, store: str, dtype: str, bucket: int, device: str = "
     import torch
     import torch.distributed as tdist
 
-    from dstrain import ds_internals
     from dstrain.components import diloco
     from dstrain.config import DilocoSection
+    from dstrain.parallel import ds_internals
 
     tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     diloco.BUCKET = bucket

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = """
 import logging, os, sys, threading, time
 import torch.distributed as tdist
-from dstrain import dist
+from dstrain.parallel import dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 tdist.init_process_group("gloo", rank=0, world_size=1)
 logging.basicConfig(stream=sys.stderr, level=logging.INFO)

@@ -96,7 +96,8 @@ def test_every_train_command_in_the_docs_parses_as_written(where, command, monke
     """Each `train.py` command a page shows: its flags, recipe, recipe keys, DeepSpeed config and --ds. keys are
     checked by the code train.py runs first (a renamed key or recipe in the code fails here, with the page line).
     Usage templates (placeholders R, H, ..., [optional]) are not commands and are not collected."""
-    from dstrain import cli, ds_config
+    from dstrain import cli
+    from dstrain.parallel import ds_config
     argv = train_argv(command)
     monkeypatch.chdir(ROOT)
     args, recipe, ds_overrides = cli.load_inputs(argv)
@@ -190,7 +191,7 @@ def test_the_loss_plot_names_the_loss_it_shows(tmp_path, monkeypatch):
     """Issue 54 item 10: a DPO run's loss.png said "nats/token"."""
     from dstrain import metrics
     from dstrain.config import LogConfig
-    from dstrain.dist import DistContext
+    from dstrain.parallel.dist import DistContext
     labels = []
     for fmt, loss, want in (("preference", "dpo", "DPO loss (mean over pairs)"), ("text", "dpo", "loss (nats/token)")):
         run = tmp_path / fmt

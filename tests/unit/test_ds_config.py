@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from dstrain import ds_config as dsc
 from dstrain.config import RECIPES_DIR, load_recipe, parse_overrides
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel import ds_config as dsc
+from dstrain.parallel.layout import Layout
 
 CPU = dsc.DeviceCaps("cpu", bf16=True, fp16=False)
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)

@@ -1,4 +1,4 @@
-"""Every private DeepSpeed / torch / datasets touch point of dstrain/ds_internals.py, checked against the
+"""Every private DeepSpeed / torch / datasets touch point of dstrain/parallel/ds_internals.py, checked against the
 installed versions. A failure names the internal and the installed version: the place to look when a new
 release moves it."""
 from __future__ import annotations
@@ -15,22 +15,22 @@ import deepspeed
 import pytest
 import torch
 
-from dstrain import ds_internals
+from dstrain.parallel import ds_internals
 from tests.helpers import ROOT, env, free_port
 
 VERSIONS = f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, datasets {datasets.__version__}"
 
 
 def moved(what: str) -> str:
-    return f"{what} is not what dstrain/ds_internals.py expects under {VERSIONS}; update that module"
+    return f"{what} is not what dstrain/parallel/ds_internals.py expects under {VERSIONS}; update that module"
 
 
 # A one-rank gloo world in a child process, so no process group outlives it in the pytest process.
 ENGINE_CHECKS = r"""
 import json, sys, torch
 import deepspeed
-from dstrain import ds_internals
-from dstrain.layout import Layout
+from dstrain.parallel import ds_internals
+from dstrain.parallel.layout import Layout
 
 # the prebuilt ops' directories, as train.py's dist.init: without it DeepSpeed built its shared-memory op into
 # torch's default directory (~45 s of the suite on a fresh machine, and again whenever another venv had built it)
@@ -196,7 +196,7 @@ def test_optimizer_step_gate(engine_results, stage, bf16):
 
 
 def test_checkpoint_engine_seam(engine_results):
-    """background checkpoints (dstrain/background_save.py) rely on every checkpoint file passing through
+    """background checkpoints (dstrain/run/background_save.py) rely on every checkpoint file passing through
     engine.checkpoint_engine.save(state_dict, path)."""
     result = engine_results["checkpoint_engine"]
     assert isinstance(result, list), moved("DeepSpeedEngine.checkpoint_engine") + f": {result}"
@@ -217,7 +217,7 @@ def test_tensor_parallel_mesh_init():
         moved("deepspeed.utils.groups._init_tp_mesh_device(tensor_model_parallel_size=)")
     source = inspect.getsource(fn)
     assert '("data_parallel", "tensor_parallel")' in source, moved(
-        "the AutoTP mesh order (data_parallel, tensor_parallel) that dstrain.layout's rank formula follows")
+        "the AutoTP mesh order (data_parallel, tensor_parallel) that dstrain.parallel.layout's rank formula follows")
 
 
 def test_tensor_parallel_groups_can_be_the_replicas():
@@ -366,7 +366,7 @@ def test_a_build_lock_left_by_a_killed_process_is_removed_not_waited_for(tmp_pat
     build_dir = Path(_get_build_directory(builder.name, False))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from dstrain import ds_internals\n"
+        "import sys, time; from pathlib import Path; from dstrain.parallel import ds_internals\n"
         "with ds_internals.build_turn(Path(sys.argv[1])):\n"
         "    open(Path(sys.argv[1]) / 'lock', 'x').close()\n"  # FileBaton.try_acquire
         "    print('building', flush=True); time.sleep(120)\n"), str(build_dir)],
@@ -488,7 +488,7 @@ def test_frozen_tied_weights_leave_lora_checkpoints():
     behaviour drop_frozen_aliases exists for); wrapped, only trained tensors remain."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from dstrain.ds_internals import drop_frozen_aliases
+    from dstrain.parallel.ds_internals import drop_frozen_aliases
 
     class Tied(torch.nn.Module):
         def __init__(self):
@@ -549,7 +549,7 @@ def test_sequence_parallel_state_and_zero3_gradient_divisor():
         def zero_reduce_scatter(self):
             return self.scatter
 
-    from dstrain.layout import Layout
+    from dstrain.parallel.layout import Layout
     layout = Layout(8, sequence_parallel=2)
     assert ds_internals.sequence_parallel_gradient_divisor(Engine(3, True), layout) == 8
     assert ds_internals.sequence_parallel_gradient_divisor(Engine(2, True), layout) == 4
@@ -558,7 +558,7 @@ def test_sequence_parallel_state_and_zero3_gradient_divisor():
 
 
 def test_elastic_agent_exit_barrier(monkeypatch):
-    """dstrain.elastic_run shortens torchrun's exit barrier by replacing the agent class its launch_agent builds."""
+    """dstrain.run.elastic_run shortens torchrun's exit barrier by replacing the agent class its launch_agent builds."""
     from torch.distributed.elastic.agent.server import api as agent_api
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.launcher import api
@@ -578,7 +578,7 @@ MUON_CHECK = r"""
 import sys, torch
 import deepspeed
 from deepspeed.runtime import compiler
-from dstrain import ds_internals
+from dstrain.parallel import ds_internals
 if sys.argv[1] == "as_is":
     import deepspeed.runtime.zero.muon.muon_optimizer
     print("torch._inductor.compile_fx" in sys.modules)

@@ -1,11 +1,11 @@
-"""dstrain/elastic.py: the world an elastic launch trains on when the agents formed one the run cannot use."""
+"""dstrain/run/elastic.py: the world an elastic launch trains on when the agents formed one the run cannot use."""
 import json
 
 import pytest
 
-from dstrain import elastic
 from dstrain.config import load_recipe, parse_overrides
-from dstrain.ds_config import load
+from dstrain.parallel.ds_config import load
+from dstrain.run import elastic
 
 
 def recipe(*args):

@@ -1,10 +1,10 @@
-"""events.jsonl: a row per launch, and the cost of a change of members (dstrain/events.py)."""
+"""events.jsonl: a row per launch, and the cost of a change of members (dstrain/run/events.py)."""
 from __future__ import annotations
 
 import json
 
-from dstrain import events
-from dstrain.dist import DistContext
+from dstrain.parallel.dist import DistContext
+from dstrain.run import events
 
 
 def test_a_changed_membership_is_one_line_and_a_row(tmp_path, monkeypatch):

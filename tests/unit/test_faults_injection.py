@@ -1,11 +1,11 @@
-"""dstrain/faults.py: the injection the fault tests rely on."""
+"""dstrain/run/faults.py: the injection the fault tests rely on."""
 import os
 import signal
 import threading
 import time
 from types import SimpleNamespace
 
-from dstrain import faults, preempt
+from dstrain.run import faults, preempt
 
 
 def test_slow_until_an_event_stops_slowing_when_the_code_releases_it(monkeypatch):

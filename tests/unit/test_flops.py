@@ -68,8 +68,8 @@ def test_a_peak_measured_on_a_busy_machine_gives_way_to_the_best_seen(tmp_path, 
 
 def test_mfu_above_100_percent_is_never_printed(tmp_path, capsys):
     from dstrain.config import LogConfig
-    from dstrain.dist import DistContext
     from dstrain.metrics import Metrics, read_metrics
+    from dstrain.parallel.dist import DistContext
 
     raised = []
     metrics = Metrics(tmp_path, LogConfig(wandb=False, progress_bar=False, plot=False), DistContext(0, 0, 1), 0, 3,

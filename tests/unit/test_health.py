@@ -9,7 +9,7 @@ import pytest
 
 from dstrain.config import FaultConfig
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel.layout import Layout
 from dstrain.run import health
 from dstrain.run.health import StepHealth
 

@@ -30,7 +30,7 @@ def test_scripts_share_one_shape(script):
     assert "set -euo pipefail" in text and "launch/common.sh" in text
     assert "Knobs" in text  # each documents its environment variables at the top
     launcher_lines = [line for line in text.splitlines() if line.lstrip().startswith(
-        ("run_with_retries \"$PYTHON\" -m deepspeed", "run_with_retries \"$PYTHON\" -m dstrain.elastic_run", "srun ",
+        ("run_with_retries \"$PYTHON\" -m deepspeed", "run_with_retries \"$PYTHON\" -m dstrain.run.elastic_run", "srun ",
          "\"$PYTHON\" -m dstrain.prepare_data"))]
     assert len(launcher_lines) == 1, launcher_lines  # exactly one launcher command
 

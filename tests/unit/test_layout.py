@@ -1,9 +1,9 @@
-"""dstrain.layout.Layout: sizes, and this rank's coordinates in DeepSpeed's own rank order."""
+"""dstrain.parallel.layout.Layout: sizes, and this rank's coordinates in DeepSpeed's own rank order."""
 import pytest
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel.layout import Layout
 
 
 def test_sizes_from_a_deepspeed_config():
@@ -40,7 +40,7 @@ def test_data_parallel_only():
 def test_a_recipe_keeps_its_global_batch_on_another_world_or_is_refused():
     """Issue 16: `python train.py --recipe llama-3.2-1b/sft` (written for 8 ranks, 8 x 4 x 4 = 128) trained at
     world 1 with a global batch of 16 without a word."""
-    from dstrain.layout import keep_global_batch
+    from dstrain.parallel.layout import keep_global_batch
     eight, one = Layout(8), Layout(1)
     assert keep_global_batch(4, 4, eight, one) == 32          # 4 x 32 x 1 = 128
     assert keep_global_batch(4, 4, eight, Layout(16)) == 2    # 4 x 2 x 16 = 128
@@ -54,7 +54,7 @@ def test_a_recipe_keeps_its_global_batch_on_another_world_or_is_refused():
 
 def test_batch_hints_name_only_sizes_that_work():
     """Issue 16: a global batch of 8 resumed on 3 ranks suggested 'a micro_batch_size that divides 8' (none can)."""
-    from dstrain.layout import batch_hint
+    from dstrain.parallel.layout import batch_hint
     assert "do not split over 3 data-parallel ranks" in batch_hint(8, 3) and "1, 2, 4, 8" in batch_hint(8, 3)
     assert batch_hint(24, 3) == "choose train.micro_batch_size among 1, 2, 4, 8 (divisors of 8)"
 
@@ -76,7 +76,7 @@ def test_the_layout_is_the_only_reader_of_the_parallel_sizes():
     import re
     from pathlib import Path
 
-    from dstrain.layout import parallel_sizes
+    from dstrain.parallel.layout import parallel_sizes
     root = Path(__file__).resolve().parents[2]
     reads = re.compile(r"""\.get\(\s*["'](stages|autotp_size|sequence_parallel_size)["']""")
     offenders = [f"{p.relative_to(root)}:{i}" for p in [*(root / "dstrain").rglob("*.py"), root / "train.py"]
@@ -100,7 +100,7 @@ def test_one_batch_policy_for_train_py_and_the_cluster_check(monkeypatch):
     from dstrain import cluster
     from dstrain.cluster import world_report
     from dstrain.errors import UserError as Unreachable
-    from dstrain.layout import recipe_accumulation
+    from dstrain.parallel.layout import recipe_accumulation
 
     def offline(*args):  # the Hub model's config is only needed for ZeRO-3 bucket sizes (a lookup took 70 s)
         raise Unreachable("no network here")

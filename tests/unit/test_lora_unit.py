@@ -7,12 +7,12 @@ import torch
 from transformers import AutoConfig
 
 from dstrain import components, memory
-from dstrain import ds_config as dsc
 from dstrain.components.lora import count_parameters
 from dstrain.config import load_recipe, parse_overrides
-from dstrain.dist import DistContext
 from dstrain.errors import UserError
-from dstrain.layout import Layout
+from dstrain.parallel import ds_config as dsc
+from dstrain.parallel.dist import DistContext
+from dstrain.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
@@ -171,7 +171,7 @@ def test_lora_flops_count_no_weight_gradients_for_the_base():
 
 
 def test_a_lora_run_directory_is_bound_to_its_adapters():
-    from dstrain.resume import run_identity
+    from dstrain.run.resume import run_identity
     full = run_identity(recipe().to_dict())
     lora = run_identity(recipe("--lora.r=16").to_dict())
     other = run_identity(recipe("--lora.r=16", "--lora.target_modules=[q_proj]").to_dict())

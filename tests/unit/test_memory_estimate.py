@@ -3,10 +3,11 @@ import re
 
 import pytest
 
-from dstrain import checkpoint, memory
-from dstrain import ds_config as dsc
+from dstrain import memory
 from dstrain.config import load_recipe, parse_overrides
-from dstrain.layout import Layout
+from dstrain.parallel import ds_config as dsc
+from dstrain.parallel.layout import Layout
+from dstrain.run import checkpoint
 
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
 GiB = 1024 ** 3

@@ -2,8 +2,8 @@
 import pytest
 
 from dstrain.components import pipeline
-from dstrain.ds_config import check_pipeline
 from dstrain.errors import UserError
+from dstrain.parallel.ds_config import check_pipeline
 
 
 def test_unknown_architecture_is_refused_by_name():

@@ -9,10 +9,10 @@ import statistics
 import pytest
 from transformers import LlamaConfig
 
-from dstrain import ds_config as dsc
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.errors import UserError
 from dstrain.metrics import Metrics
+from dstrain.parallel import ds_config as dsc
 from dstrain.planner import cost, simulate, trial
 from dstrain.planner.probe import OPS, Compute, LinkCurve, Measurements
 
@@ -178,7 +178,7 @@ def test_remedy_names_the_cheapest_change():
 
 def test_a_run_says_once_when_communication_dominates(tmp_path, capsys):
     from dstrain.config import LogConfig
-    from dstrain.dist import DistContext
+    from dstrain.parallel.dist import DistContext
     metrics = Metrics(tmp_path, LogConfig(wandb=False, progress_bar=False, plot=False), DistContext(0, 0, 1), 0, 30,
                       {"recipe": {"train": {"grad_accum_steps": 1}}, "ds": {"zero_optimization": {"stage": 0}}})
     for step in range(1, 25):

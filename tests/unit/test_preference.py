@@ -223,9 +223,9 @@ def llama_8b(tmp_path_factory):
 
 
 def test_shipped_dpo_recipes_fit_where_they_say_and_count_two_rows_a_pair(llama_8b):
-    from dstrain import ds_config as dsc
     from dstrain import memory
     from dstrain.config import load_recipe, parse_overrides
+    from dstrain.parallel import ds_config as dsc
     gpu = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
     for name in ("llama-3.1-8b/dpo_zero3.yaml", "llama-3.1-8b/dpo_lora.yaml"):
         r = load_recipe(name, parse_overrides([f"--model.name_or_path={llama_8b}",
@@ -241,7 +241,7 @@ def test_shipped_dpo_recipes_fit_where_they_say_and_count_two_rows_a_pair(llama_
                                                                        "--data.format=chat"]))
     from transformers import AutoConfig
 
-    from dstrain.layout import Layout
+    from dstrain.parallel.layout import Layout
     config = AutoConfig.from_pretrained(llama_8b)
     ds = dsc.resolve(dsc.load("zero3.json"), pairs, 8, gpu, hidden_size=4096)
     layout = Layout.from_ds_config(ds, 8)
@@ -255,7 +255,7 @@ def test_what_preference_training_refuses_in_the_validation_pass():
     from dstrain.components import Setup
     from dstrain.config import load_recipe, parse_overrides
     from dstrain.errors import UserError
-    from dstrain.layout import Layout
+    from dstrain.parallel.layout import Layout
 
     def setup(*overrides, ds=None):
         r = load_recipe("tiny/dpo", parse_overrides(list(overrides)))

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from dstrain import data, ds_internals, prepare_data
+from dstrain import data, prepare_data
 from dstrain.config import DataConfig, ModelConfig
 from dstrain.data import prepared
 from dstrain.data.order import LAZY_ABOVE, EpochOrder, FeistelPermutation
 from dstrain.errors import UserError
-from dstrain.layout import Layout
 from dstrain.model import load_tokenizer
+from dstrain.parallel import ds_internals
+from dstrain.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 
 from dstrain.config import TrainConfig
 from dstrain.errors import UserError
-from dstrain.layout import Layout
-from dstrain.resume import Resume, adapt_to_world
+from dstrain.parallel.layout import Layout
+from dstrain.run.resume import Resume, adapt_to_world
 
 TRAIN = TrainConfig(micro_batch_size=4, grad_accum_steps=2)
 
@@ -87,7 +87,7 @@ LORA_KEY_CHANGES = {"lora.r": ["--lora.r=8"], "lora.target_modules": ["--lora.ta
 @pytest.mark.parametrize("key", [*ONE_KEY_CHANGES, *LORA_KEY_CHANGES])
 def test_each_identity_key_alone_refuses_another_run(key, tmp_path):
     from dstrain.config import load_recipe, parse_overrides
-    from dstrain.resume import check_same_run, run_identity
+    from dstrain.run.resume import check_same_run, run_identity
 
     base_args = ["--model.tokenizer=recipes/tiny/model"] + (["--lora.r=4"] if key in LORA_KEY_CHANGES else [])
     changes = {**ONE_KEY_CHANGES, **LORA_KEY_CHANGES}[key]
@@ -104,7 +104,7 @@ def test_each_identity_key_alone_refuses_another_run(key, tmp_path):
 
 def test_every_identity_key_has_a_one_key_case():
     from dstrain.config import load_recipe, parse_overrides
-    from dstrain.resume import run_identity
+    from dstrain.run.resume import run_identity
 
     keys = set(run_identity(load_recipe("tiny/pretrain.yaml", parse_overrides(["--lora.r=4",
                                                                                "--data.chat_template=chatml"]))

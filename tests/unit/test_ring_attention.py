@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dstrain.components.ring_attention import Ring, ring_attention
-from dstrain.layout import zigzag_index, zigzag_order
+from dstrain.parallel.layout import zigzag_index, zigzag_order
 
 
 def _inputs(length: int, kv_heads: int, packed: bool = True):
@@ -83,7 +83,7 @@ def test_ring_equals_sdpa_over_the_whole_sequence(tmp_path, size, kv_heads, math
 def test_layout_puts_rings_across_ulysses_groups():
     """world 8 = dp 2 x ring 2 x Ulysses 2: Ulysses pairs are consecutive ranks (DeepSpeed's groups), a ring joins
     the same Ulysses rank of two pairs; the 4 ranks of a replica read the same samples, DeepSpeed counts dp x ring."""
-    from dstrain.layout import Layout
+    from dstrain.parallel.layout import Layout
     layouts = [Layout(8, sequence_parallel=2, context_parallel=2, rank=r) for r in range(8)]
     assert layouts[0].ring_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert [x.data_parallel_rank for x in layouts] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -115,9 +115,9 @@ def _validate(overrides: list[str], cfg: dict, world: int = 4, model: dict | Non
 
     from dstrain import components
     from dstrain.config import load_recipe, parse_overrides
-    from dstrain.dist import DistContext
-    from dstrain.ds_config import DeviceCaps, resolve
-    from dstrain.layout import Layout
+    from dstrain.parallel.dist import DistContext
+    from dstrain.parallel.ds_config import DeviceCaps, resolve
+    from dstrain.parallel.layout import Layout
     from tests.conftest import ROOT
     recipe = load_recipe("tiny/pretrain", parse_overrides(overrides))
     resolve(cfg, recipe, world, DeviceCaps("cpu", True, True), hidden_size=128)

@@ -188,8 +188,8 @@ def test_num_iterations_needs_steps_that_end_a_rollout_batch(override, name):
 
     from dstrain.config import load_recipe, parse_overrides
     from dstrain.errors import UserError
-    from dstrain.layout import Layout
     from dstrain.objectives.rl import RL
+    from dstrain.parallel.layout import Layout
     recipe = load_recipe("tiny/grpo.yaml", parse_overrides(["--rl.num_iterations=2", "--train.max_steps=6",
                                                             "--checkpoint.every=2", override]))
     with pytest.raises(UserError, match=f"{name} is not a multiple of rl.num_iterations=2"):

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import env
-from .config import Recipe
-from .errors import UserError
+from .. import env
+from ..config import Recipe
+from ..errors import UserError
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ class Fit:
 def fit(formed: int, raw_ds: dict, recipe: Recipe, accepted_world: int | None, resume_mode: str,
         run_dir: Path) -> Fit:
     """The largest world <= formed that the DeepSpeed config, the global batch and the newest checkpoint allow."""
+    from ..parallel.layout import Layout, parallel_sizes, recipe_accumulation
     from . import resume
     from .checkpoint import COMPLETE, Resume
-    from .layout import Layout, parallel_sizes, recipe_accumulation
 
     try:
         newest = resume.resolve_resume(resume_mode, run_dir / "checkpoints")

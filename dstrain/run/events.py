@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import env
-from .dist import DistContext, all_gather_objects
-from .metrics import read_metrics
+from .. import env
+from ..metrics import read_metrics
+from ..parallel.dist import DistContext, all_gather_objects
 
 NAME = "events.jsonl"
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import REPO_ROOT, Recipe, find_file, merge
-from .errors import UserError, closest
+from ..config import REPO_ROOT, Recipe, find_file, merge
+from ..errors import UserError, closest
 from .layout import Layout, parallel_sizes
 
 DS_CONFIGS_DIR = REPO_ROOT / "ds_configs"

@@ -15,7 +15,7 @@ actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data lo
          "No space left on device", like a full disk), slow (sleep `seconds=N`, default 30, then go on:
          a slow data loader or file system; with `until=EVENT` only until the code calls release(EVENT):
          `step:slow:seconds=10:until=compiled` slows the steps while train.compile works in the background;
-         `until=signalled`: until a signal asks the rank to stop, dstrain/preempt.py);
+         `until=signalled`: until a signal asks the rank to stop, dstrain/run/preempt.py);
          for forward/backward: nan (the module's output, or its input's gradient, made NaN), scale (the module's
          output times `factor=F`, default 30: an activation outlier, a loss spike; `times=N`: only the first N
          calls of the step, a transient fault)
@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import env
+from .. import env
 
 _SPEC = env.fault_spec()
 

@@ -1,6 +1,6 @@
 """Checkpoints written in the background (`checkpoint.background`): the training step waits only while the state
 is copied off the device; a thread per rank writes the files, fsyncs and hashes them, and the checkpoint is
-published (complete.json, then the atomic rename: dstrain/checkpoint.py) at a later step boundary, once every
+published (complete.json, then the atomic rename: dstrain/run/checkpoint.py) at a later step boundary, once every
 rank's writer has finished. At most one save is in flight: a save due while the previous one is still being
 written waits for it first.
 
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from . import ds_internals, faults
+from ..parallel import ds_internals
+from . import faults
 
 _SEAL = object()
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import psutil
 
+from ..config import TrainConfig
+from ..errors import UserError
+from ..parallel.dist import DistContext, barrier
+from ..parallel.layout import Layout, batch_hint
+from ..paths import local_or_hub
 from .checkpoint import COMPLETE, Resume, complete_checkpoints, verify, write_atomic
-from .config import TrainConfig
-from .dist import DistContext, barrier
-from .errors import UserError
-from .layout import Layout, batch_hint
-from .paths import local_or_hub
 
 
 def resolve_resume(mode: str, root: Path) -> Path | None:

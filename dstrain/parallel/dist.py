@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import torch
 
-from . import env
+from .. import env
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def init() -> DistContext:
     except Exception as error:  # DistNetworkError's traceback told users nothing they could act on
         if "address already in use" not in str(error).lower():
             raise
-        from .errors import UserError
+        from ..errors import UserError
         addr, port = env.master()
         raise UserError(f"port {port} on {addr} is already in use (another run, or one still exiting); pass a "
                         f"free one: deepspeed --master_port N, torchrun --master_port N, or MASTER_PORT=N") from None

@@ -7,7 +7,7 @@ Ways to ask, for every kind of scheduler and user:
                                     and dies alone, leaving the ranks training; each rank watches its launcher
                                     (deepspeed's launch.py and the runner above it, or torchrun) and stops when
                                     it is gone. launch/*.sh trap SIGTERM/SIGINT (`docker stop`) and signal the
-                                    ranks themselves (`python -m dstrain.preempt PID`), then wait for exit 75;
+                                    ranks themselves (`python -m dstrain.run.preempt PID`), then wait for exit 75;
   a file named STOP in the run dir  `touch runs/x/STOP`, or launch/slurm.sbatch's trap, which gets the
                                     signal in the batch shell (`--signal=B:USR1@T`) and cannot reach
                                     ranks on other nodes except through the shared file system.
@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from . import env, faults
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from .. import env
+from ..errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from . import faults
 
 if TYPE_CHECKING:  # dist imports torch (seconds): this module is imported first, to see the launchers early
-    from .dist import DistContext
+    from ..parallel.dist import DistContext
 
 EXIT_CODE = EXIT_STOPPED
 STOP_FILE = "STOP"
@@ -71,7 +72,7 @@ class StopRequest:
 
     def agreed(self, step: int, device) -> bool:
         """True on every rank when any rank was signalled or rank 0 sees the STOP file."""
-        from .dist import all_reduce_sum
+        from ..parallel.dist import all_reduce_sum
 
         if self.ctx.is_main and self.reason is None and self.path.exists():
             self.reason = f"{STOP_FILE} file"
@@ -191,7 +192,7 @@ def signal_ranks(root: int, signum: int = signal.SIGTERM) -> int:
     return len(ranks)
 
 
-if __name__ == "__main__":  # python -m dstrain.preempt LAUNCHER_PID: what launch/common.sh's trap runs
+if __name__ == "__main__":  # python -m dstrain.run.preempt LAUNCHER_PID: what launch/common.sh's trap runs
     count = signal_ranks(int(sys.argv[1]))
     print(f"launch: asked {count} rank(s) below pid {sys.argv[1]} to checkpoint and stop (exit 75)",
           file=sys.stderr)

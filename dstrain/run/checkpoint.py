@@ -4,8 +4,8 @@ Layout of a run directory:
   checkpoints/step_00000100/   DeepSpeed shards + rng_rank*.pt + complete.json (written last)
   checkpoints/latest           name of the newest complete checkpoint (informational)
   model_config/                config, tokenizer, generation config of the model being trained
-  hf/                          the exported Hugging Face model (dstrain/export.py)
-Choosing a checkpoint, adapting it to another world size and universal conversion: dstrain/resume.py.
+  hf/                          the exported Hugging Face model (dstrain/run/export.py)
+Choosing a checkpoint, adapting it to another world size and universal conversion: dstrain/run/resume.py.
 
 A checkpoint is written under a hidden temporary name and renamed into place only after every rank
 has finished writing and complete.json lists its files with their sizes and SHA-256 (each rank hashes a
@@ -35,14 +35,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import ds_internals, faults
-from .config import CheckpointConfig
-from .dist import DistContext, all_gather_objects, all_reduce_sum, barrier, broadcast_object, looks_like_comm_failure
-from .errors import EXIT_SAVE_FAILED, UserError
-from .layout import Layout
+from ..config import CheckpointConfig
+from ..errors import EXIT_SAVE_FAILED, UserError
+from ..parallel import ds_internals
+from ..parallel.dist import (
+    DistContext,
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    looks_like_comm_failure,
+)
+from ..parallel.layout import Layout
+from . import faults
 
 COMPLETE = "complete.json"
-UNIVERSAL_SUFFIX = ".universal"  # checkpoints/step_N.universal/: a conversion beside step_N (dstrain/resume.py)
+UNIVERSAL_SUFFIX = ".universal"  # checkpoints/step_N.universal/: a conversion beside step_N (dstrain/run/resume.py)
 
 
 @dataclass
@@ -144,7 +152,7 @@ class Checkpointer:
         # a GB, on the cores that train while a background save writes). torch.load never checks it.
         torch.serialization.set_crc32_options(False)
         self.writer = None
-        if background:  # dstrain/background_save.py: the step waits for a host copy, a thread writes the files
+        if background:  # dstrain/run/background_save.py: the step waits for a host copy, a thread writes the files
             from .background_save import Writer, engine_for
             self.writer = Writer(ctx.rank, _file_record)
             self.host_engine = engine_for(self.writer)
@@ -401,13 +409,13 @@ def _duration(seconds: float) -> str:
 # ----------------------------------------------------------------------------- background or not
 
 def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None) -> int:
-    """Host memory a background checkpoint takes on the rank that writes the most (dstrain/background_save.py),
+    """Host memory a background checkpoint takes on the rank that writes the most (dstrain/run/background_save.py),
     kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
     Adam moments (12 bytes a trained parameter, three flat buffers) and, on data-parallel rank 0 of ZeRO-0/1/2,
     the module's trained weights whole (one flat buffer; ZeRO-3 writes its weights inside the optimizer shares).
     On GPU hosts the buffers are page-locked at their own size (background_save.HostPages), not by PyTorch's
     pinned allocator, which rounds each up to a power of two (28.0 GiB for gpu-1b's 17.3 GB)."""
-    from .ds_config import precision, zero_stage
+    from ..parallel.ds_config import precision, zero_stage
 
     stage, sixteen_bit = zero_stage(ds_cfg), precision(ds_cfg) != "fp32"
     split = layout.pipeline_stages * layout.tensor_parallel
@@ -515,8 +523,8 @@ def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx:
     import transformers
     from transformers import GenerationConfig
 
-    from .config import dump_recipe
-    from .ds_config import write
+    from ..config import dump_recipe
+    from ..parallel.ds_config import write
 
     if not ctx.is_main:
         return

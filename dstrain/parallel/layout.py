@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 
 @dataclass(frozen=True)

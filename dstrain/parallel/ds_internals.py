@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import env
+from .. import env
 
 
 def consolidated_16bit_state_dict(engine) -> dict:
@@ -55,7 +55,7 @@ def sequence_parallel_state():
 def init_tensor_parallel_groups(tensor_parallel: int):
     """DeepSpeed's process-group registry with AutoTP groups made, passed to deepspeed.initialize as `mpu` so
     its batch arithmetic counts data-parallel replicas. deepspeed.utils.groups._init_tp_mesh_device: the
-    mesh (data_parallel, tensor_parallel), row-major, which dstrain.layout's rank formula follows."""
+    mesh (data_parallel, tensor_parallel), row-major, which dstrain.parallel.layout's rank formula follows."""
     from deepspeed.utils import groups
     groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel)
     return groups
@@ -219,7 +219,7 @@ def data_parallel_rank(engine) -> int:
 
 
 def bind_groups(engine, layout):
-    """The layout with DeepSpeed's data-parallel group bound. A bug, not a user error, when dstrain.layout's
+    """The layout with DeepSpeed's data-parallel group bound. A bug, not a user error, when dstrain.parallel.layout's
     rank arithmetic and DeepSpeed's groups disagree: the data would be split differently from the gradients.
     Under Ulysses DeepSpeed has no data-parallel group of its own (engine.data_parallel_group is None: ZeRO runs
     over the sequence-data-parallel group, dp x sp): its sequence-parallel rank and group size are checked."""
@@ -238,8 +238,9 @@ def bind_groups(engine, layout):
                        data_parallel_group=group)
     theirs = data_parallel_rank(engine)
     if theirs != layout.engine_data_parallel_rank:
-        raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but dstrain.layout "
-                           f"computed {layout.engine_data_parallel_rank} for {layout.describe()}")
+        raise RuntimeError(f"rank {layout.rank}: DeepSpeed's data-parallel rank is {theirs} but "
+                           f"dstrain.parallel.layout computed {layout.engine_data_parallel_rank} for "
+                           f"{layout.describe()}")
     return replace(layout, data_parallel_group=engine.data_parallel_group)
 
 
@@ -498,7 +499,7 @@ def universal_load_repairs(engine, universal: bool) -> Iterator[None]:
 
 def checkpoint_engine_base() -> type:
     """DeepSpeed's plain checkpoint engine class (torch.save per file), for a subclass that writes differently
-    (dstrain/background_save.py). deepspeed.runtime.checkpoint_engine is undocumented."""
+    (dstrain/run/background_save.py). deepspeed.runtime.checkpoint_engine is undocumented."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     return TorchCheckpointEngine
 

@@ -29,10 +29,10 @@ from typing import NoReturn
 
 import psutil
 
-from . import env
-from .config import FaultConfig
-from .dist import DistContext, looks_like_comm_failure
-from .errors import EXIT_FAILED
+from .. import env
+from ..config import FaultConfig
+from ..errors import EXIT_FAILED
+from ..parallel.dist import DistContext, looks_like_comm_failure
 
 EXIT_CODE = EXIT_FAILED  # a peer died or the run stalled: worth retrying (launch/ scripts do)
 

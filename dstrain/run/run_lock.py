@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 LOCK_FILE = ".lock"
 _held: list = []  # the open file that carries the lock: kept for the life of the process
@@ -57,7 +57,7 @@ def acquire(run_dir: Path) -> str | None:
 
 def lock_run_dir(run_dir: Path, is_main: bool) -> None:
     """Rank 0 takes the lock; every rank learns the outcome (one broadcast) and the same UserError ends them all."""
-    from .dist import broadcast_object
+    from ..parallel.dist import broadcast_object
 
     refusal = acquire(run_dir) if is_main else None
     refusal = broadcast_object(refusal)

@@ -1,0 +1,193 @@
+"""`python -m dstrain.export RUN_DIR|CHECKPOINT [--out DIR]`: a Hugging Face model from any checkpoint
+(and, for a LoRA run, its adapter in PEFT's format beside it)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from ..components.lora import LORA_DIR
+from ..errors import EXIT_USER_ERROR, UserError
+from .checkpoint import COMPLETE, CONSOLIDATED, PIPELINE_NAMES, complete_checkpoints, replica_tag
+
+
+def export_dtype(ds_cfg: dict) -> torch.dtype:
+    """Export in the precision the engine computed in, so the exported logits are the engine's."""
+    from ..parallel.ds_config import precision
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision(ds_cfg), torch.float32)
+
+
+def _pipeline_state_dict(ckpt: Path, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    from ..components.pipeline import strip_wrapper
+
+    state = {}
+    for index, prefix in names.items():
+        files = sorted(ckpt.glob(f"layer_{int(index):02d}-*model_states.pt"))
+        if not files:
+            raise UserError(f"{ckpt} lacks pipeline layer {index}; the checkpoint is incomplete")
+        layer = torch.load(files[0], map_location="cpu", weights_only=False)
+        for key, value in layer.items():
+            state[prefix + strip_wrapper(key)] = value
+    return state
+
+
+def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
+    """The end of a finished run: rank 0 exports the final checkpoint in the training precision."""
+    if ctx.is_main:
+        adapter = out_dir.with_name("adapter")
+        export_hf(ckpt, out_dir, export_dtype(ds_cfg), adapter)
+        say(f"exported {out_dir}" + (f" (merged) and the adapter {adapter}" if adapter.is_dir() else ""))
+
+
+def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
+    stage), or for pipeline checkpoints the per-layer module states (the engine's own weights)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if (ckpt / CONSOLIDATED).exists():
+        return torch.load(ckpt / CONSOLIDATED, map_location="cpu", weights_only=False)
+    run_dir = ckpt.parent.parent  # run/checkpoints/step_N
+    if (ckpt / replica_tag(0)).is_dir():  # DiLoCo: every replica holds the shared weights at a finished run's end
+        ckpt = ckpt / replica_tag(0)
+    names_file = run_dir / "model_config" / PIPELINE_NAMES
+    if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
+        return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
+    if list(ckpt.glob("*optim_states.pt")):
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights
+    states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return {k: v.float() for k, v in states["module"].items()}
+
+
+def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, adapter_dir: Path | None = None) -> Path:
+    """Write a Hugging Face model directory (safetensors) from a checkpoint; replaces out_dir atomically.
+    A LoRA run's checkpoint (model_config/lora/ exists) holds only the adapters: they are loaded onto the base,
+    written to adapter_dir in PEFT's format (when given), and merged into out_dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # called after training: build a plain model, not a ZeRO-3-partitioned one
+    model_files = ckpt.parent.parent / "model_config"
+    if not (ckpt / COMPLETE).exists():
+        raise UserError(f"{ckpt} is not a complete checkpoint; pass a checkpoints/step_* directory")
+    if not model_files.is_dir():
+        raise UserError(f"{model_files} is missing; export needs the run directory written by train.py")
+    config = AutoConfig.from_pretrained(model_files)
+    config.use_cache = True  # run directories written before this was fixed recorded the training setting (off)
+    if getattr(config, "quantization_config", None) is not None:
+        # a QLoRA run's config records its 4-bit base: the export is the full-precision base with the adapters
+        # merged (a 4-bit load here put bitsandbytes layers with plain weights under peft: seen on an H200)
+        del config.quantization_config
+    state = consolidated_state_dict(ckpt)
+    if (model_files / LORA_DIR / "adapter_config.json").exists():
+        model = _lora_model(model_files, config, state, ckpt)
+        trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}
+        # adapter_model.safetensors (in the training precision) + adapter_config.json; merged below in fp32
+        if adapter_dir is not None:
+            _replace_dir(adapter_dir, lambda tmp: model.save_pretrained(tmp, state_dict=trained))
+        model = model.merge_and_unload()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()
+        still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if still_meta or unexpected:
+            raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {still_meta}, "
+                               f"unexpected {unexpected}")
+    model.to(dtype)
+    model.config.use_cache = True
+    return _replace_dir(out_dir, lambda tmp: _save_model(model, model_files, tmp))
+
+
+def _lora_model(model_files: Path, config, state: dict, ckpt: Path):
+    """The base, reloaded from where training loaded it, with the checkpoint's adapters (fp32) on it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ..paths import local_or_hub
+
+    lora = LoraConfig.from_pretrained(model_files / LORA_DIR)
+    base_name = lora.base_model_name_or_path
+    try:
+        base = AutoModelForCausalLM.from_pretrained(local_or_hub(base_name), config=config, dtype=torch.float32)
+    except OSError as e:
+        raise UserError(f"{ckpt} holds LoRA adapters; their base {base_name} cannot be loaded "
+                        f"({str(e).splitlines()[0]}): restore it there, or set base_model_name_or_path in "
+                        f"{model_files / LORA_DIR / 'adapter_config.json'}") from None
+    model = get_peft_model(base, lora)
+    where = Path(local_or_hub(base_name))  # adapter/ names its base absolutely, wherever it is loaded from
+    model.peft_config["default"].base_model_name_or_path = str(where.resolve()) if where.exists() else base_name
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = trained - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the adapters: missing {sorted(missing)[:4]}, "
+                           f"unexpected {sorted(unexpected)[:4]}")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _save_model(model, model_files: Path, out: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_files).save_pretrained(out)
+    if (model_files / "generation_config.json").exists():
+        generation = GenerationConfig.from_pretrained(model_files)
+        if generation.use_cache is False:
+            generation.use_cache = True
+        generation.save_pretrained(out)
+
+
+def _replace_dir(out_dir: Path, write) -> Path:
+    """write(tmp) fills a temporary sibling, which then replaces out_dir: a failed export leaves out_dir as it was."""
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    # transformers writes model.safetensors through a private temporary file (mode 0600): give every file the
+    # mode a plain write would have, so the people and jobs that share the run can read the model
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+    old = out_dir.with_name(f".old-{out_dir.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dstrain.export",
+                                     description="Export a checkpoint to a Hugging Face model directory.")
+    parser.add_argument("checkpoint", type=Path, help="a run dir (newest complete checkpoint) or checkpoints/step_*")
+    parser.add_argument("--out", type=Path, default=None, help="output dir (default: <run dir>/hf)")
+    parser.add_argument("--adapter_out", type=Path, default=None,
+                        help="LoRA runs: where the adapter goes in PEFT's format (default: adapter/ beside --out)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    args = parser.parse_args(argv)
+    try:
+        ckpt = args.checkpoint
+        if not (ckpt / COMPLETE).exists():
+            found = complete_checkpoints(ckpt / "checkpoints") or complete_checkpoints(ckpt)
+            if not found:
+                raise UserError(f"no complete checkpoint in {ckpt}")
+            ckpt = found[-1]
+        out = args.out or ckpt.parent.parent / "hf"
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        print(f"exported {ckpt} -> {export_hf(ckpt, out, dtype, args.adapter_out or out.with_name('adapter'))}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()
