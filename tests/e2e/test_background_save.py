@@ -4,6 +4,7 @@ as the one resume picks, and a failed write is said and tried again. Each run is
 the plain single-process loop (tests/helpers.py: reference_losses), what an uninterrupted run computes."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -56,8 +57,8 @@ def test_a_failed_background_write_is_said_and_the_next_save_tries_again(tmp_pat
     """Also: the run's last save (step 12) is written at once, with no host copy, so a fault in the background
     writer at that step never fires (through the writer, it failed the run: a failure of the last save raises).
     And step 8 is published only once every rank's writer is done: rank 1 writes its files slowly (1 s each)
-    while rank 0's are done at once; published when any one writer was done, complete.json recorded rank 1's
-    files as they stood then (missing or partly written) and the checkpoint fails verification."""
+    while rank 0's are done at once; published when any one writer was done, complete.json listed rank 0's files
+    only (rank 1's was not written yet) and the resume of step 8 would fail (seen: this test failed so)."""
     run = tmp_path / "run"
     proc = launch(ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run)], cache,
                   DSTRAIN_FAULT="save:write:enospc:rank=1:step=4;save:write:enospc:rank=1:step=12;"
@@ -68,6 +69,9 @@ def test_a_failed_background_write_is_said_and_the_next_save_tries_again(tmp_pat
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000008", "step_00000012"]
     assert not list(checkpoints.glob(".tmp-*"))  # the failed write's files were removed
+    listed = {step: set(json.loads((checkpoints / step / "complete.json").read_text())["files"])
+              for step in ("step_00000008", "step_00000012")}
+    assert listed["step_00000008"] == listed["step_00000012"]  # every rank's files, as the last (written at once)
     assert verify(checkpoints / "step_00000008", DistContext(0, 0, 1)) == []
     got = metrics(run)[0]
     assert len(got) == 12 and got == pytest.approx(uninterrupted(run, tiny_llama), rel=1e-5, abs=0)
