@@ -122,9 +122,8 @@ def _train_step(engine, micro_batches, layout, objective, before_update, step, c
             if loss_hook is not None:
                 _all_reduce(acc)
                 loss_hook(acc[0].item() / layout.token_replicas / totals[objective.primary])
-            if replay:  # engine.backward divided the loss by the accumulation steps
-                checks.sdc.replay(engine, first[0], objective, own, first[1], first[2],
-                                  scale / engine.gradient_accumulation_steps(), step)
+            if replay:
+                checks.sdc.replay(engine, first[0], objective, own, first[1], first[2], scale, step)
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
     if loss_hook is None:
         _all_reduce(acc)

@@ -83,7 +83,7 @@ class StepHealth:
 
     def replay_due(self, step: int, layout) -> bool:
         """The step's first micro-batch is replayed before its update (run/sdc.py)."""
-        return self.sdc is not None and self.sdc.due(step) and not layout.is_pipeline
+        return self.sdc is not None and self.sdc.replay_due(step) and not layout.is_pipeline
 
     def safe_to_save(self, engine, step: int) -> bool:
         """Before a checkpoint: the replicas still agree (every rank calls this). False: nothing may be saved."""

@@ -32,11 +32,14 @@ def without_parameter_gradients(model):
                 p.requires_grad_(True)
 
 
-def rerun_loss(engine, batch: dict, objective, totals: dict, backward: bool) -> torch.Tensor:
+def rerun_loss(engine, batch: dict, objective, totals: dict, backward: bool, scale: float = 1.0,
+               accumulation: int = 1) -> torch.Tensor:
     """The objective's summed loss of one micro-batch through the module, not the engine (the engine's forward
     hooks its outputs so that any backward through them runs DeepSpeed's gradient reduction,
-    DeepSpeedEngine._backward_prologue); inside without_parameter_gradients."""
+    DeepSpeedEngine._backward_prologue); inside without_parameter_gradients. The backward starts from
+    summed x scale / accumulation, the very operations train_step and engine.backward apply, so a replay's
+    gradients round as the step's did in any precision."""
     summed, _ = objective.loss_sum(engine.module, to_device(engine, batch, objective), totals)
     if backward and summed.requires_grad:
-        summed.backward()
+        ((summed * scale) / accumulation).backward()
     return summed.detach()
