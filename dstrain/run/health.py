@@ -36,6 +36,9 @@ NONFINITE, LOSS_SPIKE, NORM_SPIKE, SCALER, SDC = ("non-finite", "loss spike", "g
                                                   "silent data corruption")
 
 
+REPEATED = 3  # spikes within one window: the run says it keeps spiking
+
+
 def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
@@ -47,6 +50,8 @@ class StepHealth:
         self.norms: deque = deque(maxlen=cfg.spike_window)
         self.skipped: dict[str, int] = {}
         self.spikes: dict[str, int] = {}
+        self.spike_steps: deque = deque(maxlen=REPEATED)  # the steps of the last few spikes
+        self.said_repeated = -(10 ** 9)  # the step the run last said it keeps spiking
         self.in_a_row = 0
         self.located: str | None = None  # the first non-finite step's origin, once searched
         self.stopping = False
@@ -197,6 +202,13 @@ class StepHealth:
             self.say(f"step {step}: {spike}: {value:.4g} against a mean of {statistics.fmean(window):.4g} "
                      f"(sd {statistics.pstdev(window):.3g}) over the last {len(window)} steps; "
                      f"{'skipped (fault.on_spike=skip)' if reason else 'logged only (fault.on_spike=log)'}")
+            self.spike_steps.append(step)
+            recent = [s for s in self.spike_steps if s > step - self.cfg.spike_window]
+            if len(recent) == REPEATED and step - self.said_repeated >= self.cfg.spike_window:  # once a window
+                self.say(f"the run keeps spiking: {len(recent)} spikes in the last {self.cfg.spike_window} steps "
+                         f"(steps {', '.join(map(str, recent))}); a lower train.lr, more train.warmup_steps or "
+                         f"gradient clipping (DeepSpeed's gradient_clipping) usually calm it; check those steps' data")
+                self.said_repeated = step
         if reason is None or reason == SCALER:
             self.in_a_row = 0
             if reason is None and spike is None:

@@ -45,6 +45,11 @@ def test_a_logged_spike_is_said_and_counted_but_trains_and_stays_out_of_the_wind
     assert "step 5: loss spike: 9 against a mean of 4.85" in said[-1] and "logged only" in said[-1]
     row = judge(checks, engine, 6, 1.0, 50.0, said)  # a grad-norm spike over norms of 1.0 (sd 0)
     assert row["spike"] == "grad-norm spike" and checks.summary()["spikes"] == {"loss spike": 1, "grad-norm spike": 1}
+    assert not any("keeps spiking" in line for line in said)
+    judge(checks, engine, 7, 9.0, 1.0, said)  # a third spike within the window of 4 steps
+    assert "the run keeps spiking: 3 spikes in the last 4 steps (steps 5, 6, 7)" in said[-1]
+    judge(checks, engine, 8, 9.0, 1.0, said)  # said once a window, not at every spike
+    assert sum("keeps spiking" in line for line in said) == 1
 
 
 def test_skipped_spikes_need_a_full_window_and_end_the_run_when_they_never_stop():
