@@ -108,13 +108,14 @@ def _train_step(engine, micro_batches, layout, objective, before_update, step, c
     acc = None  # summed on the device: no sync per micro-batch
     for i, batch in enumerate(micro_batches):
         began = time.perf_counter()
+        rng = checks.sdc.rng_state() if replay and i == 0 else None  # the replay draws the same dropout masks
         batch = to_device(engine, batch, objective)  # pinned on GPUs (TrainStream)
         with checks.sdc.capture(engine.module, replay and i == 0) if replay else nullcontext([]) as grads:
             summed, stats = objective.loss_sum(engine, batch, own)
             engine.backward(summed * scale)
         if replay and i == 0:  # the step's own numbers, to compare with its replay (fp16's carry the loss scale)
             grad = grads[0] if grads and not engine.fp16_enabled() else None
-            first = (micro_batches[0], float(summed.detach()), grad)
+            first = (micro_batches[0], float(summed.detach()), grad, rng)
         faults.stretch(layout.rank, step, time.perf_counter() - began)  # tests: a rank made slower
         acc = _add(acc, summed, stats)
         if i == len(micro_batches) - 1:
@@ -123,7 +124,7 @@ def _train_step(engine, micro_batches, layout, objective, before_update, step, c
                 _all_reduce(acc)
                 loss_hook(acc[0].item() / layout.token_replicas / totals[objective.primary])
             if replay:
-                checks.sdc.replay(engine, first[0], objective, own, first[1], first[2], scale, step)
+                checks.sdc.replay(engine, first[0], objective, own, first[1], first[2], scale, step, first[3])
         engine.step()  # DeepSpeed only steps the optimizer at the accumulation boundary
     if loss_hook is None:
         _all_reduce(acc)

@@ -398,16 +398,17 @@ def reference_eval(model, run_dir: Path, data_parallel: int, micro_batch_size: i
     return total / count
 
 
-def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config: str) -> None:
-    """Stop at step 4 (train.exit_at_step), resume, and get the losses of an uninterrupted 10-step run."""
+def assert_resume_exact(tmp_path: Path, cache: Path, model_dir: Path, ds_config: str, split_only: tuple = ()) -> None:
+    """Stop at step 4 (train.exit_at_step), resume, and get the losses of an uninterrupted 10-step run.
+    `split_only`: arguments of the stopped and resumed runs alone (what must change nothing)."""
     import pytest
 
     args = ["--train.max_steps=10", "--train.warmup_steps=2", "--train.micro_batch_size=4",
             "--train.grad_accum_steps=2", "--train.seq_len=64", "--eval.max_batches=2", "--log.wandb=false",
             "--log.progress_bar=false", "--ds_config", ds_config, f"--model.name_or_path={model_dir}"]
     launch(args + ["--output_dir", str(tmp_path / "whole"), "--checkpoint.every=0"], cache)
-    launch(args + ["--output_dir", str(tmp_path / "split"), "--train.exit_at_step=4"], cache)
-    launch(args + ["--output_dir", str(tmp_path / "split")], cache)
+    launch(args + ["--output_dir", str(tmp_path / "split"), "--train.exit_at_step=4", *split_only], cache)
+    launch(args + ["--output_dir", str(tmp_path / "split"), *split_only], cache)
     want, _ = metrics(tmp_path / "whole")
     got, _ = metrics(tmp_path / "split")
     assert len(got) == 10 and got == pytest.approx(want, rel=1e-6, abs=0)

@@ -95,6 +95,7 @@ class StepHealth:
         if self.sdc is not None and not self.sdc.replicas(engine, step, "before the checkpoint of"):
             self.stopping = self.weights_bad = True
         return not self.weights_bad
+
     def close(self) -> None:
         self._undo()
 

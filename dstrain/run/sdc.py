@@ -35,6 +35,9 @@ REPLAY_RTOL = 1e-4
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+CHUNK = 1 << 22  # elements summed at once: the int64 sum's temporary stays 32 MiB, whatever the matrix
+
+
 def checksum(parameters) -> int:
     """The integer sum of the parameters' bit patterns (int64, wrapping): equal weights give equal sums on every
     rank, and one flipped bit changes it."""
@@ -43,8 +46,10 @@ def checksum(parameters) -> int:
         data = p.detach()
         if data.numel() == 0:
             continue
-        bits = data.contiguous().view(_INT_OF[data.element_size()]).sum(dtype=torch.int64)
-        total = bits if total is None else total + bits
+        bits = data.contiguous().view(-1).view(_INT_OF[data.element_size()])
+        for start in range(0, bits.numel(), CHUNK):
+            part = bits[start:start + CHUNK].sum(dtype=torch.int64)
+            total = part if total is None else total + part
     return int(total) if total is not None else 0
 
 
@@ -90,16 +95,24 @@ class CorruptionCheck:
         self.check_s += time.perf_counter() - began
         return self.found is None
 
+    def rng_state(self) -> dict:
+        """The random generators' states now (module rng_state(); train_step reaches it through the check)."""
+        return rng_state()
+
     def capture(self, model, due: bool):
         """At a replay step, a context in which the gradient at the embeddings' output of the step's first
         micro-batch is appended, as (sum, sum of absolute values) in float64, to the list it yields."""
         return _embedding_gradient(model) if due else nullcontext([])
 
     def replay(self, engine, batch: dict, objective, totals: dict, loss: float, grad: tuple | None, scale: float,
-               step: int) -> None:
-        """Run the step's first micro-batch again (every rank, before the update) and compare."""
+               step: int, rng: dict | None = None) -> None:
+        """Run the step's first micro-batch again (every rank, before the update) and compare. `rng`: the random
+        generators' states when the step's first micro-batch began (rng_state()), so dropout draws the same masks;
+        the generators are put back as they were after."""
         began = time.perf_counter()
+        now = rng_state()
         try:
+            set_rng_state(rng)
             with without_parameter_gradients(engine.module), _embedding_gradient(engine.module) as got:
                 again = float(rerun_loss(engine, batch, objective, totals, grad is not None, scale,
                                          engine.gradient_accumulation_steps()))
@@ -108,6 +121,8 @@ class CorruptionCheck:
             self.replay_off = f"{type(error).__name__}: {str(error)[:160]}"
             self.say(f"warning: the SDC replay cannot run here ({self.replay_off}); the replicas' checksums go on")
             return
+        finally:
+            set_rng_state(now)
         problems = []
         if not _close(again, loss):
             problems.append(f"loss {loss!r} in the step, {again!r} replayed")
@@ -136,6 +151,21 @@ class CorruptionCheck:
 
     def summary(self) -> dict:
         return {"sdc_replica_checks": self.replicas_checked, "sdc_replays": self.replays, "sdc_found": self.found}
+
+
+def rng_state() -> dict:
+    """The states of the generators a forward draws from (dropout): the CPU's and the current accelerator's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict | None) -> None:
+    if state:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 @contextmanager
