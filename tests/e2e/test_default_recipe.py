@@ -29,8 +29,12 @@ def test_default_recipe_learns_and_reports(default_run):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         keys = {"step", "loss", "lr", "grad_norm", "tokens", "label_tokens", "tokens_per_s", "step_s", "mfu", "time",
-                "comm_s", "comm_fraction", "comm_bytes"} if "loss" in row else {"step", "eval_loss", "perplexity"}
+                "comm_s", "comm_fraction", "comm_bytes", "skipped_steps", "spikes"} if "loss" in row else \
+            {"step", "eval_loss", "perplexity"}
+        if "loss" in row and row["step"] % 20 == 0:  # fault.straggler_every: the ranks' compute times compared
+            keys |= {"slowest_rank", "slowest_ratio"}
         assert set(row) == keys
+    assert all(r["skipped_steps"] == 0 and r["spikes"] == 0 for r in rows if "loss" in r)
     steps = [r for r in rows if "loss" in r]
     assert steps[0]["tokens"] == 2 * 8 * 128 and all(r["tokens_per_s"] > 0 for r in steps)
     # MFU = tokens/s x FLOPs per token / peak: one constant ratio per run, never above 100% (issue 29: the peak
@@ -38,10 +42,12 @@ def test_default_recipe_learns_and_reports(default_run):
     shown = [r["mfu"] for r in steps if r["mfu"] is not None]
     assert len(shown) >= 10 and all(0 < mfu <= 1.0 for mfu in shown)
     assert [r["mfu"] is None for r in steps] == sorted(r["mfu"] is None for r in steps)
-    # 2 ranks, ZeRO-2, fp32: every step all-reduces the gradients and all-gathers the parameters (1.5 x 4 bytes
-    # per parameter, tests/e2e/test_planner.py checks the count) and waits some time for it
-    sent = [r["comm_bytes"] for r in steps]
+    # 2 ranks, ZeRO-3, fp32: every step gathers the parameters and reduce-scatters the gradients (bytes that
+    # tests/e2e/test_planner.py checks) and waits some time for it
+    sent = [r["comm_bytes"] for r in steps if r["step"] != 100]
     assert min(sent) > 1e6 and max(sent) < 1.01 * min(sent)
+    # step 100 also replays its first micro-batch (fault.sdc_check_every): ZeRO-3 gathers the weights for it again
+    assert steps[99]["comm_bytes"] > 1.5 * min(sent)
     assert all(0 < r["comm_s"] < r["step_s"] and r["comm_fraction"] == pytest.approx(r["comm_s"] / r["step_s"])
                for r in steps)
     assert len({round(r["mfu"] / r["tokens_per_s"], 15) for r in steps if r["mfu"] is not None}) == 1
@@ -72,6 +78,9 @@ def test_default_recipe_learns_and_reports(default_run):
     assert summary["final_eval_loss"] == last["eval_loss"] and summary["tokens"] == sum(r["tokens"] for r in steps)
     assert summary["export"] == str(run / "hf") and summary["checkpoint"].endswith("step_00000150")
     assert 0 < summary["wall_s"] and summary["median_tokens_per_s"] > 0
+    # issue 58: the quiet checks ran at their default intervals and found nothing (a slow rank may be named on a
+    # machine this busy; it is only said)
+    assert summary["health"]["sdc_replays"] == 1 and summary["health"]["sdc_found"] is None  # step 100
     lines = proc.stderr.rstrip().splitlines()
     start = max(i for i, line in enumerate(lines) if line.startswith("run finished: step 150 of 150"))
     assert len(lines) - start <= 9 and lines[-1].endswith("summary.json"), lines[-10:]  # the run's last words
