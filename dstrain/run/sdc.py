@@ -134,9 +134,10 @@ class CorruptionCheck:
         self.replays += 1
         said = all_gather_objects("; ".join(problems))
         bad = [r for r, text in enumerate(said) if text]
-        self._agree(f"step {step} replayed on the same weights gave other numbers on {self._ranks(bad)} "
-                    f"({'; '.join(f'rank {r}: {said[r]}' for r in bad)}): a faulty device computes wrong answers "
-                    f"now and then" if bad else "")
+        if bad:  # `said` is every rank's already: no second gather
+            self._found(f"step {step} replayed on the same weights gave other numbers on {self._ranks(bad)} "
+                        f"({'; '.join(f'rank {r}: {said[r]}' for r in bad)}): a faulty device computes wrong "
+                        f"answers now and then")
         self.check_s += time.perf_counter() - began
 
     def _ranks(self, ranks: list[int]) -> str:
@@ -145,9 +146,11 @@ class CorruptionCheck:
     def _agree(self, text: str) -> None:
         found = next((t for t in all_gather_objects(text) if t), None)
         if found:
-            self.found = found
-            self.say(f"silent data corruption: {found}; stopping before the update is applied or a checkpoint "
-                     f"is written")
+            self._found(found)
+
+    def _found(self, text: str) -> None:
+        self.found = text
+        self.say(f"silent data corruption: {text}; stopping before the update is applied or a checkpoint is written")
 
     def summary(self) -> dict:
         return {"sdc_replica_checks": self.replicas_checked, "sdc_replays": self.replays, "sdc_found": self.found}
