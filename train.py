@@ -167,9 +167,10 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         model = feature.convert(model, setup)
     scheduler = (lambda opt: schedule.make(opt, train)) if ds_config.uses_recipe_schedule(ds_cfg) else None
     ds_internals.defer_muon_compile()  # 1.7 s of a rank's start-up otherwise
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=models.param_groups(model, train.weight_decay),
-                                      lr_scheduler=scheduler, config=ds_cfg,
-                                      mpu=ds_internals.model_parallel_unit(layout))
+    with ds_internals.keep_muon_tags():  # Muon's tags (components/muon.py) survive DeepSpeed's by-name ones
+        engine, *_ = deepspeed.initialize(model=model, lr_scheduler=scheduler, config=ds_cfg,
+                                          model_parameters=models.param_groups(model, train.weight_decay),
+                                          mpu=ds_internals.model_parallel_unit(layout))
     layout = ds_internals.bind_groups(engine, layout)  # checks our rank arithmetic against DeepSpeed's groups
     ds_internals.record_fp32_grad_norm(engine)  # ZeRO-0 in fp32 logs its grad_norm too
     engine.train()  # from_pretrained returns the model in eval mode: dropout was off for the whole run
@@ -263,8 +264,6 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
             ckpt.save(engine, step, saved(step), wait=step == last, say=metrics.message)  # the last: no copy
             watchdog.progress()
         if checks.stopping or stop.agreed(step, engine.device):  # checks: the same on every rank
-            last = step
-            break
             last = step
             break
 

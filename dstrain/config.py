@@ -116,14 +116,22 @@ class TrainConfig:
     micro_batch_size: int = 8  # sequences per rank per forward pass
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     seq_len: int = 128  # tokens per sequence (checked against the model's maximum positions)
-    lr: float = 2e-3  # peak learning rate
+    lr: float = 2e-3  # peak learning rate (with Muon: AdamW's, for the embeddings, the LM head, norms and biases)
     lr_schedule: str = "cosine"  # `cosine`, `linear` or `constant` after linear warmup
     warmup_steps: int = 10  # linear warmup steps (capped at `max_steps`)
     min_lr_ratio: float = 0.1  # decay floor as a fraction of `lr`
     weight_decay: float = 0.1  # AdamW's; applied to matrices only, never to biases or norms
     betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW's
     eps: float = 1e-8  # AdamW's
-    max_grad_norm: float = 1.0  # gradient clipping (0 disables it)
+    # `adamw`, or `muon`: Newton-Schulz-orthogonalised momentum for the 2-D hidden matrices (attention and MLP
+    # projections), AdamW (`lr`, `betas`, `eps`) for the rest (DeepSpeed's Muon; docs/strategies.md, "Optimizer").
+    # `auto`: the DeepSpeed JSON's optimizer type (Muon, or AdamW for any other)
+    optimizer: str = "auto"
+    muon_lr: float = 0.02  # Muon's peak learning rate (the schedule scales it as it scales `lr`)
+    muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
+    # gradient clipping (0 disables it). Unset: 1.0, or 0 with Muon (DeepSpeed's ZeRO-1/2/3 would clip Muon's
+    # orthogonalised update rather than the gradient: refused there)
+    max_grad_norm: float | None = None
     # `auto`: the DeepSpeed JSON's (fp32 on a CPU device), or `bf16`, `fp16`, `fp32`
     precision: str = "auto"
     activation_checkpointing: bool = False  # recompute activations in backward (transformers' gradient checkpointing)
@@ -151,6 +159,13 @@ class TrainConfig:
                 raise UserError(f"train.{name}={getattr(self, name)} must be a positive integer")
         if self.lr <= 0:
             raise UserError(f"train.lr={self.lr} must be positive")
+        _one_of("train.optimizer", self.optimizer, ("auto", "adamw", "muon"))
+        if self.muon_lr <= 0:
+            raise UserError(f"train.muon_lr={self.muon_lr} must be positive; Muon's usual range is 0.005 to 0.05")
+        if not 0 <= self.muon_momentum < 1:
+            raise UserError(f"train.muon_momentum={self.muon_momentum} must be in [0, 1); try 0.95")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise UserError(f"train.max_grad_norm={self.max_grad_norm} must be 0 (no clipping) or positive")
         if self.warmup_steps < 0:
             raise UserError(f"train.warmup_steps={self.warmup_steps} must be 0 or more")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

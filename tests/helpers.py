@@ -212,7 +212,7 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
                      lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None,
                      lora: dict | None = None, dpo_beta: float | None = None, topk: dict | None = None,
-                     skip: tuple = (), stop_after: int | None = None):
+                     skip: tuple = (), stop_after: int | None = None, muon: dict | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
@@ -233,7 +233,10 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     and the `exempt` shapes (the embedding) averaged whole. Written from the method's definition. `skip`: the
     (1-based) steps whose update is left out: their loss is taken, no weight or optimizer state changes and the
     schedule does not advance (the next step has the skipped one's learning rate). `stop_after`: the steps run
-    (default `steps`, which also sets the schedule's length)."""
+    (default `steps`, which also sets the schedule's length). `muon`, when given ({"lr", "momentum", "dtype"}): the
+    trained matrices that are not embeddings (nn.Embedding weights, the output embeddings) take Muon's update
+    (muon_step, written from Jordan et al.'s definition), at muon["lr"] x the same schedule, decayed by
+    lr x weight_decay; the rest keep torch AdamW."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -264,8 +267,15 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trained if p.ndim >= 2]
-    no_decay = [p for p in trained if p.ndim < 2]
+    orthogonalised = []
+    if muon is not None:
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        embeddings.add(id(model.get_output_embeddings().weight))
+        orthogonalised = [p for p in trained if p.ndim == 2 and id(p) not in embeddings]
+        momenta = [torch.zeros_like(p) for p in orthogonalised]
+    adamw = [p for p in trained if all(p is not q for q in orthogonalised)]
+    decay = [p for p in adamw if p.ndim >= 2]
+    no_decay = [p for p in adamw if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr * lr_scale, betas=betas, eps=eps)
 
@@ -288,11 +298,15 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
         else:
             loss, target, real = _lm_loss(model, *batch(step))
         if topk is None or step < topk["warmup"]:
-            opt.zero_grad()
+            for p in trained:  # opt holds only AdamW's share under muon
+                p.grad = None
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(trained, max_grad_norm if max_grad_norm else float("inf"))
         if step + 1 not in skip:
             opt.step()
+            if muon is not None:
+                muon_step(orthogonalised, momenta, muon["lr"] * factor(applied + 1), muon["momentum"], weight_decay,
+                          muon.get("dtype", torch.float32))
             applied += 1
         losses.append(loss.item())
         if record is not None:
@@ -300,6 +314,32 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
             record.setdefault("tokens", []).append(real)
             record.setdefault("label_tokens", []).append(int((target != -100).sum()))
     return losses, model
+
+
+def newton_schulz(g: torch.Tensor, dtype: torch.dtype, steps: int = 5) -> torch.Tensor:
+    """The matrix nearest-orthogonal to g, roughly (singular values pushed into about [0.7, 1.2]): Jordan et al.'s
+    quintic iteration X <- a X + (b A + c A^2) X, A = X X^T, from X = g / |g|_F, on the wide orientation."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = g.shape[0] > g.shape[1]
+    x = (g.T if tall else g).float()
+    x = (x / (x.norm() + 1e-7)).to(dtype)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).float()
+
+
+@torch.no_grad()
+def muon_step(params, momenta, lr: float, beta: float, weight_decay: float, dtype: torch.dtype) -> None:
+    """Muon on each matrix: momentum m <- beta m + (1 - beta) g; Nesterov's look-ahead u = beta m + (1 - beta) g;
+    the update is newton_schulz(u) x sqrt(max(1, rows / cols)), after decoupled weight decay."""
+    for p, m in zip(params, momenta):
+        g = p.grad
+        m.mul_(beta).add_(g, alpha=1 - beta)
+        u = g * (1 - beta) + m * beta
+        scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+        p.mul_(1 - lr * weight_decay)
+        p.add_(newton_schulz(u, dtype) * scale, alpha=-lr)
 
 
 def _topk_step(model, rows, params, topk: dict, errors: dict):

@@ -97,6 +97,7 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
         diloco,
         flops_profile,
         lora,
+        muon,
         pipeline,
         sequence_parallel,
         tensor_parallel,
@@ -108,7 +109,7 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
     found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
              tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(recipe),
-             diloco.make(recipe), flops_profile.make(recipe), compile.make(recipe), trace.make(recipe)]
+             diloco.make(recipe), muon.make(recipe, raw_ds), flops_profile.make(recipe), compile.make(recipe), trace.make(recipe)]
     return [c for c in found if c is not None]
 
 

@@ -236,6 +236,59 @@ def uses_recipe_schedule(cfg: dict) -> bool:
     return "scheduler" not in cfg
 
 
+def optimizer_of(cfg: dict, train) -> str:
+    """`muon` or `adamw`: train.optimizer, or with `auto` the DeepSpeed JSON's type. train.optimizer=muon turns the
+    JSON's AdamW into Muon: the shipped JSONs name AdamW only because the Hugging Face Trainer needs a type (their
+    hyper-parameters are all "auto", the recipe's); any other named optimizer is a contradiction."""
+    named = str((cfg.get("optimizer") or {}).get("type", "auto"))
+    if train.optimizer != "auto":
+        if train.optimizer == "muon" and named.lower() not in ("auto", "muon", "adamw", "adam"):
+            raise UserError(f"train.optimizer=muon but the DeepSpeed config's optimizer type is {named!r}; set it "
+                            "to \"auto\" (or \"Muon\") in the JSON")
+        if train.optimizer == "adamw" and named.lower() == "muon":
+            raise UserError("train.optimizer=adamw but the DeepSpeed config's optimizer type is Muon; drop one of "
+                            "the two (train.optimizer=auto follows the JSON)")
+        return train.optimizer
+    return "muon" if named.lower() == "muon" else "adamw"
+
+
+def clipping_of(train, choice: str) -> float:
+    """train.max_grad_norm, or when unset 1.0 (0 under Muon: see _muon)."""
+    if train.max_grad_norm is not None:
+        return float(train.max_grad_norm)
+    return 0.0 if choice == "muon" else 1.0
+
+
+def _muon(cfg: dict, train) -> None:
+    """DeepSpeed's Muon, filled from the recipe and refused where DeepSpeed 0.19.8 would do something else.
+
+    lr is the shared value DeepSpeed falls back to; muon_lr and adam_lr are what each half uses (both scaled by
+    the schedule: dstrain.schedule's LambdaLR multiplies each parameter group's own lr)."""
+    params = cfg["optimizer"]["params"]
+    _fill(params, "adam_lr", train.lr, "optimizer.params", "train.lr")
+    _fill(params, "muon_lr", train.muon_lr, "optimizer.params", "train.muon_lr")
+    _fill(params, "momentum", train.muon_momentum, "optimizer.params", "train.muon_momentum")
+    stage = zero_stage(cfg)
+    clipping = cfg.get("gradient_clipping", "auto")
+    clipping = clipping_of(train, "muon") if _is_auto(clipping) else float(clipping)
+    if stage >= 1 and clipping > 0:
+        raise UserError(f"gradient clipping ({clipping:g}) with Muon under ZeRO-{stage}: DeepSpeed 0.19.8 clips "
+                        "Muon's orthogonalised update, not the gradient, dividing every Muon step by the update's "
+                        "norm (hundreds for a 1B model); set --train.max_grad_norm=0 (Muon's step has a fixed size "
+                        "already) or use ZeRO-0, which clips the gradient")
+    sizes = parallel_sizes(cfg)
+    for size, what in ((sizes.pipeline, "pipeline stages"), (sizes.tensor, "tensor parallelism (AutoTP)")):
+        if size > 1:
+            raise UserError(f"Muon with {what} ({size}) is not supported: each rank would orthogonalise its own "
+                            "shard of a matrix, not the matrix; use ZeRO-1/2/3 for Muon, or train.optimizer=adamw")
+    if stage == 3:
+        zero = cfg.setdefault("zero_optimization", {})
+        if zero.get("reduce_scatter", "auto") is True:
+            raise UserError("zero_optimization.reduce_scatter=true with Muon under ZeRO-3: DeepSpeed needs each "
+                            "whole gradient to orthogonalise it; remove the key (dstrain sets it to false for Muon)")
+        zero["reduce_scatter"] = False
+
+
 def precision(cfg: dict) -> str:
     """bf16, fp16 or fp32: what the resolved config computes in."""
     if (cfg.get("bf16") or {}).get("enabled"):
@@ -317,9 +370,10 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
             f"{train.grad_accum_steps} x data-parallel world {layout.replica_data_parallel} = {engine_batch}; set "
             f"train_batch_size to \"auto\" or choose train.grad_accum_steps so the product is {current}")
 
+    choice = optimizer_of(cfg, train)
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    if _is_auto(optimizer.get("type", "auto")):
-        optimizer["type"] = "AdamW"
+    if _is_auto(optimizer.get("type", "auto")) or choice == "muon":
+        optimizer["type"] = "Muon" if choice == "muon" else "AdamW"
     if _is_auto(optimizer.get("params", "auto")):
         optimizer["params"] = {}
     params = optimizer["params"]
@@ -327,8 +381,11 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
                                    ("eps", train.eps, "train.eps"),
                                    ("weight_decay", train.weight_decay, "train.weight_decay")):
         _fill(params, key, value, "optimizer.params", recipe_key)
-    if caps.name == "cpu" and not offloads_optimizer(cfg) and optimizer["type"].lower() in ("adam", "adamw"):
-        # FusedAdam on the CPU accelerator is a JIT-compiled C++ op; torch's AdamW is the same update.
+    if choice == "muon":
+        _muon(cfg, train)
+    if caps.name == "cpu" and not offloads_optimizer(cfg) and optimizer["type"].lower() in ("adam", "adamw", "muon"):
+        # FusedAdam on the CPU accelerator is a JIT-compiled C++ op; torch's AdamW is the same update (Muon's
+        # AdamW half included).
         params.setdefault("torch_adam", True)
 
     if _is_auto((cfg.get("scheduler") or {"type": "auto"}).get("type", "auto")):
@@ -339,7 +396,8 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
         for key, value in zero3_sizes(hidden_size).items():
             if _is_auto(zero.get(key)):
                 zero[key] = value
-    _fill(cfg, "gradient_clipping", float(train.max_grad_norm), "", "train.max_grad_norm")
+    if train.max_grad_norm is not None or _is_auto(cfg.get("gradient_clipping", "auto")):  # unset: the JSON's
+        _fill(cfg, "gradient_clipping", clipping_of(train, choice), "", "train.max_grad_norm")
     cfg.setdefault("steps_per_print", 10 ** 9)  # dstrain's own progress bar reports steps
     cfg.setdefault("wall_clock_breakdown", False)
 
