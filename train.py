@@ -118,7 +118,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, device,
                                models.hidden_size(model_config), env.ranks_per_node(), layout.replicas)
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
-                             init_from or started_from)
+                             init_from or started_from,
+                             start_from.manifest.get("world_size") if start_from and start_from.universal else None)
     features = components.build(recipe, raw_ds)
     objective = objectives.make(recipe)  # what a step minimises: next-token loss, or DPO and its kin
     components.validate_all(features + [objective], setup)

@@ -41,6 +41,7 @@ class Setup:
     ctx: DistContext
     log: Callable[[str], None]
     init_from: Path | None = None  # the weights the run starts from instead of model.name_or_path's (--init_from)
+    saved_world: int | None = None  # resuming a checkpoint from another data-parallel size: the ranks it was saved on
 
 
 class Component:
@@ -109,7 +110,8 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
     found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
              tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(recipe),
-             diloco.make(recipe), muon.make(recipe, raw_ds), flops_profile.make(recipe), compile.make(recipe), trace.make(recipe)]
+             diloco.make(recipe), muon.make(recipe, raw_ds), flops_profile.make(recipe), compile.make(recipe),
+             trace.make(recipe)]
     return [c for c in found if c is not None]
 
 

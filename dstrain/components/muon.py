@@ -74,13 +74,22 @@ class Muon(Component):
             raise UserError("train.optimizer=muon with LoRA (lora.r>0) is not supported: Muon orthogonalises whole "
                             "hidden matrices, and an adapter's factors are rank-r slivers of one; use "
                             "train.optimizer=adamw with LoRA")
+        if setup.saved_world:
+            raise UserError(f"this Muon run's checkpoint was saved on {setup.saved_world} ranks: DeepSpeed 0.19.8's "
+                            "universal checkpoints (another world size) carry AdamW's moments, not Muon's momentum; "
+                            f"resume on {setup.saved_world} ranks")
         if recipe.diloco.enabled:
             raise UserError("train.optimizer=muon with DiLoCo is not supported (its inner optimizer is AdamW, and "
                             "Muon there is untested); use one of the two")
 
     def convert(self, model, setup: Setup):
+        from ..run import faults
+
         tagged = tag(model)
         self.counts, self.expected = tagged["counts"], tagged["shapes"]
+        if faults.active("muon", "untag"):  # the proof's test: Muon silently off, every parameter on AdamW
+            for param in model.parameters():
+                param.dstrain_muon = False
         if not self.expected:
             raise UserError(f"train.optimizer=muon but {setup.recipe.model.name_or_path} has no trainable 2-D hidden "
                             "matrix for Muon; use train.optimizer=adamw")
@@ -107,8 +116,7 @@ class Muon(Component):
             lacking = ", ".join(f"{n} x {list(shape)}" for shape, n in sorted(missing.items()))
             raise UserError(f"train.optimizer=muon but Muon's update did not run on every tagged matrix in step "
                             f"{step} ({sum(done.values())} orthogonalised over the ranks; missing {lacking}): "
-                            f"DeepSpeed trained them with another update. Report it with your DeepSpeed version; "
-                            f"train.optimizer=adamw trains without Muon")
+                            f"DeepSpeed trained them with another update; train.optimizer=adamw trains without Muon")
         self.proven_at = step
         total = c["muon_elements"] + c["adamw_elements"]
         say(f"muon: step {step} orthogonalised {c['muon_tensors']} matrices ({c['muon_elements']:,} elements, "

@@ -10,7 +10,8 @@ points   validate (before the validation pass, step 0), step (before a training 
          compute (a training step's micro-batches: `compute:slower:factor=F`, see stretch()), params (a
          training step's weights before its forward: `params:flip[:param=NAME][:bit=B]` flips one bit),
          forward, backward (a training step's module, `module=NAME` of engine.module, e.g. model.layers.0.mlp:
-         its output, or the gradient flowing back through it; armed by arm())
+         its output, or the gradient flowing back through it; armed by arm()), muon (`muon:untag`: every
+         parameter's Muon tag cleared after tagging, as DeepSpeed #8438 left them: everything on AdamW)
 actions  kill (SIGKILL this process), stall (sleep forever, like a stuck data loader), enospc (raise
          "No space left on device", like a full disk), slow (sleep `seconds=N`, default 30, then go on:
          a slow data loader or file system; with `until=EVENT` only until the code calls release(EVENT):
@@ -131,6 +132,11 @@ def _flip(model, cond: dict) -> None:
     with torch.no_grad():
         bits = param.data.view(-1)[:1].view({2: torch.int16, 4: torch.int32}[param.element_size()])
         bits ^= 1 << int(cond.get("bit", 20 if param.element_size() == 4 else 4))
+
+
+def active(name: str, action: str) -> bool:
+    """Whether DSTRAIN_FAULT holds a `<name>:<action>` rule (a condition of the run, not of a rank or step)."""
+    return any(where == name and what == action for where, what, _ in _RULES)
 
 
 def _nothing() -> None:

@@ -25,8 +25,10 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 
 
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=(), rtol=RTOL, nproc=2,
-                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None, topk=None):
-    """`resume_on`: stop after half the steps and finish on that many ranks (written for `nproc`)."""
+                    norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None, topk=None, muon=None,
+                    max_grad_norm=1.0):
+    """`resume_on`: stop after half the steps and finish on that many ranks (written for `nproc`). `muon`,
+    `max_grad_norm`: reference_losses'; norm_rtol None leaves the logged grad_norm unchecked."""
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
     args = COMMON + [f"--train.lr={lr}", f"--model.name_or_path={model_dir}", *ds_args, "--output_dir", str(run_dir),
@@ -40,11 +42,11 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=
     got, _ = metrics(run_dir)
     ref = {}
     want, ref_model = reference_losses(model_dir, run_dir, STEPS, lr, WARMUP, MIN_LR, weight_decay=0.1, record=ref,
-                                       lora=lora, topk=topk)
+                                       lora=lora, topk=topk, muon=muon, max_grad_norm=max_grad_norm)
     gaps = [abs(g - w) / w for g, w in zip(got, want)]
     rows = _step_rows(run_dir)
     norms = [r["grad_norm"] for r in rows]
-    norm_gap = max(abs(g - w) / w for g, w in zip(norms, ref["grad_norm"]))
+    norm_gap = max(abs(g - w) / w for g, w in zip(norms, ref["grad_norm"])) if norm_rtol else float("nan")
     print(f"{ds_config} {launcher}: max relative gap {max(gaps):.2e} (grad_norm {norm_gap:.2e}); losses "
           f"{got[0]:.4f} -> {got[-1]:.4f}")
     assert len(got) == STEPS
@@ -52,7 +54,8 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=
     assert got == pytest.approx(want, rel=rtol)
     # every step is clipped here and AdamW ignores a uniform gradient scale, so losses cannot see a gradient
     # summed instead of averaged over ranks: the pre-clip norm can (measured gaps in the module docstring)
-    assert norms == pytest.approx(ref["grad_norm"], rel=norm_rtol)
+    if norm_rtol:
+        assert norms == pytest.approx(ref["grad_norm"], rel=norm_rtol)
     assert [r["tokens"] for r in rows] == ref["tokens"]  # throughput counts real tokens, not padding
     assert [r["label_tokens"] for r in rows] == ref["label_tokens"]
     return run_dir, ref_model

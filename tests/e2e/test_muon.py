@@ -1,0 +1,99 @@
+"""Muon (train.optimizer=muon) on 2 CPU ranks against a plain single-process loop with Muon written in the tests.
+
+The reference (tests/helpers.py: muon_step, newton_schulz) orthogonalises the Nesterov momentum of every trained
+matrix that is not an embedding with Jordan et al.'s quintic Newton-Schulz iteration in fp32, scales it by
+sqrt(max(1, rows / cols)) and applies decoupled weight decay; torch AdamW updates the rest. DeepSpeed on the CPU
+accelerator runs its default ("gram") iteration in fp32 too (fp16 where the accelerator has it: on a GPU the
+bound would be the fp16 iteration's), so the only differences are summation order: measured up to 1.0e-7 over 8
+steps for ZeRO-0/1/2/3 and ZeRO-2/3 with CPU offload, within test_vs_reference's RTOL (2e-6). What the bound
+catches (each seen): the AdamW-only run DeepSpeed #8438 gave differs by 4e-2 at step 3; GPT-2's `wte` and `wpe`
+tagged by DeepSpeed's name rule (Muon on the embeddings) by 1.2e-2; gradients accumulated over steps in the
+reference by 1.3e-3.
+"""
+import json
+
+import pytest
+
+from tests.e2e.test_vs_reference import STEPS, assert_export_matches, run_and_compare
+from tests.helpers import kill_rank_after_checkpoint, launch, metrics, reference_losses
+
+MUON = {"lr": 0.02, "momentum": 0.95}
+ARGS = ["--train.optimizer=muon"]
+
+
+def said(run_dir) -> str:
+    return (run_dir / "launch_stderr.txt").read_text()
+
+
+def test_zero1_gpt2_embeddings_stay_on_adamw(tmp_path, cache, tiny_gpt2):
+    """GPT-2 names its embeddings wte and wpe: DeepSpeed's own rule ("embed" in the name) would put both on Muon.
+    The log line counts what the optimizer did in step 1: 8 matrices orthogonalised, 20 tensors on AdamW."""
+    run_dir, _ = run_and_compare(tmp_path, cache, tiny_gpt2, "zero1.json", extra=ARGS, muon=MUON, max_grad_norm=0,
+                                 norm_rtol=None)
+    line = next(x for x in said(run_dir).splitlines() if x.startswith("muon: "))
+    assert "step 1 orthogonalised 8 matrices (98,304 elements" in line, line
+    assert "AdamW updated 20 tensors (55,040 elements" in line, line
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["optimizer"]["type"] == "Muon" and ds["gradient_clipping"] == 0.0
+    assert ds["optimizer"]["params"]["muon_lr"] == 0.02 and ds["optimizer"]["params"]["adam_lr"] == 3e-3
+
+
+@pytest.mark.parametrize("ds_config", ["zero3.json", "zero3_offload.json"])
+def test_zero3_built_under_zero_init(tmp_path, cache, tiny_llama, ds_config):
+    """ZeRO-3 builds the model inside zero.Init (every local tensor flat: the tags read ds_shape); with CPU offload
+    DeepSpeed orthogonalises on the host. The export holds the reference's weights."""
+    import torch
+
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_llama, ds_config, extra=ARGS, muon=MUON,
+                                         max_grad_norm=0, norm_rtol=None)
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["parameters_on_rank0_at_build"] <= info["parameters"] / 2 + 1000  # really partitioned at build
+    assert "orthogonalised 14 matrices (362,496 elements" in said(run_dir)
+    assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_scatter"] is False
+    assert_export_matches(run_dir, ref_model, 1e-4, torch.float32)
+
+
+def test_zero0_clips_the_gradient(tmp_path, cache, tiny_llama):
+    """ZeRO-0 clips the gradient before Muon's momentum sees it (the reference's clip_grad_norm_): a bound every
+    step meets, so the logged pre-clip norm is the gradient's too."""
+    run_and_compare(tmp_path, cache, tiny_llama, "zero0.json", extra=ARGS + ["--train.max_grad_norm=0.5"],
+                    muon=MUON, max_grad_norm=0.5)
+
+
+def test_kill9_then_resume(tmp_path, cache, tiny_llama):
+    """ZeRO-2 on 2 ranks, rank 1 killed with SIGKILL after the step-4 checkpoint. Resuming on 1 rank is refused in
+    one line before anything is converted (DeepSpeed's universal checkpoints drop Muon's momentum: KeyError
+    'exp_avg' in its converter); resumed on 2 ranks, every step's loss is the reference's (the momentum carried)."""
+    run_dir = tmp_path / "run"
+    args = [f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", "--output_dir", str(run_dir),
+            f"--train.max_steps={STEPS}", "--train.lr=3e-3", "--train.warmup_steps=2", "--train.min_lr_ratio=0.1",
+            "--train.micro_batch_size=4", "--train.grad_accum_steps=2", "--train.seq_len=64",
+            "--train.precision=fp32", "--eval.max_batches=2", "--log.wandb=false", "--log.progress_bar=false",
+            "--checkpoint.every=4", "--world_size=2", *ARGS]
+    killed = kill_rank_after_checkpoint(args, run_dir, cache, step=4, rank=1)
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    one = launch(args, cache, launcher="python", check=False)
+    assert one.returncode == 2 and "error: this Muon run's checkpoint was saved on 2 ranks" in one.stderr, \
+        one.stderr[-3000:]
+    assert not list((run_dir / "checkpoints").glob("*universal*"))
+    launch(args, cache)
+    got, _ = metrics(run_dir)
+    want, _ = reference_losses(tiny_llama, run_dir, STEPS, 3e-3, 2, 0.1, weight_decay=0.1, max_grad_norm=0,
+                               muon=MUON)
+    assert len(got) == STEPS and got == pytest.approx(want, rel=2e-6)
+
+
+def test_muon_silently_off_stops_the_run(tmp_path, cache, tiny_llama):
+    """DeepSpeed #8438 left every parameter on AdamW without a word (the tags cleared by a fault here): the run
+    stops after its first step with one line, exit 2, and writes no checkpoint."""
+    run_dir = tmp_path / "run"
+    proc = launch([f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", "--output_dir", str(run_dir),
+                   "--train.max_steps=4", "--train.micro_batch_size=2", "--train.seq_len=64", "--log.wandb=false",
+                   "--log.progress_bar=false", "--eval.every=0", *ARGS], cache, check=False,
+                  DSTRAIN_FAULT="muon:untag")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "Muon's update did not run on every tagged matrix in step 1" in errors[0], errors
+    assert "0 orthogonalised over the ranks; missing 4 x [64, 128], 4 x [128, 128]" in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not list((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else True
