@@ -6,7 +6,10 @@ really makes. With any ZeRO stage (and in 16-bit without one) the optimizer work
 rank's 1/N partition, which has its own fp32 gradient:
   parameters  w*psi, or w*psi/N under ZeRO-3
   gradients   w*psi (ZeRO-0/1), w*psi/N (ZeRO-2/3)
-  optimizer   Adam moments 8*psi/N + fp32 partition 4*psi/N (fp32 ZeRO-0: moments 8*psi, no copy)
+  optimizer   Adam moments 8*psi/N + fp32 partition 4*psi/N (fp32 ZeRO-0: moments 8*psi, no copy). With Muon
+              (train.optimizer=muon) its matrices keep one fp32 momentum instead of two moments (psi_m of
+              them: every parameter but the embeddings, the untied head and the 2L+1 norms' vectors), except
+              that ZeRO-1/2 also keep a staged copy of it (stage_1_and_2._muon_staging_momentum): 8 bytes there
 Transient, in two phases that do not overlap (the peak is the persistent part plus the larger phase):
   backward    activations, the gradient reduce bucket, ZeRO-3's gathered live parameters and prefetch
   step        the fp32 partition's gradient 4*psi/N, torch AdamW's foreach temporary (one fp32 element
@@ -121,6 +124,13 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     grads = w * psi_t // (n if stage >= 2 else 1)
     master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition
     moments = 8 * opt_elems                            # Adam exp_avg, exp_avg_sq
+    if str((ds_cfg.get("optimizer") or {}).get("type", "")).lower() == "muon":  # one momentum per Muon matrix
+        hidden, layers, _, vocab = _dims(config)
+        tied = getattr(config, "tie_word_embeddings", True)
+        adamw = (vocab * hidden * (1 if tied else 2) + (2 * layers + 1) * hidden) // split
+        muon_elems = max(0, psi_t - adamw) * opt_elems // max(1, psi_t)
+        if stage not in (1, 2):  # ZeRO-1/2: momentum + its staged copy, as many bytes as Adam's two moments
+            moments -= 4 * muon_elems
     # optimizer step only: the fp32 partition's gradient, torch AdamW's foreach temporary, and (ZeRO-1/2)
     # the all-gather bucket that redistributes updated parameters
     step = (4 * opt_elems if partitioned else 0)

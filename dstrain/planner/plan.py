@@ -27,6 +27,9 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
         raise UserError(f"--plan does not model sequence parallelism yet ({key}="
                         f"{max(sizes.sequence, sizes.context) if key[0] == 'c' else sizes.sequence}); plan with a "
                         f"ZeRO config, or use --preflight for memory")
+    if ds_config.optimizer_of(raw_ds, recipe.train) == "muon":  # no cost term for Newton-Schulz or its gathers
+        raise UserError("--plan does not model Muon yet (its Newton-Schulz time and gathers); plan with "
+                        "train.optimizer=adamw, or use --preflight for memory")
     model_config = load_config(recipe.model, recipe.train.seq_len)[1]
     run_dir = cli.run_dir_of(args)
     cli.prepare_run_dir(run_dir)

@@ -64,6 +64,10 @@ CASES = {
                           "tensor-parallel size (1) x sequence-parallel size (2)"),
     "plan with sequence parallelism": (["--plan", "--ds_config", "sp2_zero3.json"], "--plan does not model sequence "
                                        "parallelism yet"),
+    # issue 59: DeepSpeed's ZeRO-1/2/3 clip Muon's orthogonalised update (the step divided by its norm, silently)
+    "muon with clipping": (["--train.optimizer=muon", "--train.max_grad_norm=1.0"], "gradient clipping (1) with "
+                           "Muon under ZeRO-2: DeepSpeed 0.19.8 clips Muon's orthogonalised update"),
+    "plan with muon": (["--plan", "--train.optimizer=muon"], "--plan does not model Muon yet"),
     "missing local model": (["--model.name_or_path=./no/such/model"], "cannot load './no/such/model': no such "
                             "directory"),
     "learning_rate": (["--train.learning_rate=1e-4"], "(here it is 'train.lr')"),

@@ -61,7 +61,7 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     parsed = deepspeed_accepts(cfg, engine_dp)
     assert parsed.train_batch_size == 8 * 3 * engine_dp
     assert parsed.gradient_accumulation_steps == 3
-    assert parsed.gradient_clipping == r.train.max_grad_norm
+    assert parsed.gradient_clipping == 1.0  # train.max_grad_norm unset: 1.0 with AdamW
     assert cfg["optimizer"]["params"]["lr"] == r.train.lr
     assert cfg["optimizer"]["params"]["betas"] == r.train.betas
     assert parsed.bfloat16_config.enabled == (not name.endswith("_fp16.json"))

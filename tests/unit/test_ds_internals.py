@@ -609,6 +609,91 @@ def test_muon_compile_deferred_to_first_call(tmp_path):
     assert check("deferred") == "False ['zeropower_via_newtonschulz5'] True"
 
 
+MUON_ENGINES = r"""
+import json, torch
+import deepspeed
+from dstrain.components.muon import tag
+from dstrain.parallel import ds_internals
+
+ds_internals.announce_jit_builds(lambda line: None)
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+ds_internals.defer_muon_compile()
+out = {}
+
+
+class Model(torch.nn.Module):  # an embedding whose name lacks "embed", as GPT-2's wte
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 10, bias=False)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(self.wte(x)))).float().pow(2).mean()
+
+
+def engine(stage, keep):
+    torch.manual_seed(0)
+    model = Model()
+    tag(model)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": stage, **({"reduce_scatter": False} if stage == 3 else {})},
+           "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02, "torch_adam": True}}}
+    if keep:
+        with ds_internals.keep_muon_tags():
+            e = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    else:
+        e = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    return e, {n: bool(p.use_muon) for n, p in model.named_parameters()}
+
+
+import deepspeed as ds_module
+original = ds_module.set_optimizer_flags
+for stage in (0, 1, 2, 3):
+    try:
+        _, by_name = engine(stage, keep=False)
+        e, ours = engine(stage, keep=True)
+        shapes = []
+        undo = ds_internals.count_muon_updates(shapes)
+        e.backward(e(torch.tensor([[1, 2], [3, 4]])))
+        e.step()
+        undo()
+        again = []
+        undo = ds_internals.count_muon_updates(again)
+        undo()
+        e.backward(e(torch.tensor([[1, 2], [3, 4]])))
+        e.step()
+        out[stage] = [by_name, ours, sorted(map(list, set(shapes))), again, ds_module.set_optimizer_flags is original]
+    except Exception as error:
+        out[stage] = "error: " + repr(error)
+print("RESULT " + json.dumps(out), flush=True)
+import os
+os._exit(0)
+"""
+
+
+def test_muon_tags_kept_and_updates_counted(tmp_path):
+    """deepspeed.initialize tags parameters for Muon by name (an embedding named wte goes on Muon); inside
+    keep_muon_tags the tags set where the model is built win, and the context restores DeepSpeed's function.
+    Every stage's Muon passes its matrices through original_muon.muon_update, where count_muon_updates sees them
+    (and, undone, sees nothing)."""
+    extra = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", MUON_ENGINES], cwd=ROOT, env=env(tmp_path, **extra),
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, moved("DeepSpeed's Muon") + "\n" + proc.stderr[-3000:]
+    for stage, got in json.loads(lines[-1][len("RESULT "):]).items():
+        assert not isinstance(got, str), moved(f"DeepSpeed's Muon at ZeRO-{stage}") + f": {got}"
+        by_name, ours, shapes, again, restored = got
+        # when DeepSpeed tags by what a parameter is, keep_muon_tags can go
+        assert by_name["wte.weight"] is True, moved("deepspeed.set_optimizer_flags (the by-name rule)")
+        assert ours == {"wte.weight": False, "fc.weight": True, "fc.bias": False, "out.weight": True} and restored, \
+            moved("deepspeed.set_optimizer_flags (called by name from deepspeed.initialize)") + f": {ours}"
+        assert shapes == [[10, 16], [16, 8]] and again == [], \
+            moved(f"original_muon.muon_update as ZeRO-{stage}'s path to Newton-Schulz") + f": {shapes} {again}"
+
+
 def test_cpu_flash_attention_returns_its_log_sum_exp():
     """Ring attention's CPU block kernel: the output equals sdpa's, the lse is the rows' log-sum-exp, a row with
     every key masked comes back as 0 / lse 0 (what the caller marks), and the backward takes an output and lse."""

@@ -308,3 +308,21 @@ def test_rl_counts_the_teacher_in_the_runs_precision(llama8b):
         cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU, hidden_size=4096)
         est = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32))
         assert est.device["teacher_model"] == 2 * psi // (32 if stage == 3 else 1)
+
+
+def test_muon_keeps_one_momentum_per_matrix(llama8b):
+    """Muon's matrices (all but the untied embeddings and head, and the norms) hold one fp32 momentum where AdamW
+    holds two moments: ZeRO-3 and ZeRO-0 count 4 bytes fewer per Muon element; ZeRO-1/2 keep a staged copy of the
+    momentum too, as many bytes as AdamW's."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(llama8b)
+    psi = memory.count_parameters(config)
+    adamw_part = 2 * 128256 * 4096 + 65 * 4096
+    for stage, fewer in ((3, 4), (2, 0)):
+        states = {}
+        for optimizer in ("adamw", "muon"):
+            r = recipe(llama8b, f"--train.optimizer={optimizer}", "--train.max_grad_norm=0")
+            cfg = dsc.resolve(dsc.load(f"zero{stage}.json"), r, 32, GPU, hidden_size=4096)
+            states[optimizer] = memory.estimate(config, psi, r, cfg, Layout.from_ds_config(cfg, 32)).device[
+                "optimizer_states"]
+        assert states["adamw"] - states["muon"] == pytest.approx(fewer * (psi - adamw_part) / 32, rel=1e-3), stage
