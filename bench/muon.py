@@ -133,9 +133,13 @@ def main() -> None:
               f"The run's proof line: `{best_muon['proof']}`", ""]
     body = "\n".join(lines)
     print(body)
-    if args.write:
+    if args.write:  # docs/muon_bench.json: what docs/strategies.md quotes (tests/unit/test_docs.py checks it)
         from common import write_section
         write_section("bench/muon.py", "Muon against AdamW on Python's standard library", body + "\n")
+        meta = {"steps": args.steps, "ranks": args.ranks, "chars": args.chars, "documents": corpus["documents"],
+                "characters": corpus["characters"], "python": sys.version.split()[0], "commit": commit,
+                "adamw_lrs": args.adamw_lrs, "muon_lrs": args.muon_lrs, "seed": 42}
+        (ROOT / "docs" / "muon_bench.json").write_text(json.dumps({"args": meta, "runs": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -202,3 +202,22 @@ def test_the_loss_plot_names_the_loss_it_shows(tmp_path, monkeypatch):
         monkeypatch.setattr(metrics, "plot_losses", lambda path, out, ylabel: labels.append(ylabel))
         m.close()
         assert labels[-1] == want
+
+
+def test_muon_figures_are_the_benchmarks():
+    """docs/strategies.md's Muon-against-AdamW sentence quotes bench/muon.py's saved run (docs/muon_bench.json)."""
+    import json
+    bench = json.loads((ROOT / "docs/muon_bench.json").read_text())
+    runs = {r["name"]: r for r in bench["runs"]}
+    adamw = min((r for r in bench["runs"] if r["name"].startswith("adamw")), key=lambda r: r["eval_loss"])
+    muon = min((r for r in bench["runs"] if r["name"].startswith("muon")), key=lambda r: r["eval_loss"])
+    assert adamw["name"] == "adamw lr=3e-3" and muon["name"] == "muon muon_lr=0.02" and bench["args"]["steps"] == 400
+    text = " ".join((ROOT / "docs/strategies.md").read_text().split())
+    said = (f"reached an eval loss of {muon['eval_loss']:.3f} with Muon (`muon_lr` 0.02; 0.04 gave "
+            f"{runs['muon muon_lr=0.04']['eval_loss']:.3f}) against {adamw['eval_loss']:.3f} with AdamW (`lr` 3e-3), "
+            f"at {muon['median_step_s'] / adamw['median_step_s']:.2f}x AdamW's step time on 2 CPU ranks")
+    assert said in text, said
+    recipe = (ROOT / "recipes/tiny/pretrain_muon.yaml").read_text()
+    assert f"Muon's eval loss after 400 steps was {muon['eval_loss']:.3f} against AdamW's {adamw['eval_loss']:.3f}" \
+        in " ".join(line.lstrip("# ") for line in recipe.splitlines())
+
