@@ -74,10 +74,11 @@ class Muon(Component):
             raise UserError("train.optimizer=muon with LoRA (lora.r>0) is not supported: Muon orthogonalises whole "
                             "hidden matrices, and an adapter's factors are rank-r slivers of one; use "
                             "train.optimizer=adamw with LoRA")
-        if setup.saved_world:
-            raise UserError(f"this Muon run's checkpoint was saved on {setup.saved_world} ranks: DeepSpeed 0.19.8's "
-                            "universal checkpoints (another world size) carry AdamW's moments, not Muon's momentum; "
-                            f"resume on {setup.saved_world} ranks")
+        offload = ((setup.ds_cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+        if setup.saved_world and offload == "nvme":
+            raise UserError(f"this Muon run's checkpoint was saved on {setup.saved_world} ranks: resuming it on "
+                            "another world size with the optimizer on NVMe is not supported (Muon's momentum is "
+                            f"put back in host memory only); resume on {setup.saved_world} ranks")
         if recipe.diloco.enabled:
             raise UserError("train.optimizer=muon with DiLoCo is not supported (its inner optimizer is AdamW, and "
                             "Muon there is untested); use one of the two")

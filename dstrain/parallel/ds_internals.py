@@ -480,21 +480,151 @@ def collective_work_type():
 
 
 @contextmanager
-def universal_load_repairs(engine, universal: bool) -> Iterator[None]:
-    """Around engine.load_checkpoint of a universal checkpoint, mend two slips of DeepSpeed's ZeRO-3
-    universal loader: every param group gets group 0's hyperparameters (weight decay restored here), and one
-    `step` tensor is shared by all sub-groups, each adding 1 (cloned here)."""
+def universal_load_repairs(engine, universal: bool, folder: Path | None = None) -> Iterator[None]:
+    """Around engine.load_checkpoint of a universal checkpoint (`folder`), mend two slips of DeepSpeed's ZeRO-3
+    universal loader: every param group gets group 0's hyperparameters (each group's own restored here: its saved
+    ones from the folder's zero/optimizer_state.pt when it has them, else its weight decay as built), and one `step`
+    tensor is shared by all sub-groups, each adding 1 (cloned here). A Muon checkpoint's momentum is put where
+    DeepSpeed's Muon keeps it (muon_universal_load)."""
     groups = getattr(engine.optimizer, "optimizer", engine.optimizer).param_groups
     decays = [group.get("weight_decay") for group in groups]
     yield
     if not universal:
         return
-    for group, decay in zip(groups, decays):
-        group["weight_decay"] = decay
+    saved = None
+    if folder is not None and (folder / "zero" / "optimizer_state.pt").is_file():
+        saved = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False).get("param_groups")
+    for index, (group, decay) in enumerate(zip(groups, decays)):
+        if saved and len(saved) == len(groups):  # the hyperparameters this group was saved with (Muon's differ)
+            group.update({key: value for key, value in saved[index].items() if key != "params"})
+        else:
+            group["weight_decay"] = decay
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
+    if folder is not None:
+        muon_universal_load(engine, folder)
+
+
+MUON_UNIVERSAL = "muon.json"  # in a universal folder: the parameters whose exp_avg.pt is Muon's momentum
+
+
+def muon_universal_input(checkpoint: Path, shadow: Path) -> list[str] | None:
+    """DeepSpeed 0.19.8's universal converter (ds_to_universal) reads `exp_avg` and `exp_avg_sq` from every
+    optimizer group and fails on Muon's (`KeyError: 'exp_avg'`): its groups hold one `momentum_buffer`. For a
+    checkpoint with Muon state this writes `shadow`, the checkpoint's files linked, its optimizer files rewritten
+    so the converter accepts them, and returns the Muon parameters' names (None: no Muon state, convert the
+    checkpoint itself). The converted folder then holds each Muon parameter's full momentum as its exp_avg.pt
+    (muon_universal_output) and zeros as exp_avg_sq.pt.
+
+    ZeRO-3, and ZeRO-1/2 with CPU offload, keep Muon's momentum laid out as the fp32 partition
+    (stage3._muon_update_sub_group, stage_1_and_2._apply_muon_updates_cpu_offload): it becomes the group's exp_avg
+    as it is. ZeRO-1/2 without offload keep, per Muon group, the FULL momentum of every parameter that has any
+    element in the rank's partition, one after another in the partition's order (stage_1_and_2.get_flat_partition:
+    Newton-Schulz needs whole matrices): the group gets zeros of the partition's size, and the full momenta are
+    cut from the buffer by the parameters' shapes (the model states' param_shapes) and written afterwards."""
+    files = sorted(checkpoint.glob("*optim_states.pt"))
+    loaded = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    if not any("momentum_buffer" in state for sd in loaded for state in _optimizer_states(sd).values()):
+        return None
+    shadow.mkdir(parents=True)
+    for item in checkpoint.iterdir():
+        if item not in files:
+            (shadow / item.name).symlink_to(item.resolve())
+    shapes = _param_shapes(checkpoint)
+    names, momenta = [], {}
+    for file, sd in zip(files, loaded):
+        osd = sd["optimizer_state_dict"]
+        states = _optimizer_states(sd)
+        for index, state in list(states.items()):
+            if "momentum_buffer" not in state:
+                continue
+            buffer = state.pop("momentum_buffer")
+            partition = osd["single_partition_of_fp32_groups"][index] if "base_optimizer_state" in osd else None
+            if partition is not None and buffer.numel() == partition.numel():  # ZeRO-1/2 with CPU offload
+                names += list(osd["param_slice_mappings"][index])  # (_apply_muon_updates_cpu_offload): as the
+                state.update(exp_avg=buffer, exp_avg_sq=torch.zeros_like(buffer))  # partition, like ZeRO-3
+            elif partition is not None:  # ZeRO-1/2: full momenta of the partition's parameters
+                offset = 0
+                for name in osd["param_slice_mappings"][index]:
+                    numel = shapes[name].numel()
+                    momenta.setdefault(name, buffer[offset:offset + numel].clone().view(shapes[name]))
+                    offset += numel
+                    names.append(name)
+                state.update(exp_avg=torch.zeros_like(partition), exp_avg_sq=torch.zeros_like(partition))
+            else:  # ZeRO-3: the momentum is laid out as the partition; its loader reads sub-group 0's `step`
+                names += [name for name in _zero3_group_names(checkpoint, file, index)]
+                step = next((s["step"] for s in states.values() if "step" in s), torch.tensor(0.0))
+                state.update(exp_avg=buffer, exp_avg_sq=torch.zeros_like(buffer), step=step)
+        torch.save(sd, shadow / file.name)
+    torch.save(momenta, shadow / "muon_momenta.pt")
+    return sorted(set(names))
+
+
+def muon_universal_output(shadow: Path, out: Path, names: list[str]) -> None:
+    """After ds_to_universal converted `shadow`: ZeRO-1/2's full momenta written as the Muon parameters'
+    exp_avg.pt, and the list of Muon parameters saved beside them (muon.json)."""
+    momenta = torch.load(shadow / "muon_momenta.pt", weights_only=False)
+    for name, momentum in momenta.items():
+        path = out / "zero" / name / "exp_avg.pt"
+        entry = torch.load(path, weights_only=False)
+        assert entry["param"].numel() == momentum.numel(), (name, entry["param"].shape, momentum.shape)
+        entry["param"] = momentum.view(entry["param"].shape).to(entry["param"].dtype)
+        torch.save(entry, path)
+    (out / MUON_UNIVERSAL).write_text(json.dumps(names))
+
+
+def muon_universal_load(engine, folder: Path) -> None:
+    """After DeepSpeed's universal loader filled a Muon group's state as AdamW's (exp_avg = the momentum,
+    exp_avg_sq = zeros): the momentum put where DeepSpeed's Muon reads it. ZeRO-3 and ZeRO-1/2 with CPU
+    offload: the group's `momentum_buffer`, in the partition's layout, as loaded. ZeRO-1/2: the full momentum of
+    every parameter of the rank's partition, concatenated in the partition's order (read whole from the folder:
+    a rank holds only a fragment of a parameter that straddles two partitions)."""
+    listed = folder / MUON_UNIVERSAL
+    if not listed.is_file():
+        return
+    optimizer = engine.optimizer
+    inner = optimizer.optimizer
+    if hasattr(optimizer, "sub_groups_using_muon"):  # ZeRO-3
+        for index, muon in enumerate(optimizer.sub_groups_using_muon):
+            if muon:
+                state = inner.state[optimizer.fp32_partitioned_groups_flat[index]]
+                state["momentum_buffer"] = state.pop("exp_avg")
+                state.pop("exp_avg_sq", None)
+        return
+    for index, params in enumerate(optimizer.params_in_partition):
+        if not params or not getattr(params[0], "use_muon", False):
+            continue
+        flat = inner.param_groups[index]["params"][0]
+        state = inner.state[flat]
+        momentum = state.pop("exp_avg", None)
+        state.pop("exp_avg_sq", None)
+        if optimizer.cpu_offload:  # laid out as the partition (_apply_muon_updates_cpu_offload), as loaded
+            state["momentum_buffer"] = momentum
+            continue
+        state["momentum_buffer"] = torch.cat([
+            torch.load(folder / "zero" / optimizer.param_names[p] / "exp_avg.pt", weights_only=False)["param"]
+            .flatten().float() for p in params]).to(flat.device)
+
+
+def _optimizer_states(sd: dict) -> dict:
+    osd = sd["optimizer_state_dict"]
+    return (osd["base_optimizer_state"] if "base_optimizer_state" in osd else osd["optimizer_state_dict"])["state"]
+
+
+def _param_shapes(checkpoint: Path) -> dict:
+    shapes = {}
+    for file in sorted(checkpoint.glob("*model_states.pt")):
+        for group in torch.load(file, map_location="cpu", weights_only=False)["param_shapes"]:
+            shapes.update(group)
+        break  # ZeRO-1/2 have one; ZeRO-3's first rank lists every parameter too
+    return shapes
+
+
+def _zero3_group_names(checkpoint: Path, optim_file: Path, index: int) -> list[str]:
+    model_file = optim_file.with_name(optim_file.name.replace("optim_states", "model_states"))
+    return list(torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"][index])
 
 
 def checkpoint_engine_base() -> type:

@@ -375,7 +375,8 @@ class Checkpointer:
         load_dir, tag = (resume.universal_dir.parent, resume.universal_dir.name) if resume.universal \
             else (resume.path, replica_tag(self.replica_index % resume.manifest.get("replicas", 1))) if self.replica \
             else (resume.path.parent, resume.path.name)  # DiLoCo: a replica that joined takes replica k mod saved
-        with ds_internals.universal_load_repairs(engine, resume.universal):
+        with ds_internals.universal_load_repairs(engine, resume.universal,
+                                                 resume.universal_dir if resume.universal else None):
             load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True,
                                                   load_module_strict=not has_frozen(engine))

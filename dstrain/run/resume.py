@@ -307,10 +307,18 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
         failed.unlink(missing_ok=True)
         log(f"converting {resume.path} to a universal checkpoint for the new world size")
         began = time.time()
+        from ..parallel import ds_internals
+
+        shadow = out.with_name(f".muon-{out.name}")  # Muon's state rewritten for the converter (ds_internals)
+        shutil.rmtree(shadow, ignore_errors=True)
+        muon = ds_internals.muon_universal_input(resume.path, shadow)
         proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(resume.path), "--output_folder", str(tmp), "--inject_missing_state",
-                               "--num_extract_workers", str(min(4, os.cpu_count() or 1))],
+                               str(shadow if muon else resume.path), "--output_folder", str(tmp),
+                               "--inject_missing_state", "--num_extract_workers", str(min(4, os.cpu_count() or 1))],
                               capture_output=True, text=True)
+        if muon and proc.returncode == 0:
+            ds_internals.muon_universal_output(shadow, tmp, muon)
+        shutil.rmtree(shadow, ignore_errors=True)
         if proc.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             write_atomic(failed, f"DeepSpeed's universal-checkpoint conversion of {resume.path} failed: "

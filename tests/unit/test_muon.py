@@ -91,11 +91,12 @@ def _setup(r, raw, saved_world=None):
 @pytest.mark.parametrize("overrides,saved,message", [
     (["--lora.r=8"], None, "train.optimizer=muon with LoRA"),
     (["--diloco.every=4"], None, "train.optimizer=muon with DiLoCo"),
-    ([], 4, "this Muon run's checkpoint was saved on 4 ranks"),
+    ([], 4, "this Muon run's checkpoint was saved on 4 ranks: resuming it on another world size with the "
+     "optimizer on NVMe"),
 ])
 def test_component_refusals(overrides, saved, message):
     r = recipe("--train.optimizer=muon", *overrides)
-    raw = dsc.load("zero2.json")
+    raw = dsc.load("zero3_nvme.json" if saved else "zero2.json")
     (feature,) = [f for f in components.build(r, raw) if f.name == "muon"]
     with pytest.raises(UserError, match=message):
         feature.validate(_setup(r, raw, saved))
