@@ -132,7 +132,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)
     data.amount.check(len(prepared.train), global_batch, f"train.micro_batch_size {train.micro_batch_size} x "
                       f"grad_accum_steps {train.grad_accum_steps} x {layout.data_parallel} data-parallel ranks")
-    identity = resume.run_identity(recipe.to_dict())
+    identity = resume.run_identity(recipe.to_dict(), ds_config.optimizer_of(raw_ds, train))
     if start_from:  # a run directory holds one run; checked last, so a plain input mistake is named first
         resume.check_same_run(start_from, identity, run_dir)
 

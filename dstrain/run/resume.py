@@ -52,8 +52,9 @@ _FORMAT_FIELDS = {"text": ("text_field",), "prompt_response": ("prompt_field", "
                   "preference": ("prompt_field", "chosen_field", "rejected_field")}
 
 
-def run_identity(recipe: dict) -> dict:
-    """The recipe keys a run directory is bound to, from Recipe.to_dict() or a saved recipe.yaml."""
+def run_identity(recipe: dict, optimizer: str | None = None) -> dict:
+    """The recipe keys a run directory is bound to, from Recipe.to_dict() or a saved recipe.yaml; `optimizer`, the
+    one the run trains with (ds_config.optimizer_of: AdamW's and Muon's states do not load into each other)."""
     model, data = recipe.get("model") or {}, recipe.get("data") or {}
 
     def where(name):
@@ -74,6 +75,8 @@ def run_identity(recipe: dict) -> dict:
     out["lora.r"] = lora.get("r") or 0  # a LoRA checkpoint holds adapters only: another r or targets is another run
     if out["lora.r"]:
         out.update({"lora.target_modules": lora.get("target_modules"), "lora.quantize": lora.get("quantize")})
+    if optimizer:
+        out["train.optimizer"] = optimizer
     return out
 
 

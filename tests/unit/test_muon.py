@@ -126,3 +126,22 @@ def test_tags_are_what_a_parameter_is_not_its_name():
     flat.weight.data = torch.empty(0)
     flat.weight.ds_shape = torch.Size([3, 4])  # what zero.Init leaves: a flat local tensor, the layer's shape aside
     assert muon.tag(flat)["shapes"] == {(3, 4): 1}
+
+
+def test_a_muon_run_does_not_continue_as_adamw(tmp_path):
+    """Muon's and AdamW's optimizer states do not load into each other (DeepSpeed raised on the parameter groups):
+    the run directory is bound to the optimizer it trains with, and the line offers --init_from (weights only)."""
+    from dstrain.run.checkpoint import Resume
+    from dstrain.run.resume import check_same_run, run_identity
+
+    raw = dsc.load("zero2.json")
+    muon_run = run_identity(recipe("--train.optimizer=muon").to_dict(), dsc.optimizer_of(raw, recipe(
+        "--train.optimizer=muon").train))
+    adamw_run = run_identity(recipe().to_dict(), dsc.optimizer_of(raw, recipe().train))
+    resume = Resume(tmp_path / "run" / "checkpoints" / "step_00000003", {"run": muon_run})
+    check_same_run(resume, muon_run, tmp_path / "run")
+    with pytest.raises(UserError, match=r"holds another run \(train.optimizer muon -> adamw\); .* --init_from"):
+        check_same_run(resume, adamw_run, tmp_path / "run")
+    old = Resume(tmp_path / "run" / "checkpoints" / "step_00000003", {"run": run_identity(recipe().to_dict())})
+    check_same_run(old, adamw_run, tmp_path / "run")  # a checkpoint from before the key: not refused
+
