@@ -525,16 +525,19 @@ def muon_universal_input(checkpoint: Path, shadow: Path) -> list[str] | None:
     Newton-Schulz needs whole matrices): the group gets zeros of the partition's size, and the full momenta are
     cut from the buffer by the parameters' shapes (the model states' param_shapes) and written afterwards."""
     files = sorted(checkpoint.glob("*optim_states.pt"))
-    loaded = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-    if not any("momentum_buffer" in state for sd in loaded for state in _optimizer_states(sd).values()):
+    if not files or not any("momentum_buffer" in state for state in _optimizer_states(
+            torch.load(files[0], map_location="cpu", weights_only=False)).values()):  # every rank has the same groups
         return None
     shadow.mkdir(parents=True)
     for item in checkpoint.iterdir():
         if item not in files:
             (shadow / item.name).symlink_to(item.resolve())
     shapes = _param_shapes(checkpoint)
-    names, momenta = [], {}
-    for file, sd in zip(files, loaded):
+    momenta = shadow / "muon_momenta"  # one file per parameter: a rank's file at a time in memory
+    momenta.mkdir()
+    names = []
+    for file in files:
+        sd = torch.load(file, map_location="cpu", weights_only=False)
         osd = sd["optimizer_state_dict"]
         states = _optimizer_states(sd)
         for index, state in list(states.items()):
@@ -549,24 +552,29 @@ def muon_universal_input(checkpoint: Path, shadow: Path) -> list[str] | None:
                 offset = 0
                 for name in osd["param_slice_mappings"][index]:
                     numel = shapes[name].numel()
-                    momenta.setdefault(name, buffer[offset:offset + numel].clone().view(shapes[name]))
+                    if name not in names:
+                        torch.save(buffer[offset:offset + numel].clone(), momenta / f"{len(names)}.pt")
+                        names.append(name)
                     offset += numel
-                    names.append(name)
                 state.update(exp_avg=torch.zeros_like(partition), exp_avg_sq=torch.zeros_like(partition))
             else:  # ZeRO-3: the momentum is laid out as the partition; its loader reads sub-group 0's `step`
                 names += [name for name in _zero3_group_names(checkpoint, file, index)]
                 step = next((s["step"] for s in states.values() if "step" in s), torch.tensor(0.0))
                 state.update(exp_avg=buffer, exp_avg_sq=torch.zeros_like(buffer), step=step)
         torch.save(sd, shadow / file.name)
-    torch.save(momenta, shadow / "muon_momenta.pt")
+        del sd, osd, states
+    (momenta / "names.json").write_text(json.dumps(names))
     return sorted(set(names))
 
 
 def muon_universal_output(shadow: Path, out: Path, names: list[str]) -> None:
     """After ds_to_universal converted `shadow`: ZeRO-1/2's full momenta written as the Muon parameters'
     exp_avg.pt, and the list of Muon parameters saved beside them (muon.json)."""
-    momenta = torch.load(shadow / "muon_momenta.pt", weights_only=False)
-    for name, momentum in momenta.items():
+    momenta = shadow / "muon_momenta"
+    for index, name in enumerate(json.loads((momenta / "names.json").read_text())):
+        if not (momenta / f"{index}.pt").is_file():  # laid out as the partition: converted as it was
+            continue
+        momentum = torch.load(momenta / f"{index}.pt", weights_only=False)
         path = out / "zero" / name / "exp_avg.pt"
         entry = torch.load(path, weights_only=False)
         assert entry["param"].numel() == momentum.numel(), (name, entry["param"].shape, momentum.shape)
