@@ -525,9 +525,9 @@ def muon_universal_input(checkpoint: Path, shadow: Path) -> list[str] | None:
     Newton-Schulz needs whole matrices): the group gets zeros of the partition's size, and the full momenta are
     cut from the buffer by the parameters' shapes (the model states' param_shapes) and written afterwards."""
     files = sorted(checkpoint.glob("*optim_states.pt"))
-    if not files or not any("momentum_buffer" in state for state in _optimizer_states(
-            torch.load(files[0], map_location="cpu", weights_only=False)).values()):  # every rank has the same groups
-        return None
+    first = torch.load(files[0], map_location="cpu", weights_only=False) if files else None
+    if first is None or not any("momentum_buffer" in s for s in _optimizer_states(first).values()):  # every rank
+        return None  # has the same groups
     shadow.mkdir(parents=True)
     for item in checkpoint.iterdir():
         if item not in files:
@@ -537,7 +537,7 @@ def muon_universal_input(checkpoint: Path, shadow: Path) -> list[str] | None:
     momenta.mkdir()
     names = []
     for file in files:
-        sd = torch.load(file, map_location="cpu", weights_only=False)
+        sd, first = first or torch.load(file, map_location="cpu", weights_only=False), None  # the first read once
         osd = sd["optimizer_state_dict"]
         states = _optimizer_states(sd)
         for index, state in list(states.items()):

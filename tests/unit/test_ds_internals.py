@@ -138,16 +138,20 @@ os._exit(0)  # no interpreter teardown of gloo's threads: it can abort a finishe
 """
 
 
-@pytest.fixture(scope="module")
-def engine_results(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("cache")
+def one_rank_child(script: str, cache: Path, what: str) -> dict:
+    """Run `script` as a one-rank gloo world in a child process; the dict it printed after "RESULT "."""
     extra = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, "-c", ENGINE_CHECKS], cwd=ROOT, env=env(cache, **extra),
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env(cache, **extra),
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, moved("a DeepSpeed engine internal") + "\n" + proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines, moved(what) + "\n" + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory) -> dict:
+    return one_rank_child(ENGINE_CHECKS, tmp_path_factory.mktemp("cache"), "a DeepSpeed engine internal")
 
 
 def test_consolidated_16bit_state_dict(engine_results):
@@ -677,13 +681,7 @@ def test_muon_tags_kept_and_updates_counted(tmp_path):
     keep_muon_tags the tags set where the model is built win, and the context restores DeepSpeed's function.
     Every stage's Muon passes its matrices through original_muon.muon_update, where count_muon_updates sees them
     (and, undone, sees nothing)."""
-    extra = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, "-c", MUON_ENGINES], cwd=ROOT, env=env(tmp_path, **extra),
-                          capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, moved("DeepSpeed's Muon") + "\n" + proc.stderr[-3000:]
-    for stage, got in json.loads(lines[-1][len("RESULT "):]).items():
+    for stage, got in one_rank_child(MUON_ENGINES, tmp_path, "DeepSpeed's Muon").items():
         assert not isinstance(got, str), moved(f"DeepSpeed's Muon at ZeRO-{stage}") + f": {got}"
         by_name, ours, shapes, again, restored = got
         # when DeepSpeed tags by what a parameter is, keep_muon_tags can go
