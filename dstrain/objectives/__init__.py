@@ -35,6 +35,20 @@ def sequences_per_sample(recipe: Recipe) -> int:
     return 2 if recipe.data.format == "preference" else 1
 
 
+def evaluation_keys(recipe: Recipe) -> list[str]:
+    """The figures an evaluation writes to metrics.jsonl for this recipe (what a sweep may optimise), as fnmatch
+    patterns: `eval_loss`, then perplexity, or the objective's own figures with the `eval_` prefix (Metrics.evaluation)."""
+    if recipe.data.format == "preference":
+        from .preference import ORPO_STATS, STATS
+        return ["eval_loss"] + [f"eval_{name}" for name in STATS + (ORPO_STATS if recipe.preference.loss == "orpo"
+                                                                    else ())]
+    if recipe.data.format == "prompt":
+        from .rl import EVAL_KEYS
+        keys = [key for key, wanted in EVAL_KEYS.items() if wanted(recipe.rl)]
+        return ["eval_loss"] + [f"eval_{key}" for key in keys]
+    return ["eval_loss", "perplexity"]
+
+
 def make(recipe: Recipe):
     if recipe.data.format == "preference":
         from .preference import Preference

@@ -30,6 +30,16 @@ from . import rewards as reward_fns
 from . import rl_math, rollout
 
 
+# The figures RL.metrics logs, each with when it does (the sweep's check of a metric name reads this; a test keeps
+# it equal to what metrics() returns).
+EVAL_KEYS = {"reward": lambda cfg: bool(cfg.reward_funcs), "reward_std": lambda cfg: bool(cfg.reward_funcs),
+             "completions/mean_length": lambda cfg: True, "completions/clipped_ratio": lambda cfg: True,
+             "clip_ratio/low_mean": lambda cfg: bool(cfg.reward_funcs),
+             "clip_ratio/high_mean": lambda cfg: bool(cfg.reward_funcs), "entropy": lambda cfg: True,
+             "kl": lambda cfg: cfg.beta != 0.0, "distill_loss": lambda cfg: bool(cfg.teacher),
+             "rewards/*/mean": lambda cfg: bool(cfg.reward_funcs), "rewards/*/std": lambda cfg: bool(cfg.reward_funcs)}
+
+
 class RL:
     name = "rl"
     perplexity = False
