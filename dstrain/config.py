@@ -279,6 +279,7 @@ class LogConfig:
     wandb_project: str = "dstrain"  # the wandb project
     tensorboard: bool = False  # TensorBoard event files in `<run dir>/tensorboard` (`tensorboard --logdir runs`)
     run_name: str | None = None  # the wandb run name; null: the run directory's name
+    wandb_group: str | None = None  # the wandb group (a sweep's trials are grouped by its study name)
     progress_bar: bool = True  # rank 0's progress bar
     plot: bool = True  # `loss.png` at the end
     comm_bytes: bool = True  # log the bytes each rank sends in collectives per step (ring-algorithm count)

@@ -64,8 +64,9 @@ class Metrics:
             id_file.write_text(uuid.uuid4().hex[:12])
         mode = "online" if env.wandb_online() else "offline"
         self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.cfg.run_name or self.run_dir.name,
-                                id=id_file.read_text().strip(), resume="allow", dir=str(self.run_dir),
-                                config=resolved_config, mode=mode, settings=wandb.Settings(quiet=True))
+                                id=id_file.read_text().strip(), resume="allow", group=self.cfg.wandb_group,
+                                dir=str(self.run_dir), config=resolved_config, mode=mode,
+                                settings=wandb.Settings(quiet=True))
 
     def _init_tensorboard(self) -> None:
         from torch.utils.tensorboard import SummaryWriter

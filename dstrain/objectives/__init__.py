@@ -37,7 +37,7 @@ def sequences_per_sample(recipe: Recipe) -> int:
 
 def evaluation_keys(recipe: Recipe) -> list[str]:
     """The figures an evaluation writes to metrics.jsonl for this recipe (what a sweep may optimise), as fnmatch
-    patterns: `eval_loss`, then perplexity, or the objective's own figures with the `eval_` prefix (Metrics.evaluation)."""
+    patterns: `eval_loss`, then perplexity, or the objective's own figures with the `eval_` prefix."""
     if recipe.data.format == "preference":
         from .preference import ORPO_STATS, STATS
         return ["eval_loss"] + [f"eval_{name}" for name in STATS + (ORPO_STATS if recipe.preference.loss == "orpo"

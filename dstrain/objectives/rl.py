@@ -29,7 +29,6 @@ from ..errors import UserError
 from . import rewards as reward_fns
 from . import rl_math, rollout
 
-
 # The figures RL.metrics logs, each with when it does (the sweep's check of a metric name reads this; a test keeps
 # it equal to what metrics() returns).
 EVAL_KEYS = {"reward": lambda cfg: bool(cfg.reward_funcs), "reward_std": lambda cfg: bool(cfg.reward_funcs),

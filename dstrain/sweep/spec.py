@@ -105,9 +105,12 @@ class Sweep:
         return self.storage or f"sqlite:///{(self.run_root / 'study.db').resolve()}"
 
     def overrides(self, params: dict) -> dict:
-        """The recipe overrides of one trial: the fixed keys, then its parameters."""
+        """The recipe overrides of one trial: the fixed keys, then its parameters (and, unless set, the study's name
+        as the trial's wandb group)."""
         nested: dict = {}
-        for key, value in list(self.fixed.items()) + list(params.items()):
+        group = {} if "log.wandb_group" in self.fixed or "log.wandb_group" in self.space else \
+            {"log.wandb_group": self.study_name}
+        for key, value in list(self.fixed.items()) + list(params.items()) + list(group.items()):
             node = nested
             *parents, last = key.split(".")
             for part in parents:
@@ -246,7 +249,8 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     if pruner.min_resource != "auto":
         _as_int("pruner.min_resource", pruner.min_resource, 1)
 
-    space = {key: _range(key, value) for key, value in _flatten(space_raw, leaves=("low", "high", "log", "step")).items()}
+    ranges = _flatten(space_raw, leaves=("low", "high", "log", "step"))
+    space = {key: _range(key, value) for key, value in ranges.items()}
     fixed = _flatten(fixed_raw)
     both = sorted(set(space) & set(fixed))
     if both:
@@ -286,8 +290,8 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     first = {k: v[0] if isinstance(v, list) else v.low for k, v in space.items()}
     for key, value in space.items():
         for candidate in (value if isinstance(value, list) else [value.low, value.high]):
-            if isinstance(value, Range) and value.integer:
-                candidate = int(candidate)
+            if isinstance(value, Range):
+                candidate = int(candidate) if value.integer else float(candidate)
             _check_trial_recipe(sweep, first | {key: candidate}, f"space.{key}={candidate!r}")
     if sweep.storage and not sweep.storage.startswith(("sqlite:", "postgresql", "mysql")):
         raise UserError(f"storage={sweep.storage!r} is not a database URL Optuna opens (sqlite:///path, "

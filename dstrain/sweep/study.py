@@ -264,6 +264,8 @@ class Worker:
 
     def next_trial(self, slot: int) -> TrialRun | None:
         """Adopt a RUNNING trial nobody holds (its worker died), else ask a new one while the budget lasts."""
+        if self.stopping:
+            return None
         with Lock(self.root / ".study.lock"):
             trials = self.study.get_trials(deepcopy=False)
             for trial in trials:
@@ -276,7 +278,7 @@ class Worker:
                     self.launch(run, slot, resume=True)
                     self._say(f"trial {run.number}: resumed from {run.run_dir} (its worker had stopped)")
                     return run
-            if self.stopping or self.user_error:
+            if self.user_error:
                 return None
             if sum(t.state != TrialState.WAITING for t in trials) >= self.sweep.trials:
                 return None
@@ -372,8 +374,8 @@ class Worker:
             return False
         run.log.close()
         run.exit_code = code
-        if self.stopping and run.pruned_at is None and code in (EXIT_STOPPED, -signal.SIGTERM, 143):
-            run.claim.release()  # left RUNNING: the next start of the sweep resumes it
+        if self.stopping and run.pruned_at is None and code != EXIT_OK:
+            run.claim.release()  # left RUNNING (saved, or killed before it could): the next start resumes it
             self._say(f"trial {run.number}: stopped with a checkpoint; the sweep resumes it when started again")
             return True
         retry = code not in FINAL | {EXIT_OK} and run.pruned_at is None and run.restarts < self.sweep.retries
