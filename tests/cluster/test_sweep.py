@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import BIN, ROOT, doc_commands, env, kill_tree
 
@@ -90,7 +91,6 @@ def test_the_docs_sweep_runs_to_a_table_a_plot_and_a_best_trial_that_reproduces(
     assert set(states) <= {"complete", "pruned"}, printed
     for t in found:  # each trial is an ordinary run directory: its recipe, its metrics
         run_dir = out / f"trial_{t['trial']:03d}"
-        import yaml
         recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
         assert recipe["train"]["lr"] == t["params"]["train.lr"] and recipe["train"]["max_steps"] == 40
         evals = {str(r["step"]): r["eval_loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text()
@@ -100,7 +100,7 @@ def test_the_docs_sweep_runs_to_a_table_a_plot_and_a_best_trial_that_reproduces(
             assert t["value"] == evals["40"]
         else:  # stopped with a checkpoint, resumable: `--resume auto` continues it
             assert t["pruned_at"] in (20, 30) and (run_dir / "checkpoints").is_dir()
-            assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
+            assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped (STOP file)"
     for name in ("trials.tsv", "sweep.png", "best.json"):
         assert (out / name).stat().st_size > 0
     best = json.loads((out / "best.json").read_text())["best"]
