@@ -311,7 +311,11 @@ def jit_build_key(builder) -> str:
     flags, the torch and Python it builds against, the compiler). torch keeps one build directory per op name
     and rebuilds, silently, whenever the flags differ from the last build: two environments sharing
     ~/.cache/torch_extensions (two venvs or checkouts, launchers that set different variables) rebuilt the
-    shm_comm op back and forth, 25-73 s per run (issue 29). Keyed by this digest, each variant is built once."""
+    shm_comm op back and forth, 25-73 s per run (issue 29). Keyed by this digest, each variant is built once.
+    The ninja torch runs (the first on PATH) is part of it: pip's ninja (1.13 in .venv/bin) and Debian's (1.11) hash
+    a build's commands differently in .ninja_log, so runs with and without the venv on PATH (a sweep's trials, then
+    its printed `torchrun` command) rebuilt the op each time they alternated: 23 s a run here."""
+    import shutil
     import sysconfig
 
     def _safe(call):
@@ -322,7 +326,7 @@ def jit_build_key(builder) -> str:
 
     import deepspeed
     parts = [builder.name, deepspeed.__version__, torch.__version__, str(Path(torch.__file__).parent),
-             sysconfig.get_paths().get("include", ""), env.compiler(),
+             sysconfig.get_paths().get("include", ""), env.compiler(), shutil.which("ninja"),
              [os.path.abspath(builder.deepspeed_src_path(p)) for p in _safe(builder.sources) or []],
              [os.path.abspath(builder.deepspeed_src_path(p)) for p in _safe(builder.include_paths) or []],
              _safe(builder.cxx_args), _safe(builder.extra_ldflags)]

@@ -471,7 +471,7 @@ def test_jit_loads_probe_the_flags_once_and_async_io_builds_without_debug_info(m
     assert "-g" in seen[1][0]  # the other ops keep DeepSpeed's flags
 
 
-def test_jit_builds_with_other_flags_go_to_their_own_directory(monkeypatch):
+def test_jit_builds_with_other_flags_go_to_their_own_directory(monkeypatch, tmp_path):
     """Issue 29 item 6: two environments sharing ~/.cache/torch_extensions rebuilt shm_comm back and forth,
     silently (torch keeps one directory per op name and rebuilds when the flags differ). Keyed by the build
     inputs, each variant has its own directory: same inputs, same key; other flags or paths, another."""
@@ -484,6 +484,12 @@ def test_jit_builds_with_other_flags_go_to_their_own_directory(monkeypatch):
     assert ds_internals.jit_build_key(builder) != key
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "clang++")
+    assert ds_internals.jit_build_key(builder) != key
+    monkeypatch.undo()
+    # another ninja first on PATH (pip's in the venv against Debian's): their build logs disagree, so it rebuilt
+    (tmp_path / "ninja").write_text("#!/bin/sh\n")
+    (tmp_path / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert ds_internals.jit_build_key(builder) != key
 
 
