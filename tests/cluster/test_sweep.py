@@ -9,7 +9,6 @@ The uninterrupted study is the reference for the other two, so one launch serves
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
