@@ -41,6 +41,8 @@ DOCUMENTED = {
     "MALLOC_MMAP_THRESHOLD_": "glibc's, read only to label memory.json on CPU ranks: set (e.g. 131072), freed tensors "
                               "leave RSS at once and the peak is the live memory, at 1.5x slower steps; unset (the "
                               "launch scripts' default) the peak includes glibc's reusable heap (docs/planning.md)",
+    "CUDA_VISIBLE_DEVICES": "the GPUs a sweep worker (`python -m dstrain.sweep`) shares among its trials, each trial "
+                            "given its own `ranks_per_trial` of them (default: every GPU `nvidia-smi -L` lists)",
     "SLURM_ARRAY_TASK_ID": "prepare_data in a SLURM array job: this task's id (it writes its share of the shards)",
     "SLURM_ARRAY_TASK_COUNT": "prepare_data in a SLURM array job: how many tasks share the shards",
     "SLURM_ARRAY_TASK_MIN": "prepare_data in a SLURM array job: the first task id (0 when absent)",
@@ -129,6 +131,12 @@ def fault_spec() -> str:
 
 def wandb_online() -> bool:
     return bool(_get("WANDB_API_KEY"))
+
+
+def visible_gpus() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list, or None when it is not set."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [d.strip() for d in visible.split(",") if d.strip()]
 
 
 def omp_threads() -> str:

@@ -34,6 +34,7 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
+from .. import env
 from ..config import load_recipe
 from ..errors import EXIT_NONFINITE, EXIT_OK, EXIT_SAVE_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
 from ..paths import REPO_ROOT
@@ -219,7 +220,7 @@ class Worker:
                 "--resume", "auto" if resume else "never", *override_args(sweep.overrides(run.params))]
         extra = {}
         if self.devices is None:  # CPU ranks: the machine's cores split between the trials at once
-            extra["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(
+            extra["OMP_NUM_THREADS"] = env.omp_threads() or str(
                 max(1, len(os.sched_getaffinity(0)) // (sweep.parallel * sweep.ranks_per_trial)))
         elif slot is not None:
             first = slot * sweep.ranks_per_trial
@@ -442,9 +443,9 @@ def _last_error(log: Path) -> str:
 
 def devices() -> list[str] | None:
     """The GPUs trials are given (disjoint sets), or None on a machine without them (CPU ranks)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = env.visible_gpus()
     if visible is not None:
-        return [d for d in visible.split(",") if d.strip()] or None
+        return visible or None
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):

@@ -220,3 +220,21 @@ def test_the_docs_figures_are_the_benchmarks():
             f"trial's {shipped['best_eval_loss']:.4f} (its warm-up was {won['params']['train.warmup_steps']} steps"
             ) in page
     assert f"best: trial {shipped['best_trial']}, eval_loss={shipped['best_eval_loss']:.6g} " in page  # the example
+
+
+def test_trials_at_once_get_disjoint_gpus_and_cpu_ranks_split_the_cores(tmp_path, monkeypatch):
+    sweep = spec.load(write(tmp_path, GOOD), [f"--output_dir={tmp_path / 'out'}", "--parallel=2",
+                                              "--ranks_per_trial=2"])
+    run = study.TrialRun(3, 0, {"train.lr": 1e-3, "train.warmup_steps": 5}, tmp_path / "out/trial_003", 40, None)
+    gpus = study.Worker(sweep, None, [str(i) for i in range(4)])
+    argv, extra = gpus.command(run, slot=1)
+    assert extra == {"CUDA_VISIBLE_DEVICES": "2,3"} and "--nproc_per_node=2" in argv
+    assert argv[argv.index("--output_dir") + 1] == str(run.run_dir) and "--train.lr=0.001" in argv
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(study.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert study.Worker(sweep, None, None).command(run, slot=1)[1] == {"OMP_NUM_THREADS": "4"}
+    with pytest.raises(UserError, match="parallel=2 trials of ranks_per_trial=2 need 4 GPUs; this machine shows 2"):
+        study.check_devices(sweep, ["0", "1"])
+    shown = gpus.shown_command(run, "runs/again")
+    assert shown.startswith("torchrun --standalone --nproc_per_node=2 train.py --recipe recipes/tiny/pretrain.yaml "
+                            "--output_dir runs/again --train.max_steps=40")
