@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(report.write(sweep, study))
         return EXIT_OK
-    code = Worker(sweep, study, gpus).run()
-    print(report.write(sweep, study))
-    return code
+    try:
+        return Worker(sweep, study, gpus).run()
+    finally:  # the table also when a trial's input was refused (the one line follows it)
+        print(report.write(sweep, study), flush=True)
 
 
 if __name__ == "__main__":

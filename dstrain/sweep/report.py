@@ -91,7 +91,8 @@ def plot(sweep: Sweep, found: list[dict], out: Path, top: int = 3) -> None:
         ax.set_xlabel(key)
         ax.set_ylabel(sweep.metric)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     ranked = sorted((r for r in found if r["state"] == "complete"), key=lambda r: r["value"],
                     reverse=sweep.direction == "maximize")
     bold = {r["trial"] for r in ranked[:top]}

@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -36,7 +37,7 @@ from optuna.trial import TrialState
 
 from .. import env
 from ..config import load_recipe
-from ..errors import EXIT_NONFINITE, EXIT_OK, EXIT_SAVE_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
+from ..errors import EXIT_FAILED, EXIT_NONFINITE, EXIT_OK, EXIT_SAVE_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
 from ..paths import REPO_ROOT
 from ..run.preempt import STOP_FILE
 from .spec import Sweep
@@ -194,9 +195,11 @@ class TrialRun:
     log: IO | None = None
     restarts: int = 0
     pruned_at: int | None = None  # the step it was judged hopeless at
+    judged: int = 0  # the last step it was judged at
     exit_code: int | None = None
     reported: set = field(default_factory=set)
     handle: object = None  # optuna.trial.Trial: reports and attributes go to the storage through it
+    log_from: int = 0  # where this launch's output starts in the trial's log
 
 
 class Worker:
@@ -237,13 +240,14 @@ class Worker:
                                                else recipe)
         argv[argv.index(str(REPO_ROOT / "train.py"))] = "train.py"
         del argv[argv.index("--resume"):argv.index("--resume") + 2]
-        env = "".join(f"{k}={v} " for k, v in extra.items() if k == "OMP_NUM_THREADS")
-        return env + "torchrun " + shlex.join(argv[3:])
+        prefix = "".join(f"{k}={v} " for k, v in extra.items() if k == "OMP_NUM_THREADS")
+        return prefix + "torchrun " + shlex.join(argv[3:])
 
     def launch(self, run: TrialRun, slot: int, resume: bool) -> None:
         argv, extra = self.command(run, slot, resume)
         (self.root / "logs").mkdir(exist_ok=True)
         run.log = open(self.root / "logs" / f"trial_{run.number:03d}.log", "a")
+        run.log_from = run.log.tell()
         run.log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'}: "
                       f"{' '.join(argv)}\n")
         run.log.flush()
@@ -258,6 +262,7 @@ class Worker:
         # FrozenTrial's _trial_id is how Optuna's own ask-and-tell code names a trial to its storage
         return TrialRun(trial.number, trial._trial_id, dict(trial.params), run_dir, recipe.train.max_steps, claim,
                         restarts=int(trial.user_attrs.get("restarts", 0)), reported=set(trial.intermediate_values),
+                        judged=judged_step(trial),
                         handle=optuna.trial.Trial(self.study, trial._trial_id))
 
     def _set(self, run: TrialRun, key: str, value) -> None:
@@ -327,13 +332,13 @@ class Worker:
         for step, value in self._evals(run):
             if run.pruned_at is not None:
                 return True
+            if step <= run.judged:
+                continue
             if step not in run.reported:
                 run.handle.report(value, step)
                 run.reported.add(step)
             trials = self.study.get_trials(deepcopy=False)
             me = trials[run.number]
-            if judged_step(me) >= step:
-                continue
             if not ready_to_judge(trials, run.number, step):
                 return False
             seen = copy.copy(me)
@@ -345,6 +350,7 @@ class Worker:
                 self._say(f"trial {run.number}: pruned at step {step} ({self.sweep.metric}={value:.4g}); it saves a "
                           f"checkpoint and stops")
             self._set(run, "judged_step", step)
+            run.judged = step
         return True
 
     def finish(self, run: TrialRun) -> None:
@@ -360,8 +366,8 @@ class Worker:
         else:
             why = (f"finished without logging {self.sweep.metric} at step {run.max_steps}" if code == EXIT_OK
                    else f"exit {code}")
-            self.study.tell(run.number, state=TrialState.FAIL)
             self._set(run, "failure", why)
+            self.study.tell(run.number, state=TrialState.FAIL)
             self._say(f"trial {run.number}: failed ({why}); its log: {self.root / 'logs'}/trial_{run.number:03d}.log")
             if code == EXIT_USER_ERROR:
                 self.user_error = _last_error(self.root / "logs" / f"trial_{run.number:03d}.log")
@@ -374,6 +380,7 @@ class Worker:
             self.judge(run)
             return False
         run.log.close()
+        code = rank_exit_code(run, code)
         run.exit_code = code
         if self.stopping and run.pruned_at is None and code != EXIT_OK:
             run.claim.release()  # left RUNNING (saved, or killed before it could): the next start resumes it
@@ -414,7 +421,10 @@ class Worker:
             time.sleep(POLL_S)
         if self.user_error:
             raise UserError(self.user_error)
-        return EXIT_STOPPED if self.stopping else EXIT_OK
+        if self.stopping:
+            return EXIT_STOPPED
+        states = {t.state for t in self.study.get_trials(deepcopy=False)}
+        return EXIT_FAILED if TrialState.FAIL in states and TrialState.COMPLETE not in states else EXIT_OK
 
     def _on_signal(self, signum, frame) -> None:
         if self.stopping:
@@ -430,6 +440,17 @@ class Worker:
 
     def _say(self, text: str) -> None:
         print(f"sweep: {text}", file=sys.stderr, flush=True)
+
+
+def rank_exit_code(run: TrialRun, code: int) -> int:
+    """torchrun exits 1 whatever its ranks exited with; its failure report names the first failed rank's code (2: the
+    trial's input was refused, 65: steps were not finite...), which says whether resuming could help."""
+    if code != 1:
+        return code
+    with open(run.log.name, errors="replace") as log:
+        log.seek(run.log_from)
+        found = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", log.read(), re.M)
+    return int(found[0]) if found else code
 
 
 def _params(params: dict) -> str:

@@ -238,3 +238,18 @@ def test_trials_at_once_get_disjoint_gpus_and_cpu_ranks_split_the_cores(tmp_path
     shown = gpus.shown_command(run, "runs/again")
     assert shown.startswith("torchrun --standalone --nproc_per_node=2 train.py --recipe recipes/tiny/pretrain.yaml "
                             "--output_dir runs/again --train.max_steps=40")
+
+
+def test_a_trials_exit_code_is_its_ranks_not_torchruns(tmp_path):
+    """torchrun exits 1 for any failed rank; the code that says whether to resume (2: refused input, not retried) is
+    in its failure report, read from this launch's part of the trial's log only."""
+    log = tmp_path / "trial.log"
+    log.write_text("  exitcode  : 65 (pid: 1)\n")  # an earlier launch's
+    with open(log, "a") as handle:
+        run = study.TrialRun(0, 0, {}, tmp_path, 40, None, log=handle, log_from=handle.tell())
+        handle.write("error: train.seq_len=100000 exceeds ...\nRoot Cause (first observed failure):\n[0]:\n"
+                     "  exitcode  : 2 (pid: 6573)\n[1]:\n  exitcode  : -15 (pid: 6574)\n")
+    assert study.rank_exit_code(run, 1) == 2
+    assert study.rank_exit_code(run, 0) == 0 and study.rank_exit_code(run, -9) == -9
+    run.log_from = log.stat().st_size
+    assert study.rank_exit_code(run, 1) == 1  # nothing said: a crash of torchrun itself
