@@ -91,7 +91,7 @@ LONGEST_FIRST = {
     "e2e/test_errors.py": 100, "e2e/test_elastic.py": 160, "e2e/test_background_save.py": 100,
     "e2e/test_rl_vs_trl.py": 150, "unit/test_preference.py": 90, "unit/test_ds_internals.py": 80,
     "e2e/test_ring_attention.py": 100, "unit/test_ring_attention.py": 40, "e2e/test_health.py": 60,
-    "cluster/test_sweep.py": 200,
+    "cluster/test_sweep.py": 150,
 }
 
 
