@@ -9,7 +9,9 @@ The uninterrupted study is the reference for the other two, so one launch serves
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -121,30 +123,45 @@ def test_the_docs_sweep_runs_to_a_table_a_plot_and_a_best_trial_that_reproduces(
           f"{json.loads((tmp_path / 'again' / 'summary.json').read_text())['wall_s']} s")
 
 
-def test_a_sweep_killed_mid_study_continues_to_the_uninterrupted_study(uninterrupted, tmp_path, cache):
-    """SIGKILL to the worker and every trial process once trial 2 has its first checkpoint (a lost node); the same
-    command again adopts the trials left RUNNING, resumes them from their checkpoints, and asks no trial twice."""
+def wait_for(proc: subprocess.Popen, path: Path) -> None:
+    deadline = time.time() + TIMEOUT
+    while not path.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            kill_tree(proc.pid)
+            raise AssertionError(f"{path} never came\n{proc.communicate()[0][-5000:]}")
+        time.sleep(0.1)
+
+
+def test_a_sweep_stopped_then_killed_continues_to_the_uninterrupted_study(uninterrupted, tmp_path, cache):
+    """Ctrl-C (SIGINT to the worker's process group) once trial 2 has its first checkpoint: the running trials save
+    and stop, the worker exits 75. Started again, then SIGKILL to the worker and every trial process once trial 4 has
+    its first checkpoint (a lost node). Started again: the trials left RUNNING each time are adopted and resumed from
+    their checkpoints, no trial is asked twice, and the study ends as the uninterrupted one did."""
     want = uninterrupted[0]
     out = tmp_path / "study"
     proc = start(out, cache)
-    checkpoint = out / "trial_002" / "checkpoints" / "step_00000010" / "complete.json"
-    deadline = time.time() + TIMEOUT
+    wait_for(proc, out / "trial_002" / "checkpoints" / "step_00000010" / "complete.json")
+    os.killpg(proc.pid, signal.SIGINT)
+    stopped = proc.communicate(timeout=TIMEOUT)[0]
+    assert proc.returncode == 75, stopped[-5000:]
+    running = [t["trial"] for t in json.loads((out / "best.json").read_text())["trials"] if t["state"] == "running"]
+    assert 2 in running and "stopped with a checkpoint" in stopped, stopped[-5000:]
+    proc = start(out, cache)
     try:
-        while not checkpoint.exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-5000:]
-            time.sleep(0.1)
+        wait_for(proc, out / "trial_004" / "checkpoints" / "step_00000010" / "complete.json")
     finally:
         kill_tree(proc.pid)
-    proc.communicate()
-    assert not (out / "best.json").exists()
+    resumed_once = proc.communicate()[0]
     # continued 3 trials at a time (the study does not depend on it): trials now reach a step while the ones before
     # them still run, where Optuna's own pruner would judge against whichever had finished
     printed = finish(start(out, cache, "--parallel=3"))
-    assert "trial 2: resumed from" in printed, printed
+    assert all(f"trial {n}: resumed from" in resumed_once for n in running), resumed_once[-5000:]
+    assert "trial 4: resumed from" in printed, printed
     assert_same_study(out, want)
     for t in trials(want):
         fresh, resumed = starts(out, t["trial"])
-        assert (fresh, resumed) == (1, int(f"trial {t['trial']}: resumed from" in printed))
+        says = f"trial {t['trial']}: resumed from"
+        assert (fresh, resumed) == (1, int(says in resumed_once) + int(says in printed)), t["trial"]
 
 
 def test_a_slurm_array_shares_one_study(uninterrupted, tmp_path, cache, slurm):
