@@ -37,13 +37,23 @@ from optuna.trial import TrialState
 
 from .. import env
 from ..config import load_recipe
-from ..errors import EXIT_FAILED, EXIT_NONFINITE, EXIT_OK, EXIT_SAVE_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
+from ..errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_SAVE_FAILED,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    UserError,
+)
 from ..paths import REPO_ROOT
+from ..run import run_lock
 from ..run.preempt import STOP_FILE
 from .spec import Sweep
 
 POLL_S = 0.5
-FINAL = {EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_SAVE_FAILED, 130}  # exits a resume would repeat (errors.py)
+FINAL = {EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_SAVE_FAILED, EXIT_INTERRUPTED}  # exits a resume would repeat (errors.py)
 
 
 def yaml_scalar(value) -> str:
@@ -302,7 +312,7 @@ class Worker:
         """A trial whose worker died may still be saving (its launcher got SIGTERM): wait for its run lock."""
         if not run.run_dir.exists():
             return
-        lock, deadline = Lock(run.run_dir / ".lock"), time.time() + timeout
+        lock, deadline = Lock(run.run_dir / run_lock.LOCK_FILE), time.time() + timeout
         while not lock.take(wait=False):
             if time.time() > deadline:
                 raise UserError(f"{run.run_dir} stays in use by another process; stop it, then run the sweep again")
