@@ -117,6 +117,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         log(lone)
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, device,
                                models.hidden_size(model_config), env.ranks_per_node(), layout.replicas)
+    if start_from:  # saved under another ZeRO stage: converted like a world change, or refused in one line
+        start_from = resume.adapt_to_stage(start_from, ds_cfg, ds_config.optimizer_of(raw_ds, train), log)
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
                              init_from or started_from,
                              start_from.manifest.get("world_size") if start_from and start_from.universal else None)
@@ -140,7 +142,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     resume.set_aside(start_from, ctx, log)  # damaged checkpoints newer than the chosen one
     if start_from and start_from.universal:
         resume.to_universal(start_from, ctx, log)
-        ds_cfg.setdefault("checkpoint", {})["load_universal"] = True
+        if not start_from.into_plain:  # DeepSpeed's own universal loader (ZeRO-1/2/3, BF16 optimizer)
+            ds_cfg.setdefault("checkpoint", {})["load_universal"] = True
     for feature in features:
         feature.configure(ds_cfg, setup)
     baseline_memory = memory.current_bytes()  # everything after this is the model and its training
@@ -199,7 +202,8 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     start = ckpt.load(engine, start_from)["step"] if start_from else 0
     if start_from:
         stream.resume(start // per, start_from.manifest.get("samples", start // per * stream.global_batch))
-    events.record_start(run_dir, ctx, start, log)  # who takes part; what a change of members cost (events.jsonl)
+    # who takes part; what a change of members (or of the ZeRO stage) cost (events.jsonl)
+    events.record_start(run_dir, ctx, start, log, ds_config.zero_stage(ds_cfg))
     setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
     memory.reset_peak()  # from here on, the training phase's peak (what the preflight models)
     metrics = Metrics(run_dir, recipe.log, ctx, start, train.max_steps, {"recipe": recipe.to_dict(), "ds": ds_cfg},
@@ -220,6 +224,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
         return {"global_batch": stream.global_batch, "samples": step // per * stream.global_batch + stream.offset,
                 "data_parallel": layout.data_parallel, "sequence_parallel": layout.sequence_parallel,
                 "context_parallel": layout.context_parallel, "replicas": layout.replicas, "run": identity,
+                "zero_stage": ds_config.zero_stage(ds_cfg),
                 "health": checks.state()}
 
     # ---- the loop

@@ -8,6 +8,7 @@ scripts/gen_reference_docs.py; a test fails when the page is stale). A class doc
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -638,16 +639,18 @@ def parse_overrides(items: list[str]) -> dict:
         if not item.startswith("--"):
             raise UserError(f"unexpected argument '{item}'; overrides look like --train.max_steps=20")
         key, sep, value = item[2:].partition("=")
+        values = []
         if not sep:
-            if i + 1 >= len(items) or items[i + 1].startswith("--"):
+            # `--rl.reward_funcs a.py:f b.py:g`, as TRL's and argparse's nargs='+' take it: the words up to the next
+            # `--` are the key's values, one of them a scalar and several a list
+            while i + 1 < len(items) and not items[i + 1].startswith("--"):
+                values.append(items[i + 1])
+                i += 1
+            if not values:
                 raise UserError(f"override --{key} has no value; write --{key}=VALUE")
-            value = items[i + 1]
-            i += 1
+            value = values[0]
         i += 1
-        try:
-            parsed = yaml.safe_load(value) if value != "" else ""
-        except yaml.YAMLError:
-            parsed = value
+        parsed = [_yaml_value(v) for v in values] if len(values) > 1 else _yaml_value(value)
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -656,6 +659,29 @@ def parse_overrides(items: list[str]) -> dict:
                 raise UserError(f"override --{key} conflicts with another override of '{part}'")
         node[parts[-1]] = parsed
     return nested
+
+
+def _yaml_value(text: str) -> Any:
+    """An override's text as YAML reads it (`1e-3`, `true`, `[a, b]`); text YAML cannot read stays text."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+# List-valued keys whose elements are mappings: a comma in their value is not a separator
+_MAPPING_LISTS = {"data.mix"}
+
+
+def _as_list(key: str, value: Any) -> Any:
+    """One value where a list is expected: `--rl.reward_funcs=a.py:f` is the one-element list TRL would make of it,
+    and `a.py:f,b.py:g` two elements (no element of these keys holds a comma: module names, numbers, paths to .py
+    files), each read as YAML reads a scalar."""
+    if isinstance(value, str) and key not in _MAPPING_LISTS:
+        return [_yaml_value(part.strip()) for part in value.split(",")] if "," in value else [_yaml_value(value)]
+    if isinstance(value, (int, float)) and key not in _MAPPING_LISTS:
+        return [value]
+    return value
 
 
 def merge(base: dict, update: dict) -> dict:
@@ -669,10 +695,13 @@ def merge(base: dict, update: dict) -> dict:
 def _check_type(key: str, value: Any, hint: Any) -> Any:
     """Coerce/validate a value against a dataclass field's type hint, with a one-line error."""
     origin = typing.get_origin(hint)
-    if origin is typing.Union:  # Optional[X]
+    if origin is typing.Union or origin is types.UnionType:  # Optional[X], X | None
         if value is None:
             return None
-        hint = [a for a in typing.get_args(hint) if a is not type(None)][0]
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(kinds) > 1:  # `int | str` (checkpoint.every: a number or `auto`): the section's own check decides
+            return value
+        hint = kinds[0]
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
@@ -684,11 +713,15 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         return str(value)
     if hint is str and isinstance(value, bool):
         return str(value).lower()
+    if hint is list:
+        value = _as_list(key, value)
     expected = {int: int, float: float, str: str, bool: bool, list: list, dict: dict}.get(hint)
     if expected is not None:
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if not ok:
-            raise UserError(f"{key}={value!r} should be of type {expected.__name__}")
+            form = (f"; write one value, several separated by commas ({key}=a,b), or a YAML list ('{key}=[a, b]')"
+                    if expected is list else "")
+            raise UserError(f"{key}={value!r} should be of type {expected.__name__}{form}")
     return value
 
 

@@ -72,6 +72,11 @@ def recipe_keys(source: str | None = None) -> str:
     out = [HEADER.format(src="dstrain/config.py"), "# Recipe keys\n\n",
            "A recipe is YAML with the sections below; any key can be set on the command line too "
            "(`--train.lr=1e-4`, `--lora.r=16`). Precedence: these defaults < the recipe YAML < the command line. "
+           "A list-valued key takes one value as a one-element list (`--rl.reward_funcs=rewards.py:short`), several "
+           "separated by commas (`--rl.reward_funcs=a.py:f,b.py:g`, `--train.betas=0.9,0.99`), as words after the "
+           "key (`--rl.reward_funcs a.py:f b.py:g`, TRL's spelling) or as a YAML list "
+           "(`'--rl.reward_funcs=[a.py:f, b.py:g]'`); `data.mix`'s elements are mappings, so it takes the YAML "
+           "form only. "
            "An unknown key is an error naming the closest valid one "
            "(`unknown recipe key 'train.max_step' (did you mean 'max_steps'?)`).\n"]
     recipe = config.Recipe()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -509,6 +510,111 @@ def universal_load_repairs(engine, universal: bool, folder: Path | None = None) 
             state["step"] = state["step"].clone()
     if folder is not None:
         muon_universal_load(engine, folder)
+
+
+_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def universal_for_any_stage(folder: Path) -> None:
+    """Make a universal folder (ds_to_universal's output) loadable under every ZeRO stage, not only its source's.
+    DeepSpeed 0.19.8 writes two things in the source stage's own form:
+      - the model-states file, from which the universal loader reads only step counters, the LR schedule and the
+        client state (the weights come from zero/): ZeRO-0/1/2 look for mp_rank_00_..., ZeRO-3 for
+        zero_pp_rank_0_mp_rank_00_..., so a folder from another stage is found by neither (an empty AssertionError
+        in state_dict_factory). Both names are given here, hard links to one file;
+      - zero/optimizer_state.pt: ZeRO-1/2's loader reads its top-level `param_groups` and `ds_version`, ZeRO-3's its
+        nested `optimizer_state_dict` ('state'[0]['step'], 'param_groups'; KeyError otherwise). Each form is
+        completed with the other's keys, the step from the parameters' own step.pt;
+      - each parameter's state: from ZeRO-1/2 a {'param': tensor of the parameter's shape} per file and a step.pt,
+        from ZeRO-3 a bare flat tensor and no step.pt. ZeRO-3's loader reads both forms, ZeRO-1/2's only the first
+        (IndexError: too many indices), so ZeRO-3's are rewritten in it, shaped by the model-states file's
+        param_shapes, with the optimizer's step beside them."""
+    import deepspeed
+
+    present = [name for name in _MODEL_STATES if (folder / name).is_file()]
+    for name in _MODEL_STATES:
+        if present and not (folder / name).exists():
+            os.link(folder / present[0], folder / name)
+    path = folder / "zero" / "optimizer_state.pt"
+    if not path.is_file():
+        return
+    sd = torch.load(path, weights_only=False)
+    nested = sd.get("optimizer_state_dict")
+    groups = sd.get("param_groups") or (nested or {}).get("param_groups")
+    changed = False
+    if nested is None and groups is not None:
+        steps = sorted(folder.glob("zero/*/step.pt"))
+        step = torch.load(steps[0], weights_only=False) if steps else None
+        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": groups}
+        changed = True
+    step = ((sd.get("optimizer_state_dict") or {}).get("state") or {}).get(0, {}).get("step")
+    shapes = _param_shapes(folder) if present else {}
+    for name, shape in shapes.items():
+        where = folder / "zero" / name
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            file = where / f"{key}.pt"
+            if not file.is_file():
+                continue
+            value = torch.load(file, weights_only=False)
+            if torch.is_tensor(value):
+                numel = math.prod(shape)
+                _save_replacing(file, {"param": value.reshape(-1)[:numel].reshape(tuple(shape))})
+        if step is not None and (where / "exp_avg.pt").is_file() and not (where / "step.pt").exists():
+            _save_replacing(where / "step.pt", torch.as_tensor(step).clone())
+    if "param_groups" not in sd and groups is not None:
+        sd["param_groups"] = groups
+        changed = True
+    if not sd.get("ds_version"):
+        sd["ds_version"] = deepspeed.__version__
+        changed = True
+    if changed:
+        _save_replacing(path, sd)
+
+
+def _save_replacing(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _universal_tensor(file: Path) -> torch.Tensor:
+    value = torch.load(file, weights_only=False)
+    return value["param"] if isinstance(value, dict) else value
+
+
+def load_universal_into_plain_optimizer(engine, folder: Path) -> str:
+    """Load a universal checkpoint (DeepSpeed's ds_to_universal output) into an engine whose optimizer is the plain
+    PyTorch one (ZeRO-0 in fp32). DeepSpeed's universal loader lives in its ZeRO and BF16 optimizers only: under
+    ZeRO-0 `engine.load_checkpoint` skips the weights of a universal folder and hands the PyTorch optimizer `None`
+    (AttributeError: 'NoneType' object has no attribute 'copy'). Each parameter's fp32 weight and Adam moments are
+    read from zero/<name>/, the step count, the LR schedule and the engine's counters from the folder's
+    mp_rank_00_model_states.pt, and each group's learning rate is the schedule's last one (DeepSpeed steps the
+    schedule after the optimizer, so the first resumed step uses what the group holds). Returns the folder."""
+    states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    optimizer = engine.optimizer
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names[id(param)]
+            where = folder / "zero" / name
+            if not (where / "fp32.pt").is_file():
+                raise FileNotFoundError(f"{where / 'fp32.pt'}: the universal checkpoint lacks parameter {name}")
+            with torch.no_grad():
+                param.copy_(_universal_tensor(where / "fp32.pt").view_as(param))
+            if (where / "exp_avg.pt").is_file():
+                step = torch.load(where / "step.pt", weights_only=False) if (where / "step.pt").is_file() else None
+                optimizer.state[param] = {
+                    "step": torch.tensor(float(step if step is not None else states["global_steps"])),
+                    "exp_avg": _universal_tensor(where / "exp_avg.pt").view_as(param).clone(),
+                    "exp_avg_sq": _universal_tensor(where / "exp_avg_sq.pt").view_as(param).clone()}
+    if engine.lr_scheduler is not None and states.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+        for group, lr in zip(optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    engine.global_steps = states["global_steps"]
+    engine.global_samples = states.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = states["skipped_steps"]
+    return str(folder)
 
 
 MUON_UNIVERSAL = "muon.json"  # in a universal folder: the parameters whose exp_avg.pt is Muon's momentum

@@ -58,7 +58,10 @@ class Resume:
     """A checkpoint chosen to continue from (resume.choose picks it; Checkpointer.load reads it)."""
     path: Path  # checkpoints/step_N
     manifest: dict
-    universal: bool = False  # load from universal_dir (converted for another data-parallel size)
+    universal: bool = False  # load from universal_dir (converted for another data-parallel size or ZeRO stage)
+    # the universal folder is loaded into a plain PyTorch optimizer (ZeRO-0 in fp32), which DeepSpeed's universal
+    # loader does not serve: ds_internals.load_universal_into_plain_optimizer does it
+    into_plain: bool = False
     damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
 
     @property
@@ -375,11 +378,14 @@ class Checkpointer:
         load_dir, tag = (resume.universal_dir.parent, resume.universal_dir.name) if resume.universal \
             else (resume.path, replica_tag(self.replica_index % resume.manifest.get("replicas", 1))) if self.replica \
             else (resume.path.parent, resume.path.name)  # DiLoCo: a replica that joined takes replica k mod saved
-        with ds_internals.universal_load_repairs(engine, resume.universal,
-                                                 resume.universal_dir if resume.universal else None):
-            load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True,
-                                                  load_module_strict=not has_frozen(engine))
+        if resume.into_plain:
+            load_path = ds_internals.load_universal_into_plain_optimizer(engine, resume.universal_dir)
+        else:
+            with ds_internals.universal_load_repairs(engine, resume.universal,
+                                                     resume.universal_dir if resume.universal else None):
+                load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True,
+                                                      load_module_strict=not has_frozen(engine))
         if load_path is None:
             raise UserError(f"DeepSpeed could not load checkpoint {resume.path}; it may be from another run layout")
         for name, extra in self.extras.items():

@@ -25,7 +25,8 @@ from ..parallel.dist import DistContext, all_gather_objects
 NAME = "events.jsonl"
 
 
-def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable[[str], None]) -> dict | None:
+def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable[[str], None],
+                 zero_stage: int | None = None) -> dict | None:
     """Every rank calls this once the starting step is known, before the metrics log drops the rows a lost
     attempt logged past its checkpoint (those are the steps recomputed). Returns rank 0's row."""
     nodes = sorted(set(all_gather_objects(f"{socket.gethostname()}/{os.getppid()}")))
@@ -34,7 +35,7 @@ def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable
     path = run_dir / NAME
     now = time.time()
     row = {"event": "start", "time": now, "step": start_step, "world_size": ctx.world_size, "nodes": nodes,
-           "elastic_restart": env.elastic_restart()}
+           "elastic_restart": env.elastic_restart(), "zero_stage": zero_stage}
     events = read_metrics(path)
     previous = [r for r in events if r.get("event") == "start"]
     ends = [r for r in events if r.get("event") in ("start", "stop")]  # elastic's fit/wait rows between them
@@ -44,6 +45,9 @@ def record_start(run_dir: Path, ctx: DistContext, start_step: int, say: Callable
         left, joined = sorted(set(before["nodes"]) - set(nodes)), sorted(set(nodes) - set(before["nodes"]))
         row.update(left=left, joined=joined, old_world_size=before["world_size"])
         world = f"world {before['world_size']} -> {ctx.world_size}"
+        if before.get("zero_stage") is not None and before["zero_stage"] != zero_stage:  # the user's new config
+            row["old_zero_stage"] = before["zero_stage"]
+            say(f"ZeRO stage {before['zero_stage']} -> {zero_stage} since the last start (events.jsonl)")
     if previous and stopped:  # a checkpointed stop (a person, a scheduler, an elastic agent re-forming the world)
         row.update(after_stop=stopped["reason"], seconds_lost=0.0, steps_recomputed=0,
                    paused_s=round(now - stopped["time"], 1))

@@ -243,6 +243,69 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     return replace(train, grad_accum_steps=accum), replace(resume, universal=universal)
 
 
+# How DeepSpeed lays an optimizer's state out in a checkpoint, by the optimizer it builds (engine.py's
+# _do_optimizer_sanity_check): ZeRO-3 partitions weights and state (zero_pp_rank_*_model_states.pt beside the
+# optimizer files); ZeRO-1/2 partition the state (zero_pp_rank_*_optim_states.pt); ZeRO-1 in bf16 with fp32 gradient
+# accumulation is the BF16 optimizer (bf16_zero_pp_rank_*); ZeRO-0 keeps PyTorch's optimizer (or its fp16/bf16
+# wrapper) whole inside mp_rank_00_model_states.pt. A checkpoint loads directly only into the layout it was saved in.
+_LAYOUT_NAMES = {"zero3": "ZeRO-3", "zero12": "ZeRO-1/2", "bf16_zero1": "ZeRO-1 with the BF16 optimizer",
+                 "plain": "ZeRO-0"}
+
+
+def optimizer_layout(ds_cfg: dict) -> str:
+    """The checkpoint layout the engine built from this resolved DeepSpeed config will save and load."""
+    from ..parallel.ds_config import precision, zero_stage
+
+    stage, zero = zero_stage(ds_cfg), ds_cfg.get("zero_optimization") or {}
+    if stage >= 3:
+        return "zero3"
+    if stage >= 1:
+        accum = str((ds_cfg.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
+        offload = (zero.get("offload_optimizer") or {}).get("device") not in (None, "none")
+        bf16_optimizer = stage == 1 and precision(ds_cfg) == "bf16" and accum in ("fp32", "float32", "float") \
+            and not offload
+        return "bf16_zero1" if bf16_optimizer else "zero12"
+    return "plain"
+
+
+def saved_layout(path: Path) -> str:
+    """The layout a checkpoint directory was saved in, read from its file names."""
+    if list(path.glob("zero_pp_rank_*_model_states.pt")):
+        return "zero3"
+    if list(path.glob("bf16_zero_pp_rank_*optim_states.pt")):
+        return "bf16_zero1"
+    return "zero12" if list(path.glob("*zero_pp_rank_*optim_states.pt")) else "plain"
+
+
+def adapt_to_stage(resume: Resume, ds_cfg: dict, optimizer: str | None, log=print) -> Resume:
+    """A checkpoint saved under another ZeRO stage (after an out-of-memory, say): its optimizer state converts
+    through DeepSpeed's universal checkpoint into any ZeRO-1/2/3 layout, and into ZeRO-0 in fp32 (PyTorch's own
+    AdamW, loaded by ds_internals). What no converter carries is refused here, before anything is built."""
+    from ..parallel.ds_config import precision, zero_stage
+
+    saved, ours = saved_layout(resume.path), optimizer_layout(ds_cfg)
+    if saved == ours:
+        return resume
+    was = resume.manifest.get("zero_stage")
+    before = f"ZeRO-{was}" if was is not None else _LAYOUT_NAMES[saved]
+    now = f"ZeRO-{zero_stage(ds_cfg)}"
+    weights = f"start a new --output_dir from its weights alone with --init_from {resume.path}"
+    if saved == "plain":
+        raise UserError(f"checkpoint {resume.path} was saved under ZeRO-0, whose optimizer state DeepSpeed's universal "
+                        f"checkpoint cannot read, and this run is {now}; continue it under ZeRO-0 (the DeepSpeed "
+                        f"config it was trained with), or {weights}")
+    if ours == "plain" and precision(ds_cfg) != "fp32":
+        raise UserError(f"checkpoint {resume.path} was saved under {before}, and ZeRO-0 in {precision(ds_cfg)} keeps "
+                        f"its optimizer in DeepSpeed's fp16/bf16 wrapper, which cannot load a universal checkpoint; "
+                        f"continue under ZeRO-0 with --train.precision=fp32, under ZeRO-1/2/3, or {weights}")
+    if ours == "plain" and optimizer == "muon":
+        raise UserError(f"checkpoint {resume.path} was saved under {before}; Muon's state converts between ZeRO-1/2/3 "
+                        f"only: continue under zero1.json, zero2.json or zero3.json, or {weights}")
+    log(f"ZeRO stage changed from {before} to {now}: the optimizer state is converted through DeepSpeed's universal "
+        f"checkpoint and continues exactly")
+    return replace(resume, universal=True, into_plain=ours == "plain")
+
+
 def _same_global_batch(resume: Resume, train: TrainConfig, layout: Layout) -> None:
     """On the checkpoint's data-parallel size the recipe must make up its global batch as it is."""
     global_batch, ours = resume.manifest.get("global_batch"), layout.global_batch(train.micro_batch_size,
@@ -308,7 +371,7 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
         tmp = out.with_name(f".tmp-{out.name}")
         shutil.rmtree(tmp, ignore_errors=True)
         failed.unlink(missing_ok=True)
-        log(f"converting {resume.path} to a universal checkpoint for the new world size")
+        log(f"converting {resume.path} to a universal checkpoint for the new layout")
         began = time.time()
         from ..parallel import ds_internals
 
@@ -331,9 +394,15 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
             # the tool also names its output in a `latest_universal` file beside it; the tag is passed
             # explicitly on load, so that file (naming the temporary folder) only misleads
             (tmp.parent / "latest_universal").unlink(missing_ok=True)
+            ds_internals.universal_for_any_stage(tmp)
             os.rename(tmp, out)
             log(f"converted in {time.time() - began:.1f} s")
+    if ctx.is_main and out.is_dir():
+        from ..parallel import ds_internals
+        ds_internals.universal_for_any_stage(out)  # a folder converted before this was done (idempotent)
     while not out.is_dir():  # no barrier: a big conversion may outlast the collective timeout
         if failed.is_file() and failed.stat().st_mtime >= started:  # not one from an earlier run
             raise UserError(failed.read_text())  # every rank reports the same failure and leaves
         time.sleep(0.5)
+    barrier()  # the folder is complete for every layout before anyone loads
+

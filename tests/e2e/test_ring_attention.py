@@ -57,7 +57,7 @@ def test_ring_4_zero2_resumed_on_ring_2(tmp_path, cache, tiny_llama):
     run_dir, _ = run_and_compare(tmp_path, cache, tiny_llama, str(configs[2]))
     resumed = (run_dir / "launch_stderr.txt").read_text()
     assert "and ring attention from 4 to 2 ranks: the global batch stays 8" in resumed
-    assert "to a universal checkpoint for the new world size" in resumed
+    assert "to a universal checkpoint for the new layout" in resumed
 
 
 def test_ulysses_2_x_ring_2_zero3_lora(tmp_path, cache, tiny_llama):

@@ -37,7 +37,7 @@ def test_zero3_packed_sft_on_grouped_query_attention_resumed_on_4_ranks(tmp_path
                                                              "--train.mlp_chunk_tokens=16"])
     resumed = (run_dir / "launch_stderr.txt").read_text()
     assert "grad_accum_steps 2 -> 1 keeps the global batch at 8" in resumed
-    assert "to a universal checkpoint for the new world size" in resumed
+    assert "to a universal checkpoint for the new layout" in resumed
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["components"]["sequence_parallel"] == {"size": 2}
     assert info["components"]["mlp_chunk_tokens"] == {"tokens": 16}

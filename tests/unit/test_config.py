@@ -43,6 +43,30 @@ def test_override_values_are_typed():
     assert recipe.train.betas == [0.9, 0.99] and recipe.data.val_split is None
 
 
+@pytest.mark.parametrize("args", [
+    ["--rl.reward_funcs=recipes/tiny/rewards.py:short"],  # one function, as TRL accepts one
+    ["--rl.reward_funcs", "recipes/tiny/rewards.py:short", "exact_answer"],  # TRL's nargs='+' spelling
+    ["--rl.reward_funcs=recipes/tiny/rewards.py:short,exact_answer"],
+    ["--rl.reward_funcs=[recipes/tiny/rewards.py:short, exact_answer]"]])
+def test_list_valued_keys_take_one_value_commas_or_several_words(args):
+    """Issue 69: the first three were refused ('should be of type list', 'unexpected argument'); only the YAML list
+    worked. Each element is read as a YAML scalar: --rl.reward_weights=1,0.5 gives numbers."""
+    recipe = load_recipe("tiny/grpo.yaml", parse_overrides(args))
+    want = ["recipes/tiny/rewards.py:short"] + (["exact_answer"] if len(args) > 1 or "," in args[0] else [])
+    assert recipe.rl.reward_funcs == want
+    weights = load_recipe("tiny/grpo.yaml", parse_overrides(["--rl.reward_weights=1,0.5"])).rl.reward_weights
+    assert weights == [1, 0.5]
+    assert load_recipe(None, parse_overrides(["--train.betas=0.9,0.99"])).train.betas == [0.9, 0.99]
+    assert load_recipe(None, parse_overrides(["--lora.modules_to_save", "lm_head"])).lora.modules_to_save == \
+        ["lm_head"]
+
+
+def test_a_list_key_given_a_mapping_names_the_three_spellings():
+    with pytest.raises(UserError, match=r"rl.reward_weights=\{'a': 1\} should be of type list; write one value, "
+                                        r"several separated by commas"):
+        load_recipe(None, parse_overrides(["--rl.reward_weights={a: 1}"]))
+
+
 @pytest.mark.parametrize("args,message", [
     (["--train.max_step=3"], "unknown recipe key 'train.max_step' (did you mean 'max_steps'?)"),
     (["--trian.lr=1"], "unknown recipe key 'trian' (did you mean 'train'?)"),

@@ -717,3 +717,25 @@ def test_cpu_flash_attention_returns_its_log_sum_exp():
     assert torch.allclose(out[..., 1:, :], torch.softmax(scores[..., 1:, :], -1) @ v), moved("its output")
     assert float(out[..., 0, :].abs().sum()) == 0 and float(lse[..., 0].abs().sum()) == 0, moved("a masked row")
     assert [t.shape for t in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_universal_loaders_each_stage_reads_what_universal_for_any_stage_completes():
+    """The forms ds_internals.universal_for_any_stage completes (issue 69: a ZeRO-2 checkpoint resumed under ZeRO-3
+    was an empty AssertionError) and load_universal_into_plain_optimizer serves (ZeRO-0 skips a universal folder's
+    weights and hands PyTorch's optimizer None)."""
+    from deepspeed.checkpoint import universal_checkpoint
+    from deepspeed.runtime import engine as ds_engine
+    from deepspeed.runtime.zero import stage3
+
+    name_source = inspect.getsource(ds_engine.DeepSpeedEngine._get_ckpt_name)
+    assert '"zero_pp_rank_{}".format(pp_rank)' in name_source and '"mp_rank_" + mp_rank_str' in name_source, \
+        moved("the engine's model-states file names (zero_pp_rank_N_mp_rank_00 under ZeRO-3, mp_rank_00 otherwise)")
+    assert "optim_sd[OPTIMIZER_STATE_DICT]['state'][0]['step']" in inspect.getsource(
+        stage3.DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), \
+        moved("ZeRO-3's universal loader's step (optimizer_state.pt's nested optimizer_state_dict)")
+    assert "full_hp_param = ckpt_dict[PARAM]" in inspect.getsource(universal_checkpoint.load_hp_checkpoint_state), \
+        moved("ZeRO-1/2's universal loader reads {'param': tensor} per state file")
+    load_source = inspect.getsource(ds_engine.DeepSpeedEngine._load_checkpoint)
+    assert "if not self.load_universal_checkpoint():\n            self.load_module_state_dict" in load_source and \
+        "optim_checkpoint = checkpoint" in load_source, \
+        moved("ZeRO-0's load path (no weights from a universal folder; the model-states file handed to the optimizer)")

@@ -2,6 +2,7 @@
 is served by universal conversion of ZeRO-3's per-rank files only (tests/e2e/test_sequence_parallel.py resumes a
 ZeRO-3 sp run on twice the ranks); ZeRO-0/1/2's files are refused in one line before anything is converted."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,70 @@ def test_every_identity_key_has_a_one_key_case():
                                                                                "--data.chat_template=chatml"]))
                             .to_dict()))
     assert keys <= set(ONE_KEY_CHANGES) | set(LORA_KEY_CHANGES), keys - set(ONE_KEY_CHANGES) - set(LORA_KEY_CHANGES)
+
+
+# ----------------------------------------------------------------------------- another ZeRO stage (issue 69)
+
+def _stage_checkpoint(tmp_path, layout: str, stage: int):
+    files = {"zero3": ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+             "zero12": ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+             "bf16_zero1": ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+             "plain": ["mp_rank_00_model_states.pt"]}[layout]
+    return checkpoint(tmp_path, files, zero_stage=stage, sequence_parallel=1)
+
+
+def _ds(stage: int, precision: str = "fp32", **extra) -> dict:
+    return {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": precision == "fp16"}} | extra
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[2] / "ds_configs").glob("*.json")))
+def test_every_shipped_config_has_the_checkpoint_layout_its_stage_saves(name):
+    """optimizer_layout predicts the files DeepSpeed writes; tests/e2e/test_faults.py's chains load each layout."""
+    from dstrain.parallel.ds_config import load, zero_stage
+    from dstrain.run.resume import optimizer_layout
+
+    cfg = load(name, {})
+    assert optimizer_layout(cfg) == {0: "plain", 1: "zero12", 2: "zero12", 3: "zero3"}[zero_stage(cfg)]
+
+
+def test_zero1_bf16_with_fp32_accumulation_is_the_bf16_optimizers_layout():
+    from dstrain.run.resume import optimizer_layout
+
+    assert optimizer_layout(_ds(1, "bf16", data_types={"grad_accum_dtype": "fp32"})) == "bf16_zero1"
+    assert optimizer_layout(_ds(1, "bf16")) == "zero12"
+
+
+@pytest.mark.parametrize("saved, stage, target, precision", [
+    ("zero12", 2, 3, "fp32"), ("zero3", 3, 2, "bf16"), ("zero3", 3, 1, "fp32"), ("zero12", 2, 0, "fp32"),
+    ("zero3", 3, 0, "fp32"), ("bf16_zero1", 1, 2, "bf16")])
+def test_another_stage_converts_through_the_universal_checkpoint(tmp_path, saved, stage, target, precision):
+    from dstrain.run.resume import adapt_to_stage
+
+    said = []
+    resume = adapt_to_stage(_stage_checkpoint(tmp_path, saved, stage), _ds(target, precision), "adamw", said.append)
+    assert resume.universal and resume.into_plain == (target == 0)
+    assert said == [f"ZeRO stage changed from ZeRO-{stage} to ZeRO-{target}: the optimizer state is converted through "
+                    f"DeepSpeed's universal checkpoint and continues exactly"]
+
+
+def test_the_same_layout_loads_as_saved(tmp_path):
+    from dstrain.run.resume import adapt_to_stage
+
+    ckpt = _stage_checkpoint(tmp_path, "zero12", 1)
+    assert adapt_to_stage(ckpt, _ds(2), "adamw") is ckpt  # ZeRO-1 and 2: one optimizer, one layout
+
+
+@pytest.mark.parametrize("saved, stage, target, precision, optimizer, want", [
+    ("plain", 0, 3, "fp32", "adamw", r"saved under ZeRO-0, whose optimizer state DeepSpeed's universal checkpoint "
+                                     r"cannot read, and this run is ZeRO-3; continue it under ZeRO-0 .* --init_from "),
+    ("zero12", 2, 0, "bf16", "adamw", r"ZeRO-0 in bf16 keeps its optimizer in DeepSpeed's fp16/bf16 wrapper, .* "
+                                      r"--train.precision=fp32, under ZeRO-1/2/3, or start a new --output_dir from its "
+                                      r"weights alone with --init_from "),
+    ("zero3", 3, 0, "fp32", "muon", r"Muon's state converts between ZeRO-1/2/3 only")])
+def test_what_no_converter_carries_is_one_line(tmp_path, saved, stage, target, precision, optimizer, want):
+    from dstrain.run.resume import adapt_to_stage
+
+    with pytest.raises(UserError, match=want) as caught:
+        adapt_to_stage(_stage_checkpoint(tmp_path, saved, stage), _ds(target, precision), optimizer)
+    assert "\n" not in str(caught.value)
