@@ -604,6 +604,10 @@ class Recipe:
         if self.data.format != "prompt" and self.rl != RLSection():
             raise UserError(f"rl.* keys are set but data.format={self.data.format}: set --data.format=prompt to "
                             f"learn from rewards, or drop the rl keys")
+        if self.train.optimizer == "muon" and self.lora.r:  # also checked by components/muon.py (the JSON's type)
+            raise UserError("train.optimizer=muon with LoRA (lora.r>0) is not supported: Muon orthogonalises whole "
+                            "hidden matrices, and an adapter's factors are rank-r slivers of one; use "
+                            "train.optimizer=adamw with LoRA")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -737,7 +741,7 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
            "model_name_or_path": "name_or_path", "base_model": "name_or_path", "dataset": "path",
            "datasets": "path", "dataset_path": "path", "save_steps": "checkpoint.every",
            "eval_steps": "eval.every", "save_total_limit": "checkpoint.keep_last", "report_to": "log.wandb",
-           "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+           "lora_r": "r", "lora_rank": "r", "rank": "lora.r", "lora_alpha": "alpha", "lora_dropout": "dropout",
            "lora_target": "target_modules", "lora_target_modules": "target_modules",
            "async": "background", "async_save": "background",
            "adapter": "lora.r", "finetuning_type": "lora.r", "peft": "lora", "load_in_4bit": "lora.quantize"}
@@ -746,7 +750,7 @@ UNSUPPORTED = {"data.streaming": "streaming datasets are not supported: data is 
                                  "point data.path at a local copy, or at a subset of its files"}
 
 
-def _unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:
+def unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:
     """Every unknown key in the tree, each with its hint: a recipe with two typos hears about both."""
     if not isinstance(data, dict):
         return []
@@ -756,7 +760,7 @@ def _unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:
     for key, value in data.items():
         if key in names:
             if dataclasses.is_dataclass(hints[key]):
-                found += _unknown_keys(hints[key], value, f"{prefix}{key}.")
+                found += unknown_keys(hints[key], value, f"{prefix}{key}.")
         elif not prefix and _section_of(key):  # a dedented key: `max_steps:` at the top of the YAML
             found.append(f"'{key}' at the top level (it belongs in the {_section_of(key)} section: "
                          f"{_section_of(key)}.{key}; indent it under `{_section_of(key)}:`)")
@@ -781,7 +785,7 @@ def _section_of(key: str) -> str | None:
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise UserError(f"'{prefix.rstrip('.')}' should be a mapping of keys, got {data!r}")
-    unknown = _unknown_keys(cls, data, prefix) if not prefix else []  # checked once, at the top
+    unknown = unknown_keys(cls, data, prefix) if not prefix else []  # checked once, at the top
     if unknown:
         raise UserError(f"unknown recipe key{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}")
     hints = typing.get_type_hints(cls)

@@ -123,3 +123,30 @@ def split_train_val(raw, cfg: DataConfig, seed: int):
                         f"set data.val_fraction=0")
     parts = train.train_test_split(test_size=cfg.val_fraction, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
+
+
+VALIDATION_NAMES = ("validation", "valid", "val", "dev")  # the file names `datasets` reads as a validation split
+
+
+def has_validation(cfg: DataConfig) -> bool:
+    """Whether the run will have validation data, decided from the files alone (no dataset is loaded): a carve-out
+    (data.val_fraction > 0), or a validation split a local file layout shows. A hub dataset, a saved DatasetDict
+    or a prepared corpus may have one: True where the files do not say."""
+    if cfg.val_fraction > 0 or cfg.mix:
+        return True
+    if not cfg.val_split:
+        return False
+    path = Path(local_or_hub(cfg.path))
+    if path.is_file():
+        return False
+    if not path.is_dir():
+        return True  # a hub id: its splits are the hub's
+    if (path / "dataset_dict.json").is_file():
+        return cfg.val_split in json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+    if (path / "state.json").is_file():
+        return False  # one saved Dataset: the train split alone
+    files = [f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")]
+    if any(f.name in ("manifest.json", "plan.json") for f in files):
+        return True  # a prepared corpus (data/prepared.py) says so itself
+    return any(f.name.lower().startswith(VALIDATION_NAMES) or f.name.lower().startswith(cfg.val_split.lower())
+               for f in files)

@@ -54,9 +54,13 @@ class RL:
 
     def validate(self, setup) -> None:
         recipe, layout = setup.recipe, setup.layout
-        if layout.is_pipeline or layout.tensor_parallel > 1 or layout.sequence_shards > 1:
-            raise UserError("data.format=prompt (learning from rewards) runs on ZeRO configs only so far: not with "
-                            "pipeline stages, tensor or sequence parallelism")
+        splits = [name for name, on in (("pipeline stages", layout.is_pipeline),
+                                        ("tensor parallelism", layout.tensor_parallel > 1),
+                                        ("Ulysses sequence parallelism", layout.sequence_parallel > 1),
+                                        ("ring attention (context_parallel_size)", layout.context_parallel > 1)) if on]
+        if splits:  # named as the user set it (issue 69: a ring config was told of the other three only)
+            raise UserError(f"data.format=prompt (learning from rewards) runs on ZeRO configs only so far, and "
+                            f"{recipe.ds_config} sets {' and '.join(splits)}; use zero2.json or zero3.json")
         mu, every = self.cfg.num_iterations, recipe.checkpoint.every
         for name, value in (("train.max_steps", recipe.train.max_steps),
                             ("train.exit_at_step", recipe.train.exit_at_step),
@@ -110,7 +114,10 @@ class RL:
         if Path(location).is_dir() and not has_weights(location):
             raise UserError(f"rl.teacher {self.cfg.teacher} has a config but no weights: a teacher must be a trained "
                             f"model")
-        config = load_config(teacher, setup.recipe.train.seq_len)[1]
+        try:
+            config = load_config(teacher, setup.recipe.train.seq_len)[1]
+        except UserError as error:  # its hint names the key the teacher came from, not the student's
+            raise UserError(str(error).replace("model.name_or_path / model.tokenizer", "rl.teacher")) from None
         ours = max(len(self.tokenizer), setup.model_config.vocab_size)
         if max(config.vocab_size, len(self.tokenizer)) != ours:
             raise UserError(f"rl.teacher {self.cfg.teacher} has a vocabulary of {config.vocab_size}, the student "

@@ -16,7 +16,8 @@ from typing import Any
 import optuna
 import yaml
 
-from ..config import find_file, load_recipe, merge, parse_overrides
+from ..config import Recipe, find_file, load_recipe, merge, parse_overrides, unknown_keys
+from ..data.load import has_validation
 from ..errors import UserError, closest
 from ..paths import REPO_ROOT
 
@@ -189,6 +190,19 @@ def _as_int(where: str, value: Any, least: int) -> int:
     return value
 
 
+def _check_key(where: str, key: str) -> None:
+    """A recipe key of the sweep file, with the recipe's own spelling hints (`train.learning_rate`: here `train.lr`)."""
+    nested: dict = {}
+    node = nested
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = None
+    unknown = unknown_keys(Recipe, nested, "")
+    if unknown:
+        raise UserError(f"{where}.{key}: unknown recipe key {unknown[0]}")
+
+
 def _check_trial_recipe(sweep: Sweep, params: dict, what: str) -> None:
     """The recipe a trial would run with these parameters, built and checked as train.py checks it."""
     try:
@@ -197,6 +211,11 @@ def _check_trial_recipe(sweep: Sweep, params: dict, what: str) -> None:
         raise UserError(f"{what}: {error}") from None
     from ..objectives import evaluation_keys
     keys = evaluation_keys(recipe)
+    if not has_validation(recipe.data):  # every metric a sweep can read is an evaluation's
+        raise UserError(f"{what}: metric {sweep.metric!r} comes from evaluation, and the trial would have none: "
+                        f"data.val_fraction is 0 and {recipe.data.path} has no validation split; set "
+                        f"data.val_fraction (e.g. 0.05) in `fixed:`, or point data.path at data with a validation "
+                        f"file")
     if not any(fnmatch.fnmatchcase(sweep.metric, pattern) for pattern in keys):
         plain = [k for k in keys if "*" not in k]
         raise UserError(f"metric {sweep.metric!r} is never logged by this recipe's evaluations"
@@ -286,6 +305,9 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     if sweep.ds_config is not None:
         find_file(sweep.ds_config, REPO_ROOT / "ds_configs", ".json", "ds_config")
 
+    for where, keys in (("fixed", fixed), ("space", space)):  # each key alone, so a hint names the key it is about
+        for key in keys:
+            _check_key(where, key)
     # Each end of every range and every listed value, each on its own beside the first of the others.
     first = {k: v[0] if isinstance(v, list) else v.low for k, v in space.items()}
     for key, value in space.items():

@@ -169,6 +169,7 @@ def open_study(sweep: Sweep):
     root = sweep.run_root
     root.mkdir(parents=True, exist_ok=True)
     with Lock(root / ".study.lock"):
+        claim_output_dir(sweep)
         study = optuna.create_study(storage=sweep.storage_url(), study_name=sweep.study_name, load_if_exists=True,
                                     direction=sweep.direction, sampler=trial_seeded_sampler(sweep.sampler, sweep.seed),
                                     pruner=sweep.pruner.make())
@@ -184,6 +185,43 @@ def open_study(sweep: Sweep):
                             f"({', '.join(changed)} differ); keep the file as it was to continue it, or give a new "
                             f"output_dir (or study_name) for a new study")
     return study
+
+
+def launcher_words() -> str:
+    """torchrun as a person types it from any shell, active virtualenv or not: the one beside this interpreter
+    (relative to the repository when it lives there, as `train.py` is), else the interpreter's own module."""
+    beside = Path(sys.executable).parent / "torchrun"
+    if beside.is_file():
+        absolute = beside.absolute()
+        return str(absolute.relative_to(REPO_ROOT)) if absolute.is_relative_to(REPO_ROOT) else str(absolute)
+    return f"{shlex.quote(sys.executable)} -m torch.distributed.run"
+
+
+STUDY_FILE = "study.json"  # in the output directory: the one study whose trial directories it holds
+
+
+def claim_output_dir(sweep: Sweep) -> None:
+    """An output directory holds the trials of one study: trial_000 of a second study would be the first's
+    (issue 69: the new trial 0 was refused by train.py as the old one's checkpoints, and the old study's
+    trials.tsv and best.json were rewritten with one failed row). The first study to open it is recorded in
+    study.json; another is refused here, before any trial starts and before anything is written."""
+    root = sweep.run_root
+    path = root / STUDY_FILE
+    if path.is_file():
+        owner = json.loads(path.read_text()).get("study_name")
+    elif sweep.storage is None:  # a directory from before study.json: its default storage names its studies
+        db = root / "study.db"
+        names = optuna.get_all_study_names(f"sqlite:///{db.resolve()}") if db.is_file() else []
+        owner = names[0] if len(names) == 1 else "another study" if names or list(root.glob("trial_*")) else None
+    else:  # a shared database holds many studies; nothing here says which one made the trial directories
+        owner = None
+    if owner is not None and owner != sweep.study_name:
+        raise UserError(f"{root} holds the trials of study {owner!r}, and this is study {sweep.study_name!r}; give it "
+                        f"its own directory (--output_dir={root.parent / sweep.study_name}), or continue {owner!r} "
+                        f"with --study_name={owner}")
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"study_name": sweep.study_name, "sweep": str(sweep.path)}) + "\n")
 
 
 def _die_with_parent() -> None:
@@ -251,7 +289,7 @@ class Worker:
         argv[argv.index(str(REPO_ROOT / "train.py"))] = "train.py"
         del argv[argv.index("--resume"):argv.index("--resume") + 2]
         prefix = "".join(f"{k}={v} " for k, v in extra.items() if k == "OMP_NUM_THREADS")
-        return prefix + "torchrun " + shlex.join(argv[3:])
+        return prefix + launcher_words() + " " + shlex.join(argv[3:])
 
     def launch(self, run: TrialRun, slot: int, resume: bool) -> None:
         argv, extra = self.command(run, slot, resume)

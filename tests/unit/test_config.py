@@ -69,6 +69,9 @@ def test_a_list_key_given_a_mapping_names_the_three_spellings():
 
 @pytest.mark.parametrize("args,message", [
     (["--train.max_step=3"], "unknown recipe key 'train.max_step' (did you mean 'max_steps'?)"),
+    (["--lora.rank=8"], "unknown recipe key 'lora.rank' (here it is 'lora.r')"),  # issue 69: no hint before
+    # issue 69: refused by the Muon component, after deepspeed and transformers were imported (15-25 s)
+    (["--train.optimizer=muon", "--lora.r=8"], "train.optimizer=muon with LoRA (lora.r>0) is not supported"),
     (["--trian.lr=1"], "unknown recipe key 'trian' (did you mean 'train'?)"),
     (["--train.micro_batch_size=abc"], "train.micro_batch_size='abc' should be of type int"),
     (["--train.micro_batch_size=0"], "train.micro_batch_size=0 must be a positive integer"),

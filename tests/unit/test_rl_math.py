@@ -1,5 +1,6 @@
 """dstrain/objectives/rl_math.py against TRL 1.16: GRPOTrainer._compute_loss run on the same log-probabilities,
 advantages and masks (its own code, its model call replaced by the tensors), and advantages worked by hand."""
+import re
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -194,3 +195,37 @@ def test_num_iterations_needs_steps_that_end_a_rollout_batch(override, name):
                                                             "--checkpoint.every=2", override]))
     with pytest.raises(UserError, match=f"{name} is not a multiple of rl.num_iterations=2"):
         RL(recipe.rl).validate(SimpleNamespace(recipe=recipe, layout=Layout(2)))
+
+
+@pytest.mark.parametrize("config, named", [("cp2_zero3.json", "ring attention (context_parallel_size)"),
+                                           ("sp2_zero3.json", "Ulysses sequence parallelism"),
+                                           ("tp2_zero1.json", "tensor parallelism")])
+def test_rl_names_the_layout_it_cannot_run_on(config, named):
+    """Issue 69: GRPO with cp2_zero3.json was told of pipelines, tensor and sequence parallelism, not of the ring."""
+    from types import SimpleNamespace
+
+    from dstrain.config import load_recipe
+    from dstrain.errors import UserError
+    from dstrain.objectives.rl import RL
+    from dstrain.parallel import ds_config
+    from dstrain.parallel.layout import Layout
+    recipe = load_recipe("tiny/grpo.yaml")
+    recipe.ds_config = config
+    layout = Layout.from_ds_config(ds_config.load(config, {}), 2)
+    with pytest.raises(UserError, match=rf"runs on ZeRO configs only so far, and {config} sets {re.escape(named)}; "
+                                        r"use zero2.json or zero3.json"):
+        RL(recipe.rl).validate(SimpleNamespace(recipe=recipe, layout=layout))
+
+
+def test_a_missing_teacher_is_named_as_rl_teacher(tmp_path):
+    """Issue 69: a missing rl.teacher directory was told to check model.name_or_path / model.tokenizer."""
+    from types import SimpleNamespace
+
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.errors import UserError
+    from dstrain.objectives.rl import RL
+    recipe = load_recipe("tiny/distill.yaml", parse_overrides([f"--rl.teacher={tmp_path}/no/such/teacher"]))
+    rl = RL(recipe.rl)
+    with pytest.raises(UserError, match="no such directory .*; check the path in rl.teacher") as caught:
+        rl._check_teacher(SimpleNamespace(recipe=recipe))
+    assert "model.name_or_path" not in str(caught.value)

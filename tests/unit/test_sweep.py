@@ -58,6 +58,11 @@ def test_the_shipped_sweeps_and_the_docs_commands_load():
     ("pruner: {type: hyperband}\n", "pruner.type='hyperband' is not one of median, successive_halving, none"),
     ("parallel: 0\n", "parallel=0 must be an integer >= 1"),
     ("recipe: tiny/pretrainn\n", "recipe 'tiny/pretrainn' not found (did you mean 'tiny/pretrain.yaml'?)"),
+    # issue 69: the hint named the first space key (`space.lora.r=4: unknown recipe key 'train.learning_rate'`)
+    ("space: {lora.r: [4, 8], train.learning_rate: [1.0e-3]}\n",
+     "space.train.learning_rate: unknown recipe key 'train.learning_rate' (here it is 'train.lr')"),
+    ("space: {lora.rank: [4, 8]}\n", "space.lora.rank: unknown recipe key 'lora.rank' (here it is 'lora.r')"),
+    ("fixed: {train.learning_rate: 1.0e-3}\n", "fixed.train.learning_rate: unknown recipe key"),
 ])
 def test_a_bad_sweep_file_is_one_line(tmp_path, change, message):
     key = change.split(":")[0]
@@ -87,7 +92,13 @@ def test_metric_names_follow_the_objective(tmp_path):
         spec.load(dpo, ["--metric=perplexity"])  # a preference run has no perplexity
     grpo = write(tmp_path, GOOD.replace("tiny/pretrain", "tiny/grpo").replace("trials: 6", "trials: 6\nmetric: "
                                                                                "eval_rewards/exact_answer/mean"))
-    assert spec.load(grpo).metric == "eval_rewards/exact_answer/mean"
+    assert spec.load(grpo, ["--fixed.data.val_fraction=0.2"]).metric == "eval_rewards/exact_answer/mean"
+    # issue 69: tiny/grpo carves out no validation data, so its trials would log no eval_* figure; --check passed
+    # it and both trials failed after 77 s with nothing naming data.val_fraction
+    with pytest.raises(UserError, match=r"metric 'eval_reward' comes from evaluation, and the trial would have none: "
+                                        r"data.val_fraction is 0 and data/tiny_grpo has no validation split; set "
+                                        r"data.val_fraction"):
+        spec.load(grpo, ["--metric=eval_reward"])
 
 
 def test_rl_evaluation_keys_are_what_its_metrics_log():
@@ -191,6 +202,41 @@ def test_a_study_is_bound_to_its_sweep_file(tmp_path):
         study.open_study(spec.load(sweep.path, [f"--output_dir={tmp_path / 'out'}", "--seed=1"]))
 
 
+def test_a_second_study_in_an_old_output_directory_is_refused_and_touches_nothing(tmp_path):
+    """Issue 69: after the refusal's own advice (a new study_name), `python -m dstrain.sweep b.yaml --output_dir=<the
+    first's> --study_name=b` put its trial 0 into the first study's trial_000 and rewrote the first's trials.tsv and
+    best.json with one failed row. The command as the user ran it: one line, exit 2, every file as it was."""
+    from dstrain.sweep import report
+
+    out = tmp_path / "out"
+    first = spec.load(write(tmp_path, GOOD), [f"--output_dir={out}"])
+    report.write(first, study.open_study(first))
+    (out / "trial_000").mkdir()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    renamed = tmp_path / "lora.yaml"  # a renamed copy: the study name defaults to the file's
+    renamed.write_text(GOOD)
+    for extra in ([], ["--study_name=lora_r32"]):
+        proc = subprocess.run([sys.executable, "-m", "dstrain.sweep", str(renamed), f"--output_dir={out}", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        name = extra[0].split("=")[1] if extra else "lora"
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: {out} holds the trials of study 's', and this is study '{name}'; give "
+                                      f"it its own directory (--output_dir={tmp_path / name})"), proc.stderr
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert study.open_study(spec.load(first.path, [f"--output_dir={out}"]))  # the first continues as before
+
+
+def test_the_best_command_runs_from_a_shell_without_the_virtualenv(tmp_path):
+    """Issue 69: the printed command began with a bare `torchrun`, on PATH only with the virtualenv active."""
+    sweep = spec.load(write(tmp_path, GOOD), [f"--output_dir={tmp_path / 'out'}"])
+    run = study.TrialRun(0, 0, {"train.lr": 1e-3, "train.warmup_steps": 5}, tmp_path / "out/trial_000", 40, None)
+    launcher = study.Worker(sweep, None, None).shown_command(run).split()[1]
+    assert launcher != "torchrun"
+    proc = subprocess.run(f"{launcher} --help", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0 and "--nproc-per-node" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_a_grid_is_asked_in_file_order(tmp_path):
     text = GOOD.replace("  train.lr: {low: 1.0e-4, high: 1.0e-2, log: true}\n  train.warmup_steps: {low: 0, high: "
                         "20}", "  train.lr: [1.0e-3, 3.0e-3]\n  train.warmup_steps: [0, 5, 10]").replace("trials: 6\n",
@@ -236,8 +282,8 @@ def test_trials_at_once_get_disjoint_gpus_and_cpu_ranks_split_the_cores(tmp_path
     with pytest.raises(UserError, match="parallel=2 trials of ranks_per_trial=2 need 4 GPUs; this machine shows 2"):
         study.check_devices(sweep, ["0", "1"])
     shown = gpus.shown_command(run, "runs/again")
-    assert shown.startswith("torchrun --standalone --nproc_per_node=2 train.py --recipe recipes/tiny/pretrain.yaml "
-                            "--output_dir runs/again --train.max_steps=40")
+    assert shown.startswith(f"{study.launcher_words()} --standalone --nproc_per_node=2 train.py --recipe "
+                            "recipes/tiny/pretrain.yaml --output_dir runs/again --train.max_steps=40")
 
 
 def test_a_trials_exit_code_is_its_ranks_not_torchruns(tmp_path):
