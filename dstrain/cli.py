@@ -114,6 +114,9 @@ def one_cpu_rank_note(world_size: int, device: str, launched: bool) -> str | Non
 def say(error: UserError) -> None:
     """The one line of a bad input, on rank 0, once (run() says it before the ranks leave together)."""
     if env.rank() == 0 and not getattr(error, "said", False):
+        shown = sys.modules.get("dstrain.metrics")  # imported once training began: a progress bar may be up
+        if shown is not None:
+            shown.end_bar_line()
         print(f"error: {error}", file=sys.stderr, flush=True)
         error.said = True
 

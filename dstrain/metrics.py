@@ -19,6 +19,18 @@ COMM_WARN = 0.3  # share of the step spent waiting in collectives that is worth 
 COMM_WINDOW = 10  # steps it must hold for (median), after the first
 
 
+_OPEN_BARS: list = []  # this process's progress bars while they are up (one, rank 0's)
+
+
+def end_bar_line() -> None:
+    """End the progress bar's line, so what is printed next (an error line) starts on a line of its own: tqdm leaves
+    the cursor after the bar, and a line printed then is glued to it. The bar is not drawn again."""
+    while _OPEN_BARS:
+        bar = _OPEN_BARS.pop()
+        bar.disable = True  # no redraw from a later update, close or the interpreter's exit
+        print(file=sys.stderr, flush=True)
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -51,6 +63,7 @@ class Metrics:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                             file=sys.stderr, mininterval=1.0)
+            _OPEN_BARS.append(self.bar)
         if cfg.wandb:
             self._sink("wandb", self._init_wandb, resolved_config)
         if cfg.tensorboard:
@@ -190,6 +203,8 @@ class Metrics:
             return
         if self.bar is not None:
             self.bar.close()
+            if self.bar in _OPEN_BARS:
+                _OPEN_BARS.remove(self.bar)
         self.file.close()
         if self.cfg.plot:
             recipe = self.resolved_config.get("recipe") or {}

@@ -101,16 +101,21 @@ class Watchdog:
         if self.store is not None:
             try:
                 with self._lock:
-                    self.store.set(self._key("done", self.ctx.rank), "1")
                     if self.ctx.rank == 0:
+                        self.store.set(self._key("done", 0), "1")
                         self._wait_for_the_others()
                     else:
+                        # rank 0's `done` first, then this rank's own as its last word to the store: rank 0 (the
+                        # store's host) leaves once it sees it, and a rank still polling a store that is gone
+                        # gets c10d's "recvValue failed" warning with a 19-frame C++ stack on stderr, after the
+                        # error line (issue 69: 10 of 24 failed launches ended so)
                         self._wait_for_rank0()
+                        self.store.set(self._key("done", self.ctx.rank), "1")
             except Exception:
                 pass
 
     def _wait_for_rank0(self) -> None:
-        """A rank leaving on purpose waits for rank 0 to leave too (bounded by fault.peer_timeout): under the
+        """A rank leaving on purpose waits for rank 0 to be leaving too (bounded by fault.peer_timeout): under the
         deepspeed launcher the first rank to exit gets the others killed, and rank 0 may still have to say why
         (a bad input's one line, said before it closes). Seen in the suite: a refused pipeline config exited
         without its error line when rank 1 was faster."""
