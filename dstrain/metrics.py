@@ -140,6 +140,8 @@ class Metrics:
                                      + (f" acc={extra['rewards/accuracies']:.0%}" if extra and
                                         "rewards/accuracies" in extra else "")
                                      + (f" reward={row['reward']:.3f}" if row.get("reward") is not None else "")
+                                     + (f" kl={row['distill_loss']:.4f}" if row.get("distill_loss") is not None
+                                        else "")
                                      + (f" rollout={row['rollout_share']:.0%}" if row.get("rollout_share") is not None
                                         else "")
                                      + (f" mfu={mfu:.1%}" if mfu is not None else "")
@@ -235,6 +237,7 @@ class Metrics:
             rollouts = {"median_rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in sampled),
                         "rollout_share": statistics.median(r["rollout_share"] for r in sampled)}
         return {"steps": train[-1]["step"] if train else self.start_step, "started_at_step": self.start_step,
+                "headline": headline(train, evals),
                 "final_loss": train[-1]["loss"] if train else None,
                 "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
                 "eval_step": evals[-1]["step"] if evals else None,
@@ -244,14 +247,39 @@ class Metrics:
                 "run_dir": str(self.run_dir), "metrics": str(self.path), **rollouts, **outcome}
 
 
+# What each objective is judged by, as the progress bar shows it: its key in metrics.jsonl and the name a person reads.
+# Learning from rewards logs `reward`, distillation `distill_loss` (the KL/JSD to the teacher), preference training
+# `rewards/accuracies`; next-token training has only its loss.
+HEADLINES = (("reward", "reward", ".3f"), ("distill_loss", "distillation KL", ".4f"),
+             ("rewards/accuracies", "reward accuracy", ".0%"))
+
+
+def headline(train: list[dict], evals: list[dict]) -> dict | None:
+    """The objective's own figure over the run: its first and last step's values and the last evaluation's."""
+    for key, name, spec in HEADLINES:
+        rows = [r for r in train if r.get(key) is not None]
+        if rows:
+            done = [r for r in evals if r.get(f"eval_{key}") is not None]
+            return {"key": key, "name": name, "format": spec, "first": rows[0][key], "first_step": rows[0]["step"],
+                    "last": rows[-1][key], "last_step": rows[-1]["step"],
+                    "eval": done[-1][f"eval_{key}"] if done else None, "eval_step": done[-1]["step"] if done else None}
+    return None
+
+
 def format_summary(summary: dict) -> str:
     """The last screen of a run: a few lines a person reads, from summary.json's fields."""
     def num(value, spec):
         return format(value, spec) if value is not None else "-"
 
     lines = [f"run {summary['status']}: step {summary['steps']}"
-             + (f" of {summary['max_steps']}" if summary.get("max_steps") else ""),
-             f"  loss {num(summary['final_loss'], '.4f')}  eval loss {num(summary['final_eval_loss'], '.4f')}"
+             + (f" of {summary['max_steps']}" if summary.get("max_steps") else "")]
+    top = summary.get("headline")
+    if top:  # the objective's own figure first (issue 69: a GRPO run's summary showed `loss 0.0000` and no reward)
+        spec = top["format"]
+        lines.append(f"  {top['name']} {top['first']:{spec}} (step {top['first_step']}) -> {top['last']:{spec}} "
+                     f"(step {top['last_step']})" + (f", eval {top['eval']:{spec}} (step {top['eval_step']})"
+                                                     if top.get("eval") is not None else ""))
+    lines += [f"  loss {num(summary['final_loss'], '.4f')}  eval loss {num(summary['final_eval_loss'], '.4f')}"
              + (f" (step {summary['eval_step']})" if summary.get("eval_step") is not None else ""),
              f"  {summary['tokens_this_session']:,} tokens in {summary['wall_s']:,.0f} s, median "
              f"{num(summary['median_tokens_per_s'], ',.0f')} tokens/s"

@@ -79,8 +79,16 @@ def test_dpo_matches_a_plain_pytorch_loop(tmp_path, cache, tiny_llama, whole, ds
     extra = PARTITIONED + ["--eval.every=3"] if ds_config == "zero3.json" else []
     if ds_config == "zero2_offload.json":  # DeepSpeedCPUAdam and recomputed activations: the same math
         extra = ["--train.activation_checkpointing=true"]
-    launch(args_for(tiny_llama, ds_config, run_dir, extra), cache)
+    proc = launch(args_for(tiny_llama, ds_config, run_dir, extra), cache)
     compare_with_loop(run_dir, tiny_llama)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train, evals = [r for r in rows if "loss" in r], [r for r in rows if "eval_rewards/accuracies" in r]
+    lines = proc.stderr.splitlines()  # issue 69: the objective's own figure leads the summary, as on the bar
+    first = lines[next(i for i, line in enumerate(lines) if line.startswith("run finished")) + 1]
+    assert first.startswith(f"  reward accuracy {train[0]['rewards/accuracies']:.0%} (step 1) -> "
+                            f"{train[-1]['rewards/accuracies']:.0%} (step {train[-1]['step']})"), first
+    if evals:
+        assert first.endswith(f", eval {evals[-1]['eval_rewards/accuracies']:.0%} (step {evals[-1]['step']})")
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["activation_checkpointing"] == (ds_config == "zero2_offload.json")
     if ds_config == "zero3.json":

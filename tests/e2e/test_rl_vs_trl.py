@@ -32,7 +32,7 @@ def prompts_file(tmp_path_factory):
 
 def ours(tmp_path, cache, model_dir, data, extra, ds_config="zero3.json", steps=STEPS) -> list[dict]:
     run = tmp_path / "run"
-    launch(["--ds_config", ds_config, *(PARTITIONED if ds_config == "zero3.json" else []), f"--model.name_or_path={model_dir}", f"--data.path={data}",
+    proc = launch(["--ds_config", ds_config, *(PARTITIONED if ds_config == "zero3.json" else []), f"--model.name_or_path={model_dir}", f"--data.path={data}",
             "--data.format=prompt", "--data.val_fraction=0", "--output_dir", str(run),
             "--rl.reward_funcs=[tests/fed_rollouts.py:vowels,tests/fed_rollouts.py:brevity]",
             "--rl.reward_weights=[1.0,2.0]", "--rl.rollout_engine=tests/fed_rollouts.py:Fed",
@@ -42,8 +42,19 @@ def ours(tmp_path, cache, model_dir, data, extra, ds_config="zero3.json", steps=
             "--train.precision=fp32", "--train.micro_batch_size=2", "--train.seq_len=48", "--eval.every=0",
             "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=0", "--checkpoint.export_hf=false",
             *extra], cache)
-    return [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]
+    rows = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert_summary_leads_with(proc.stderr, run, "reward", f"{rows[0]['reward']:.3f} (step 1) -> "
+                                                          f"{rows[-1]['reward']:.3f} (step {rows[-1]['step']})")
+    return rows
+
+
+def assert_summary_leads_with(stderr: str, run, name: str, figures: str) -> None:
+    """Issue 69: a GRPO run's summary showed `loss 0.0000  eval loss -` and no reward, a distillation run's no KL:
+    the objective's own figure is the summary's first, as in summary.json."""
+    lines = stderr.splitlines()
+    first = lines[next(i for i, line in enumerate(lines) if line.startswith("run finished")) + 1]
+    assert first == f"  {name} {figures}", first
+    assert json.loads((run / "summary.json").read_text())["headline"]["name"] == name
 
 
 def theirs(tmp_path, model_dir, algorithm: str, beta: float = 0.0, peft_config=None, learning_rate=LR,
@@ -143,7 +154,7 @@ def test_distillation_under_zero3_equals_a_plain_loop_with_trls_gkd_loss(tmp_pat
 
     beta = 0.5
     run = tmp_path / "run"
-    launch(["--ds_config", "zero3.json", *PARTITIONED, f"--model.name_or_path={tiny_llama}",
+    proc = launch(["--ds_config", "zero3.json", *PARTITIONED, f"--model.name_or_path={tiny_llama}",
             f"--data.path={prompts_file}", "--data.format=prompt", "--data.val_fraction=0", "--output_dir", str(run),
             f"--rl.teacher={tiny_llama_mha}", f"--rl.distill_beta={beta}",
             "--rl.rollout_engine=tests/fed_rollouts.py:Fed", f"--rl.num_generations={G}",
@@ -153,6 +164,8 @@ def test_distillation_under_zero3_equals_a_plain_loop_with_trls_gkd_loss(tmp_pat
             "--train.seq_len=48", "--eval.every=0", "--log.wandb=false", "--log.progress_bar=false",
             "--checkpoint.every=0", "--checkpoint.export_hf=false"], cache)
     got = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert_summary_leads_with(proc.stderr, run, "distillation KL", f"{got[0]['distill_loss']:.4f} (step 1) -> "
+                              f"{got[-1]['distill_loss']:.4f} (step {STEPS})")
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     student = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
