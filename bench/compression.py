@@ -99,8 +99,11 @@ def make_model(out: Path) -> int:
                       num_key_value_heads=4, head_dim=32)
 
 
-def train_args(model: Path, out: Path, steps: int, warmup: int, extra: list[str]) -> list[str]:
-    return ["train.py", "--ds_config", "zero0.json", "--output_dir", str(out), f"--model.name_or_path={model}",
+def train_args(model: Path | str, out: Path, steps: int, warmup: int, extra: list[str]) -> list[str]:
+    """`model`: the bench's model directory, or `recipe:NAME` for a shipped recipe's own model and init."""
+    chosen = ["--recipe", str(model)[len("recipe:"):]] if str(model).startswith("recipe:") else \
+        [f"--model.name_or_path={model}"]
+    return ["train.py", "--ds_config", "zero0.json", "--output_dir", str(out), *chosen,
             f"--train.max_steps={steps}", "--train.precision=fp32", f"--compression.warmup_steps={warmup}",
             f"--eval.every={max(steps // 6, 1)}", "--eval.max_batches=8", "--log.wandb=false",
             "--log.progress_bar=false", "--log.comm_bytes=true", "--checkpoint.every=0",
@@ -282,6 +285,9 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay", default="1ms")
     parser.add_argument("--link-only", action="store_true", help="skip part 1 (a quick check of the slow link)")
+    parser.add_argument("--recipe", default=None,
+                        help="part 1 on a shipped recipe's own model (e.g. tiny/pretrain) instead of the 3M bench "
+                             "model: a table of its own beside the 3M one")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md and the PNG")
     args = parser.parse_args()
     try:
@@ -296,7 +302,13 @@ def main() -> None:
         params = make_model(work / "model")
         state = json.loads(saved.read_text()) if saved.exists() else {}
         state["params"] = params
-        if not args.link_only:
+        if args.recipe:  # the same methods and steps on a recipe as a user copies the README's flags onto it
+            mine = state.setdefault("recipes", {}).setdefault(args.recipe, {})
+            mine["args"] = {"steps": args.steps, "warmup": args.warmup, "seed": seeds[0]}
+            mine.setdefault("results", {}).update(
+                part1(f"recipe:{args.recipe}", work, args.steps, args.warmup, seeds[0], names))
+            saved.write_text(json.dumps(state, indent=1))
+        elif not args.link_only:
             print(f"part 1: {params / 1e6:.2f}M parameters, {args.steps} steps per method", file=sys.stderr)
             if state.get("part1_args") != {"steps": args.steps, "warmup": args.warmup}:  # older runs do not compare
                 state.pop("part1", None), state.pop("by_seed", None)
@@ -346,6 +358,22 @@ def report(state: dict) -> str:
                      f"{r['evals'][-1][1]:.4f} | {r['evals'][-1][1] / base['evals'][-1][1] - 1:+.2%} |\n")
         text += "\nLoss curves: [compression_loss.png](compression_loss.png)\n"
     text += _seed_table(state.get("by_seed", {}))
+    for recipe, mine in (state.get("recipes") or {}).items():
+        got, args = mine["results"], mine["args"]
+        if "fp32 all-reduce" not in got:
+            continue
+        base = got["fp32 all-reduce"]
+        text += (f"\nThe same flags on the shipped recipe `{recipe}` (its own model and from-scratch init, data and "
+                 f"batch; ZeRO-0, fp32, {args['steps']} steps, compression after {args['warmup']}, seed "
+                 f"{args['seed']}), beside the 3M model's seed-{DEFAULT_SEED} row:\n\n"
+                 "| method | bytes/step | less than fp32 | final eval loss | vs fp32 | 3M model: less than fp32, vs fp32 "
+                 "|\n|---|---|---|---|---|---|\n")
+        for name, r in got.items():
+            three = results.get(name)
+            other = (f"{results['fp32 all-reduce']['bytes'] / three['bytes']:.1f}x, "
+                     f"{three['evals'][-1][1] / results['fp32 all-reduce']['evals'][-1][1] - 1:+.2%}") if three else ""
+            text += (f"| {name} | {r['bytes'] / 1e6:.3f} MB | {base['bytes'] / r['bytes']:.1f}x | "
+                     f"{r['evals'][-1][1]:.4f} | {r['evals'][-1][1] / base['evals'][-1][1] - 1:+.2%} | {other} |\n")
     if link:
         args = argparse.Namespace(link_steps=state["link_args"]["steps"])
         plain = link["fp32 all-reduce"]

@@ -88,8 +88,20 @@ def _setup(r, raw, saved_world=None):
         ROOT / "recipes/tiny/model"), Path("/nonexistent"), DistContext(0, 0, 2), print, None, saved_world)
 
 
+def test_muon_with_lora_is_refused_when_the_recipe_loads_and_when_the_json_names_muon():
+    """Issue 69: refused by the component only, after deepspeed and transformers were imported (15-25 s); the
+    recipe now refuses it at once, and the component still does when the JSON's optimizer type is Muon."""
+    with pytest.raises(UserError, match="train.optimizer=muon with LoRA"):
+        recipe("--train.optimizer=muon", "--lora.r=8")
+    r = recipe("--lora.r=8")
+    raw = dsc.load("zero2.json")
+    raw["optimizer"]["type"] = "Muon"
+    (feature,) = [f for f in components.build(r, raw) if f.name == "muon"]
+    with pytest.raises(UserError, match="train.optimizer=muon with LoRA"):
+        feature.validate(_setup(r, raw))
+
+
 @pytest.mark.parametrize("overrides,saved,message", [
-    (["--lora.r=8"], None, "train.optimizer=muon with LoRA"),
     (["--diloco.every=4"], None, "train.optimizer=muon with DiLoCo"),
     ([], 4, "this Muon run's checkpoint was saved on 4 ranks: resuming it on another world size with the "
      "optimizer on NVMe"),
