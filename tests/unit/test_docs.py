@@ -221,3 +221,11 @@ def test_muon_figures_are_the_benchmarks():
     assert f"Muon's eval loss after 400 steps was {muon['eval_loss']:.3f} against AdamW's {adamw['eval_loss']:.3f}" \
         in " ".join(line.lstrip("# ") for line in recipe.splitlines())
 
+
+
+def test_every_shipped_recipe_is_listed_in_the_recipes_page():
+    """Issue 69: docs/recipes.md's list lacked tiny/grpo, tiny/distill, tiny/dpo and tiny/long_context."""
+    page = (ROOT / "docs/recipes.md").read_text()
+    missing = [str(p.relative_to(ROOT / "recipes")) for p in sorted((ROOT / "recipes").rglob("*.yaml"))
+               if f"`{p.relative_to(ROOT / 'recipes')}`" not in page]
+    assert not missing, f"docs/recipes.md does not list {missing}"
