@@ -1,6 +1,7 @@
 """The README's promise: the default recipe under the deepspeed launcher on 2 CPU ranks visibly learns,
 writes everything a person looks at, and only rank 0 speaks. Plus: the other tiny recipes train."""
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -180,6 +181,8 @@ def test_tiny_grpo_recipe_learns_from_its_rewards(tmp_path, cache, default_run):
     print(f"tiny grpo: reward {first:.3f} -> {last:.3f}; one_sentence "
           f"{rows[0]['rewards/one_sentence/mean']:.2f} -> {rows[-1]['rewards/one_sentence/mean']:.2f}")
     assert len(rows) == 40 and (last >= 2 * first or last >= first + 0.5), rewards
+    quoted = re.search(r"tiny/grpo .*# reward ([\d.]+) -> ([\d.]+)", (ROOT / "README.md").read_text())
+    assert (first, last) == pytest.approx((float(quoted[1]), float(quoted[2])), abs=0.02)  # the README's figures
     assert rows[-1]["rewards/one_sentence/mean"] > 0.9 and rows[0]["completions/clipped_ratio"] > 0
     for row in rows:  # TRL's metric names, and the loss a finite number; the rollout's speed and share of the step
         assert {"reward", "reward_std", "rewards/says_the_count/mean", "completions/mean_length",
@@ -210,6 +213,9 @@ def test_tiny_distill_recipe_brings_the_student_to_its_teacher(tmp_path, cache, 
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
     print(f"tiny distill: reverse KL to the teacher {first:.3f} -> {last:.3f}")
     assert len(rows) == 30 and last <= first / 5, kl
+    quoted = re.search(r"tiny/distill .*# reverse KL to the teacher ([\d.]+) -> ([\d.]+)",
+                       (ROOT / "README.md").read_text())
+    assert first == pytest.approx(float(quoted[1]), abs=0.02) and last == pytest.approx(float(quoted[2]), abs=0.002)
     assert all(r["loss"] == r["distill_loss"] for r in rows)  # alone: the loss is the distillation loss
 
 
