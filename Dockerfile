@@ -50,10 +50,10 @@ RUN python3 -m venv --system-site-packages "$VIRTUAL_ENV" \
 
 # Build each op once now; at run time DeepSpeed finds it in TORCH_EXTENSIONS_DIR. Where the base has
 # CUDA, build the CUDA variants even though no GPU is visible during the build.
-# (dstrain's two files that key each op's build directory by its build inputs come along: runs find the same ones)
+# (the dstrain files that key each op's build directory by its build inputs come along: runs find the same ones)
 COPY scripts/prebuild_ops.py scripts/
 COPY dstrain/env.py dstrain/
-COPY dstrain/parallel/ds_internals.py dstrain/parallel/
+COPY dstrain/parallel/ds_internals/ dstrain/parallel/ds_internals/
 RUN DS_ACCELERATOR=$(python -c "import torch; print('cuda' if torch.version.cuda else 'cpu')") \
     PYTHONPATH=/workspace/dstrain python scripts/prebuild_ops.py ${DS_PREBUILD_OPS}
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers' BPE trainer is deterministic single-threaded
@@ -154,6 +155,12 @@ def make_data(out: Path, n_train: int, n_val: int, n_sft: int, seed: int) -> dic
     return files
 
 
+def _stated_answer(response: str) -> str:
+    """The last number (or number word) a response says: `7 is seven.` -> seven, the whole response if none."""
+    words = re.findall(r"[A-Za-z]+|\d+", response)
+    return next((w for w in reversed(words) if w.isdigit() or w.lower() in NUMBER_WORDS), response)
+
+
 def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dict], n: int = 64) -> None:
     """One small file per layout a user brings (docs/data.md trains on each), from the rows above."""
     def user(text):
@@ -173,6 +180,8 @@ def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dic
         "chat.jsonl": [{"messages": [user(r["prompt"]), assistant(r["response"])]} for r in sft],
         "sharegpt.jsonl": [{"conversations": [{"from": "human", "value": r["prompt"]},
                                               {"from": "gpt", "value": r["response"]}]} for r in sft],
+        # learning from rewards (data.format prompt): the question, and the fact its answer states for exact_answer
+        "prompt.jsonl": [{"prompt": r["prompt"], "answer": _stated_answer(r["response"])} for r in sft],
         "preference.jsonl": pairs,
         # implicit: the prompt is where the two texts part, so no pair whose rejected text starts with the chosen
         "preference_implicit.jsonl": [{"chosen": f"{r['prompt']} {r['chosen']}",

@@ -15,7 +15,7 @@ pipeline. Rank order follows DeepSpeed's own groups, so no module has to ask the
     rank = (dp_rank * C + ring_rank) * sp + sp_rank. The C x sp ranks read the same samples; DeepSpeed knows
     nothing of the ring and counts its ranks as data-parallel (its train_batch_size, gradient averaging and
     ZeRO partitions span dp x C x sp).
-ds_internals.check_data_parallel_rank compares the formula with DeepSpeed's groups once the engine exists.
+ds_internals.bind_groups compares the formula with DeepSpeed's groups once the engine exists.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every private DeepSpeed / torch / datasets touch point of dstrain/parallel/ds_internals.py, checked against the
+"""Every private DeepSpeed / torch / datasets touch point of dstrain/parallel/ds_internals/, checked against the
 installed versions. A failure names the internal and the installed version: the place to look when a new
 release moves it."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ VERSIONS = f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, datas
 
 
 def moved(what: str) -> str:
-    return f"{what} is not what dstrain/parallel/ds_internals.py expects under {VERSIONS}; update that module"
+    return f"{what} is not what dstrain/parallel/ds_internals/ expects under {VERSIONS}; update that module"
 
 
 # A one-rank gloo world in a child process, so no process group outlives it in the pytest process.
@@ -739,3 +739,27 @@ def test_universal_loaders_each_stage_reads_what_universal_for_any_stage_complet
     assert "if not self.load_universal_checkpoint():\n            self.load_module_state_dict" in load_source and \
         "optim_checkpoint = checkpoint" in load_source, \
         moved("ZeRO-0's load path (no weights from a universal folder; the model-states file handed to the optimizer)")
+
+
+def test_nothing_outside_ds_internals_reaches_a_private_deepspeed_name():
+    """The one-place rule (issue 70): an underscore name imported from deepspeed, or read off an engine, its
+    optimizer or the deepspeed module, lives in dstrain/parallel/ds_internals/ (one module per subsystem), where
+    this file checks it against the installed version. transformers' and torch's few private names used elsewhere
+    are not DeepSpeed's (model.config._attn_implementation is transformers' documented switch)."""
+    import ast
+
+    found = []
+    for path in sorted([*(ROOT / "dstrain").rglob("*.py"), ROOT / "train.py"]):
+        if "ds_internals" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "deepspeed":
+                found += [f"{path.relative_to(ROOT)}:{node.lineno}: {a.name}" for a in node.names
+                          if a.name.startswith("_")]
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in ("engine", "deepspeed", "optimizer"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, f"private DeepSpeed names outside dstrain/parallel/ds_internals/: {found}"
