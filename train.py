@@ -118,7 +118,7 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
     ds_cfg = ds_config.resolve(raw_ds, recipe, ctx.world_size, device,
                                models.hidden_size(model_config), env.ranks_per_node(), layout.replicas)
     if start_from:  # saved under another ZeRO stage: converted like a world change, or refused in one line
-        start_from = resume.adapt_to_stage(start_from, ds_cfg, ds_config.optimizer_of(raw_ds, train), log)
+        start_from = resume.adapt_to_stage(start_from, ds_cfg, ds_config.optimizer_of(raw_ds, train), layout, log)
     setup = components.Setup(recipe, layout, ds_cfg, ds_config.precision(ds_cfg), model_config, run_dir, ctx, log,
                              init_from or started_from,
                              start_from.manifest.get("world_size") if start_from and start_from.universal else None)

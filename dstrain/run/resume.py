@@ -269,27 +269,36 @@ def optimizer_layout(ds_cfg: dict) -> str:
 
 
 def saved_layout(path: Path) -> str:
-    """The layout a checkpoint directory was saved in, read from its file names."""
-    if list(path.glob("zero_pp_rank_*_model_states.pt")):
+    """The layout a checkpoint directory was saved in, read from its file names (DiLoCo's are in a folder per
+    replica)."""
+    if list(path.rglob("zero_pp_rank_*_model_states.pt")):
         return "zero3"
-    if list(path.glob("bf16_zero_pp_rank_*optim_states.pt")):
+    if list(path.rglob("bf16_zero_pp_rank_*optim_states.pt")):
         return "bf16_zero1"
-    return "zero12" if list(path.glob("*zero_pp_rank_*optim_states.pt")) else "plain"
+    return "zero12" if list(path.rglob("*zero_pp_rank_*optim_states.pt")) else "plain"
 
 
-def adapt_to_stage(resume: Resume, ds_cfg: dict, optimizer: str | None, log=print) -> Resume:
+_STAGE_OF_LAYOUT = {"zero3": 3, "zero12": None, "bf16_zero1": 1, "plain": 0}  # None: 1 or 2, one layout
+
+
+def adapt_to_stage(resume: Resume, ds_cfg: dict, optimizer: str | None, layout: Layout, log=print) -> Resume:
     """A checkpoint saved under another ZeRO stage (after an out-of-memory, say): its optimizer state converts
     through DeepSpeed's universal checkpoint into any ZeRO-1/2/3 layout, and into ZeRO-0 in fp32 (PyTorch's own
-    AdamW, loaded by ds_internals). What no converter carries is refused here, before anything is built."""
+    AdamW, loaded by ds_internals). What no converter carries is refused here, before anything is built. A resume
+    on the stage it was saved with is left as it was."""
     from ..parallel.ds_config import precision, zero_stage
 
     saved, ours = saved_layout(resume.path), optimizer_layout(ds_cfg)
-    if saved == ours:
+    was, stage = resume.manifest.get("zero_stage", _STAGE_OF_LAYOUT[saved]), zero_stage(ds_cfg)
+    if saved == ours or was == stage or (was is None and stage in (1, 2)):
         return resume
-    was = resume.manifest.get("zero_stage")
     before = f"ZeRO-{was}" if was is not None else _LAYOUT_NAMES[saved]
-    now = f"ZeRO-{zero_stage(ds_cfg)}"
+    now = f"ZeRO-{stage}"
     weights = f"start a new --output_dir from its weights alone with --init_from {resume.path}"
+    if layout.splits_model or layout.replicas > 1 or resume.manifest.get("replicas", 1) > 1:
+        raise UserError(f"checkpoint {resume.path} was saved under {before} and this run is {now}; pipeline, "
+                        f"tensor-parallel and DiLoCo checkpoints resume on the stage they were saved with: use its "
+                        f"DeepSpeed config, or {weights}")
     if saved == "plain":
         raise UserError(f"checkpoint {resume.path} was saved under ZeRO-0, whose optimizer state DeepSpeed's universal "
                         f"checkpoint cannot read, and this run is {now}; continue it under ZeRO-0 (the DeepSpeed "

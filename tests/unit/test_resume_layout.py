@@ -152,7 +152,8 @@ def test_another_stage_converts_through_the_universal_checkpoint(tmp_path, saved
     from dstrain.run.resume import adapt_to_stage
 
     said = []
-    resume = adapt_to_stage(_stage_checkpoint(tmp_path, saved, stage), _ds(target, precision), "adamw", said.append)
+    resume = adapt_to_stage(_stage_checkpoint(tmp_path, saved, stage), _ds(target, precision), "adamw", Layout(2),
+                            said.append)
     assert resume.universal and resume.into_plain == (target == 0)
     assert said == [f"ZeRO stage changed from ZeRO-{stage} to ZeRO-{target}: the optimizer state is converted through "
                     f"DeepSpeed's universal checkpoint and continues exactly"]
@@ -162,7 +163,15 @@ def test_the_same_layout_loads_as_saved(tmp_path):
     from dstrain.run.resume import adapt_to_stage
 
     ckpt = _stage_checkpoint(tmp_path, "zero12", 1)
-    assert adapt_to_stage(ckpt, _ds(2), "adamw") is ckpt  # ZeRO-1 and 2: one optimizer, one layout
+    assert adapt_to_stage(ckpt, _ds(2), "adamw", Layout(2)) is ckpt  # ZeRO-1 and 2: one optimizer, one layout
+    # a DiLoCo checkpoint keeps each replica's files in a folder of its own: found there, same stage, as saved
+    diloco = tmp_path / "step_diloco"
+    (diloco / "replica_0").mkdir(parents=True)
+    (diloco / "replica_0" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    replicas = Resume(diloco, {"zero_stage": 2, "replicas": 2})
+    assert adapt_to_stage(replicas, _ds(2), "adamw", Layout(4, replicas=2)) is replicas
+    with pytest.raises(UserError, match="DiLoCo checkpoints resume on the stage they were saved with"):
+        adapt_to_stage(replicas, _ds(3), "adamw", Layout(4, replicas=2))
 
 
 @pytest.mark.parametrize("saved, stage, target, precision, optimizer, want", [
@@ -176,5 +185,5 @@ def test_what_no_converter_carries_is_one_line(tmp_path, saved, stage, target, p
     from dstrain.run.resume import adapt_to_stage
 
     with pytest.raises(UserError, match=want) as caught:
-        adapt_to_stage(_stage_checkpoint(tmp_path, saved, stage), _ds(target, precision), optimizer)
+        adapt_to_stage(_stage_checkpoint(tmp_path, saved, stage), _ds(target, precision), optimizer, Layout(2))
     assert "\n" not in str(caught.value)
