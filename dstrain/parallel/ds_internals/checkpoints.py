@@ -40,6 +40,7 @@ def universal_load_repairs(engine, universal: bool, folder: Path | None = None) 
         muon_universal_load(engine, folder)
 
 
+ANY_STAGE = "dstrain_any_stage.json"  # in a universal folder: universal_for_any_stage has completed it
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
@@ -59,12 +60,16 @@ def universal_for_any_stage(folder: Path) -> None:
         param_shapes, with the optimizer's step beside them."""
     import deepspeed
 
+    done = folder / ANY_STAGE
+    if done.is_file():  # completed once: a resume from an existing folder reads no parameter file again
+        return
     present = [name for name in _MODEL_STATES if (folder / name).is_file()]
     for name in _MODEL_STATES:
         if present and not (folder / name).exists():
             os.link(folder / present[0], folder / name)
     path = folder / "zero" / "optimizer_state.pt"
     if not path.is_file():
+        done.write_text("{}\n")
         return
     sd = torch.load(path, weights_only=False)
     nested = sd.get("optimizer_state_dict")
@@ -77,6 +82,10 @@ def universal_for_any_stage(folder: Path) -> None:
         changed = True
     step = ((sd.get("optimizer_state_dict") or {}).get("state") or {}).get(0, {}).get("step")
     shapes = _param_shapes(folder) if present else {}
+    # one converter wrote every file in one form: the first parameter's fp32.pt says whether any needs rewriting
+    first = next((file for file in (folder / "zero" / name / "fp32.pt" for name in shapes) if file.is_file()), None)
+    if first is None or not torch.is_tensor(torch.load(first, weights_only=False)):
+        shapes = {}
     for name, shape in shapes.items():
         where = folder / "zero" / name
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -97,6 +106,7 @@ def universal_for_any_stage(folder: Path) -> None:
         changed = True
     if changed:
         _save_replacing(path, sd)
+    done.write_text("{}\n")
 
 
 def _save_replacing(path: Path, obj) -> None:
