@@ -145,8 +145,8 @@ def has_validation(cfg: DataConfig) -> bool:
         return cfg.val_split in json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
     if (path / "state.json").is_file():
         return False  # one saved Dataset: the train split alone
-    files = [f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")]
-    if any(f.name in ("manifest.json", "plan.json") for f in files):
+    from .prepared import is_prepared
+    if is_prepared(path):
         return True  # a prepared corpus (data/prepared.py) says so itself
-    return any(f.name.lower().startswith(VALIDATION_NAMES) or f.name.lower().startswith(cfg.val_split.lower())
-               for f in files)
+    names = (f.name.lower() for f in path.rglob("*") if f.is_file() and not f.name.startswith("."))
+    return any(name.startswith(VALIDATION_NAMES) or name.startswith(cfg.val_split.lower()) for name in names)
