@@ -98,11 +98,11 @@ def longest_within(points: list[tuple[int, float]], budget: float) -> str:
 
 def predicted_longest(label: str, budget_bytes: int, work: Path) -> int:
     """What the preflight says for the same run and budget (memory.longest_seq_len)."""
-    from dstrain import memory
     from dstrain.config import load_recipe, parse_overrides
     from dstrain.model import hidden_size, load_config
     from dstrain.parallel import ds_config
     from dstrain.parallel.layout import Layout
+    from dstrain.planner import memory
 
     ds, ranks = layout_config(label, work)
     recipe = load_recipe("tiny/long_context.yaml", parse_overrides(["--train.grad_accum_steps=1"]))

@@ -58,7 +58,7 @@ SHARD_DOCUMENTS = 20_000  # ~8 shards a part: a kill mid-way leaves some finishe
 
 
 def _command(source: Path, output: Path, workers: int) -> list[str]:
-    return [PY, "-m", "dstrain.prepare_data", f"--data.path={source}", "--data.val_fraction=0.001",
+    return [PY, "-m", "dstrain.data.prepare_corpus", f"--data.path={source}", "--data.val_fraction=0.001",
             f"--output={output}", f"--workers={workers}", f"--shard_documents={SHARD_DOCUMENTS}"]
 
 

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
                         help="with --preflight: ranks sharing one node's GPUs or RAM (default: all on one node)")
     parser.add_argument("--device", default=None,
                         help="with --preflight: plan for this GPU instead of this machine (h100-80gb, a100-80gb, "
-                             "h200-141gb, ...: the table in dstrain/memory.py); the precision is the config's")
+                             "h200-141gb, ...: the table in dstrain/planner/memory.py); the precision is the config's")
     parser.add_argument("--device_memory", default=None,
                         help="with --preflight: memory per GPU of the planned run, e.g. 80GiB (overrides --device's)")
     plan = parser.add_argument_group("strategy planner (dstrain/planner)")

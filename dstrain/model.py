@@ -187,3 +187,10 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
             total += param.numel()
             local += param.numel()
     return total, local
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether the model recomputes its activations in backward (transformers 5 renamed the flag)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))

@@ -1,7 +1,8 @@
 """Write the docs' reference pages from the code that defines them, so each fact is written once.
 
-- docs/reference/recipe-keys.md: every recipe key, its default and its meaning, read from dstrain/config.py (the
-  comment on a field's line or the comment lines just above it; a section's class docstring introduces it).
+- docs/reference/recipe-keys.md: every recipe key, its default and its meaning, read from
+  dstrain/config/__init__.py (the comment on a field's line or the comment lines just above it; a section's class
+  docstring introduces it).
 - docs/reference/environment.md: the exit codes (dstrain/errors.py EXIT_CODES) and every environment variable
   dstrain reads (dstrain/env.py DOCUMENTED).
 
@@ -67,9 +68,9 @@ def _yaml(value) -> str:
 
 
 def recipe_keys(source: str | None = None) -> str:
-    """The page; `source` stands in for dstrain/config.py's text (a test passes an edited copy)."""
+    """The page; `source` stands in for dstrain/config/__init__.py's text (a test passes an edited copy)."""
     docs = _field_docs(source if source is not None else Path(config.__file__).read_text())
-    out = [HEADER.format(src="dstrain/config.py"), "# Recipe keys\n\n",
+    out = [HEADER.format(src="dstrain/config/__init__.py"), "# Recipe keys\n\n",
            "A recipe is YAML with the sections below; any key can be set on the command line too "
            "(`--train.lr=1e-4`, `--lora.r=16`). Precedence: these defaults < the recipe YAML < the command line. "
            "A list-valued key takes one value as a one-element list (`--rl.reward_funcs=rewards.py:short`), several "
@@ -89,7 +90,7 @@ def recipe_keys(source: str | None = None) -> str:
         rows = ["| key | default | meaning |", "|---|---|---|"]
         for f in fields:
             doc = docs[cls.__name__].get(f.name, "")
-            assert doc, f"{cls.__name__}.{f.name} has no comment in dstrain/config.py: document it there"
+            assert doc, f"{cls.__name__}.{f.name} has no comment in dstrain/config/__init__.py: document it there"
             doc = doc.replace("|", "\\|")  # a pipe in the text would end the table cell
             rows.append(f"| `{prefix}{f.name}` | `{_yaml(getattr(obj, f.name))}` | {doc} |")
         return rows

@@ -10,7 +10,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "ds_configs"
 
-# No "scheduler": without one the recipe's schedule runs (dstrain.schedule), and the Hugging Face Trainer, which
+# No "scheduler": without one the recipe's schedule runs (dstrain.trainer.schedule), and the Hugging Face Trainer, which
 # people carry these files to, builds its own ({"params": "auto"} broke its TrainingArguments, issue 29).
 BASE = {
     "train_batch_size": "auto",

@@ -4,7 +4,7 @@ Sequence Training, deepspeed.runtime.sequence_parallel.ulysses_sp).
 DeepSpeed does the parallel attention: UlyssesSPAttentionHF.register_with_transformers makes the groups (sp
 consecutive ranks) and replaces the model's attention function with one that exchanges heads for sequence
 (all-to-all), attends over the whole sequence with 1/sp of the heads, and exchanges back. What is left to the
-training script, and done here and in dstrain.data / dstrain.steps:
+training script, and done here and in dstrain.data / dstrain.trainer.steps:
   - the sp ranks of a group read the same samples (Layout.data_parallel_rank) and each keeps its 1/sp slice of
     every sequence with position_ids and labels shifted before slicing (data.shard_sequence). This replaces
     DeepSpeed's UlyssesSPDataLoaderAdapter, which all-gathers each rank's batch to shard it: our batches are a

@@ -9,7 +9,7 @@ resuming at step k reproduces exactly the batches an uninterrupted run would hav
                interface; report()
   amount.py    epochs, a global batch larger than the data, a validation split with nothing to evaluate
   cache.py     prepare(): tokenized once into the cache by one writer, reused; or a prepared corpus / mix
-  prepared.py  corpora written by `python -m dstrain.prepare_data`, memory-mapped; weighted mixes
+  prepared.py  corpora written by `python -m dstrain.data.prepare_corpus`, memory-mapped; weighted mixes
   order.py     the epoch order (numpy's permutation, or a lazy keyed one for big corpora)
   stream.py    TrainStream (this rank's micro-batches of step k), eval_batches, sequence-parallel slices
 This package's names below are what the rest of dstrain uses.

@@ -118,7 +118,7 @@ def _write_cache(tmp: Path, path: Path, cfg: DataConfig, tokenizer, seq_len: int
     if cfg.format == "text" and size > LARGE_CORPUS_BYTES:
         print(f"note: {cfg.path} is {size / 2**30:.1f} GiB of text: every run and every node without this cache pays "
               f"this tokenization inside the job. Tokenize it once, in parallel, with `python -m "
-              f"dstrain.prepare_data --data.path={cfg.path} --output DIR --workers N`, then train with "
+              f"dstrain.data.prepare_corpus --data.path={cfg.path} --output DIR --workers N`, then train with "
               f"data.path=DIR (memory-mapped shards, no start-up cost; docs/data.md)",
               file=sys.stderr, flush=True)
     splits, stats = {}, {}

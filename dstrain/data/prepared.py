@@ -1,4 +1,4 @@
-"""Reading a corpus that `python -m dstrain.prepare_data` tokenized once: memory-mapped token shards (Megatron's
+"""Reading a corpus that `python -m dstrain.data.prepare_corpus` tokenized once: memory-mapped token shards (Megatron's
 indexed .bin/.idx format), seen as seq_len-token blocks of the concatenated document stream, and weighted
 mixes of several such corpora.
 
@@ -50,7 +50,7 @@ def read_manifest(directory: Path) -> dict:
         plan = json.loads((directory / PLAN).read_text())
         done = sum(1 for _ in directory.glob("*.json")) - 1
         raise UserError(f"{directory} is not finished ({done} of {plan['shard_count']} shards written); run the "
-                        f"same `python -m dstrain.prepare_data ... --output {directory}` again to complete it")
+                        f"same `python -m dstrain.data.prepare_corpus ... --output {directory}` again to complete it")
     manifest = json.loads((directory / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
         raise UserError(f"{directory}/{MANIFEST} is format {manifest.get('format')!r}, this version reads {FORMAT!r}; "
@@ -208,8 +208,8 @@ def sources_of(cfg: DataConfig) -> list[tuple[Path, float]]:
     for entry in entries:
         directory = Path(local_or_hub(entry["path"])).expanduser()
         if not is_prepared(directory):
-            raise UserError(f"data.mix entry {entry['path']} is not a directory written by prepare_data; run "
-                            f"`python -m dstrain.prepare_data --data.path=<corpus> --output {entry['path']}` first")
+            raise UserError(f"data.mix entry {entry['path']} is not a directory written by prepare_data; run `python "
+                            f"-m dstrain.data.prepare_corpus --data.path=<corpus> --output {entry['path']}` first")
         out.append((directory, float(entry["weight"])))
     return out
 

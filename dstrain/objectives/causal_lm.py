@@ -83,5 +83,13 @@ class CausalLM:
     def metrics(self, stats, totals: dict[str, float]) -> dict[str, float]:
         return {}
 
-    def before_training(self, engine, datasets: list, *args) -> list:
+    def before_training(self, engine, datasets: list, setup, data_cache, weights: str) -> list:
         return datasets
+
+    @staticmethod
+    def sequences_per_sample(recipe) -> int:
+        return 1
+
+    @staticmethod
+    def evaluation_keys(recipe) -> list[str]:
+        return ["eval_loss", "perplexity"]

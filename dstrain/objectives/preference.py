@@ -234,13 +234,23 @@ class Preference:
         return logps.chunk(2)
 
     # ------------------------------------------------------------------ the reference pass
-    def before_training(self, engine, datasets: list, layout, ctx, run_dir: Path, cache_path: Path | None,
-                        weights: str, micro_batch_size: int, log) -> list:
+    @staticmethod
+    def sequences_per_sample(recipe) -> int:
+        return 2  # chosen and rejected, one forward of 2B rows
+
+    @staticmethod
+    def evaluation_keys(recipe) -> list[str]:
+        return ["eval_loss"] + [f"eval_{name}" for name in STATS + (ORPO_STATS if recipe.preference.loss == "orpo"
+                                                                    else ())]
+
+    def before_training(self, engine, datasets: list, setup, cache_path: Path | None, weights: str) -> list:
         """The datasets with their reference log-probs attached: read from the run directory (a resumed run), or
         from the data cache (the same data and base weights before), or computed now, once."""
         if not self.cfg.needs_reference or self.adapters_off:
             return datasets
         from ..parallel import dist
+        layout, ctx, run_dir, log = setup.layout, setup.ctx, setup.run_dir, setup.log
+        micro_batch_size = setup.recipe.train.micro_batch_size
         key = hashlib.sha256(json.dumps({"weights": weights, "data": str(cache_path)}).encode()).hexdigest()[:16]
         stored = run_dir / REFERENCE_FILE
         cached = cache_path / f"reference-{key}.pt" if cache_path is not None else None

@@ -409,7 +409,15 @@ class RL:
             out[f"rewards/{reward.name}/std"] = math.sqrt(max((q - s * s / c) / (c - 1), 0.0)) if c > 1 else math.nan
         return out
 
-    def before_training(self, engine, datasets: list, *args) -> list:
+    @staticmethod
+    def sequences_per_sample(recipe) -> int:
+        return recipe.rl.num_generations  # each prompt becomes rl.num_generations prompt + completion rows
+
+    @staticmethod
+    def evaluation_keys(recipe) -> list[str]:
+        return ["eval_loss"] + [f"eval_{key}" for key, wanted in EVAL_KEYS.items() if wanted(recipe.rl)]
+
+    def before_training(self, engine, datasets: list, setup, data_cache, weights: str) -> list:
         """rl.beta > 0 without LoRA: the reference, a frozen copy of the starting weights; rl.teacher: the teacher
         (both frozen.py)."""
         if self.cfg.beta != 0.0 and not self.adapters_off:

@@ -232,7 +232,7 @@ def offloads_optimizer(cfg: dict) -> bool:
 
 
 def uses_recipe_schedule(cfg: dict) -> bool:
-    """True when the resolved config left the LR schedule to the recipe (dstrain.schedule)."""
+    """True when the resolved config left the LR schedule to the recipe (dstrain.trainer.schedule)."""
     return "scheduler" not in cfg
 
 
@@ -263,7 +263,7 @@ def _muon(cfg: dict, train) -> None:
     """DeepSpeed's Muon, filled from the recipe and refused where DeepSpeed 0.19.8 would do something else.
 
     lr is the shared value DeepSpeed falls back to; muon_lr and adam_lr are what each half uses (both scaled by
-    the schedule: dstrain.schedule's LambdaLR multiplies each parameter group's own lr)."""
+    the schedule: dstrain.trainer.schedule's LambdaLR multiplies each parameter group's own lr)."""
     params = cfg["optimizer"]["params"]
     _fill(params, "adam_lr", train.lr, "optimizer.params", "train.lr")
     _fill(params, "muon_lr", train.muon_lr, "optimizer.params", "train.muon_lr")
@@ -389,7 +389,7 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
         params.setdefault("torch_adam", True)
 
     if _is_auto((cfg.get("scheduler") or {"type": "auto"}).get("type", "auto")):
-        cfg.pop("scheduler", None)  # dstrain.schedule builds it from the recipe (see there for why)
+        cfg.pop("scheduler", None)  # dstrain.trainer.schedule builds it from the recipe (see there for why)
 
     zero = cfg.get("zero_optimization") or {}
     if hidden_size:

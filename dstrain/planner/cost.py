@@ -31,7 +31,7 @@ step = compute + exposed communication + optimizer (+ offload transfers), per op
   update       elements this rank updates / the measured AdamW rate (CPU Adam's under optimizer offload), plus
                the device-host copies of offload at the measured copy rate (none on CPU ranks), plus the
                gradient compressor's arithmetic (measured on the model's gradient shapes).
-Memory: dstrain/memory.py's estimate (the preflight), against the device's memory.
+Memory: dstrain/planner/memory.py's estimate (the preflight), against the device's memory.
 """
 from __future__ import annotations
 
@@ -367,9 +367,9 @@ def predict(candidate: Candidate, work: Workload, meas: Measurements, recipe, ca
     """Fit and step time of one candidate. overlap: whether communication can hide behind compute (GPUs); by
     default from the measurements' device. checked=False takes candidate.ds as resolved (a layout DeepSpeed's
     engine here does not offer, such as Megatron's tensor x pipeline x data for published runs)."""
-    from .. import memory
     from ..components.compression import check_combination
     from ..parallel import ds_config
+    from . import memory
 
     trial = _recipe_for(recipe, candidate)
     tokens = work.global_batch * work.seq_len * work.sequences_per_sample

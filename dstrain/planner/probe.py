@@ -240,8 +240,8 @@ def measure_compute(model_config, precision: str, seq_len: int, micro_sizes: lis
     if problem:
         # still noise: a layer's time from its FLOPs at the matmul rate measured at the model's own shapes
         rate = _matmul_rate(model_config, dtype, device, sync, max(micro_sizes) * seq_len)
-        from ..memory import _dims
-        hidden = _dims(model_config)[0]
+        from .memory import dims
+        hidden = dims(model_config)[0]
         for micro in micro_sizes:
             flops = micro * seq_len * (6.0 * layer_params + 12.0 * seq_len * hidden)
             layer_times[micro], forward_times[micro] = flops / rate, flops / rate / 3
@@ -400,9 +400,9 @@ def _host_copy_rate(device: torch.device, nbytes: int = 256 * MB) -> float:
 
 def _matmul_rate(config, dtype, device, sync, tokens: int) -> float:
     """FLOP/s of the model's own projections (hidden x hidden, hidden x MLP width) at the micro-batch's tokens."""
-    from ..memory import _dims
+    from .memory import dims
 
-    hidden, _, ffn, _ = _dims(config)
+    hidden, _, ffn, _ = dims(config)
     tokens = min(tokens, 8192)
     best = 0.0
     for n in (hidden, ffn):
@@ -517,6 +517,6 @@ def _memory(ranks_per_node: int) -> tuple[int, int]:
     """(bytes one rank may use, the preflight's figure; host RAM per node)."""
     import psutil
 
-    from ..memory import device_memory
+    from .memory import device_memory
     device = device_memory("cuda" if torch.cuda.is_available() else "cpu", ranks_per_node)[0]
     return device, psutil.virtual_memory().total

@@ -5,7 +5,7 @@ and the model from cost.py: for 1, 2, 4, ... --max_gpus GPUs, the fastest candid
 the scaling efficiency (tokens/s per GPU against the smallest world that fits).
 
 The tables are inputs, not measurements, each with where it comes from:
-- GPU dense bf16 peak: dstrain/flops.py (vendor data sheets); memory: dstrain/memory.py DEVICES.
+- GPU dense bf16 peak: dstrain/flops.py (vendor data sheets); memory: dstrain/planner/memory.py DEVICES.
 - HBM bandwidth: vendor data sheets. Large-GEMM efficiency (the fraction of peak a big bf16 matmul reaches):
   assumed from public cuBLAS/GEMM benchmarks, about 0.8 on V100/A100 and 0.7 on H100/H200 (their peaks are harder
   to reach); non-matmul work (norms, activations, softmax) is costed as activation traffic over HBM.
@@ -61,7 +61,7 @@ CPU_ADAM_PER_GPU = 2e9  # DeepSpeedCPUAdam elements/s per GPU's share of the hos
 def hardware(gpu: str, interconnect: str, world: int, gpus_per_node: int, model_config, seq_len: int,
              precision: str = "bf16", measured: Measurements | None = None) -> Measurements:
     """Measurements-shaped figures for `world` GPUs from the tables (or from what --plan measured)."""
-    from .. import memory
+    from . import memory
 
     per_node = min(world, gpus_per_node)
     nodes = -(-world // per_node)
@@ -104,11 +104,12 @@ def _curve(op: str, ranks: int, busbw: float, latency: float) -> LinkCurve:
 
 
 def _table_compute(spec: Gpu, config, seq_len: int, precision: str) -> Compute:
-    from .. import flops, memory
+    from .. import flops
+    from . import memory
 
     peak = flops.table_peak(spec.peak_key, "bf16") * (1 if precision != "fp32" else 0.5 / 8)
     rate = peak * spec.gemm
-    hidden, layers, ffn, vocab = memory._dims(config)
+    hidden, layers, ffn, vocab = memory.dims(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -134,7 +135,7 @@ def _table_compute(spec: Gpu, config, seq_len: int, precision: str) -> Compute:
 
 
 def check(args) -> None:
-    from .. import memory
+    from . import memory
     if args.measurements:
         return
     if args.device is None or args.device.lower() not in GPUS:

@@ -1,6 +1,7 @@
-"""Steps that go wrong without a sound: a loss or gradient that is not finite, a loss or grad-norm spike; and the
-run's other quiet checks in one object train.py asks (run/stragglers.py: slow ranks; run/sdc.py: silent data
-corruption).
+"""Steps that go wrong without a sound: a loss or gradient that is not finite, a loss or grad-norm spike, silent
+data corruption (run/sdc.py, which this gate asks); `for_run` returns them with the slow-rank check
+(run/stragglers.py) as the trainer's step hooks (dstrain/trainer/hooks.py: the protocol, implemented here without
+importing the loop).
 
 A non-finite step is skipped on every rank (no weight, optimizer state or schedule change) through DeepSpeed's own
 overflow path (ds_internals.gate_optimizer_step: the optimizer asks `decide(grad_norm)` at the step's one norm
@@ -25,6 +26,7 @@ import torch
 
 from ..config import FaultConfig
 from ..errors import EXIT_FAILED, EXIT_NONFINITE, UserError
+from ..objectives import optional_part
 from ..parallel import ds_internals
 from ..parallel.dist import all_gather_objects
 from . import faults
@@ -66,21 +68,34 @@ class StepHealth:
         is skipped); None: the loss is all-reduced after the update, as without these checks."""
         return self.loss_before_update if self.cfg.on_spike == "skip" else None
 
-    def attach(self, engine, sdc: CorruptionCheck | None = None, stragglers: Stragglers | None = None
-               ) -> StepHealth:
-        self.engine, self.sdc, self.stragglers = engine, sdc, stragglers
+    name = "health"  # the manifest's key for this hook's state_dict (checkpoints written before the hooks use it)
+
+    def attach(self, engine, sdc: CorruptionCheck | None = None,
+               locate: Callable[[int], str | None] = lambda step: None) -> StepHealth:
+        """`locate(step)`: the first non-finite step re-run with hooks on every module (every rank), its origin."""
+        self.engine, self.sdc, self.locate = engine, sdc, locate
         self._skipped_before = engine.skipped_steps
         self._undo = ds_internals.gate_optimizer_step(engine, self._decide)
         return self
 
-    @classmethod
-    def for_run(cls, cfg: FaultConfig, precision: str, zero_stage: int, layout, run_dir, engine,
-                say: Callable[[str], None]) -> StepHealth:
-        """Every check of a training run, attached to its engine (every rank: the hosts are all-gathered once)."""
-        hosts = all_gather_objects(socket.gethostname())
-        return cls(cfg, precision == "fp16", say).attach(
-            engine, CorruptionCheck(cfg, layout, zero_stage, hosts, say),
-            Stragglers(cfg, layout.rank, layout.world_size, hosts, run_dir, say, engine.device))
+    # ---- the step-hook protocol (dstrain/trainer/hooks.py)
+    def before_step(self, step: int) -> None:
+        self.begin(step)
+
+    def after_update(self, step: int, say: Callable[[str], None]) -> None:
+        pass
+
+    def after_step(self, result) -> None:
+        result.columns |= self.after(result.step, result.loss, result.grad_norm, self.locate)
+
+    def before_save(self, step: int) -> bool:
+        return self.safe_to_save(self.engine, step)
+
+    def state_dict(self) -> dict:
+        return self.state()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.restore(state)
 
     @property
     def exit_code(self) -> int:
@@ -92,6 +107,8 @@ class StepHealth:
 
     def safe_to_save(self, engine, step: int) -> bool:
         """Before a checkpoint: the replicas still agree (every rank calls this). False: nothing may be saved."""
+        if self.weights_bad:  # already known (every rank alike): no replica comparison needed
+            return False
         if self.sdc is not None and not self.sdc.replicas(engine, step, "before the checkpoint of"):
             self.stopping = self.weights_bad = True
         return not self.weights_bad
@@ -152,13 +169,10 @@ class StepHealth:
             self.reason = NORM_SPIKE
         return self.reason is not None
 
-    def after(self, step: int, loss: float, grad_norm: float | None, rerun: Callable[[int], str | None],
-              seconds: float = 0.0, comm_s: float = 0.0) -> dict:
+    def after(self, step: int, loss: float, grad_norm: float | None, rerun: Callable[[int], str | None]) -> dict:
         """Judge the finished step: count it, say it, search the first non-finite one (`rerun`: every rank
-        re-runs the step's micro-batches with hooks; the origins they found); compare the ranks' compute times
-        (`seconds` less `comm_s` in collectives) now and then; returns the metrics row's fields."""
+        re-runs the step's micro-batches with hooks; the origins they found); returns the metrics row's fields."""
         began = time.perf_counter()
-        slow = self.stragglers.step(step, seconds, comm_s) if self.stragglers is not None else {}
 
         def search(at: int) -> str | None:
             searched = time.perf_counter()
@@ -167,7 +181,7 @@ class StepHealth:
             finally:
                 self.search_s += time.perf_counter() - searched
         try:
-            return self._after(step, loss, grad_norm, search) | slow
+            return self._after(step, loss, grad_norm, search)
         finally:
             self.check_s += time.perf_counter() - began
 
@@ -257,11 +271,20 @@ class StepHealth:
         extra = {}
         if self.sdc is not None:
             extra |= self.sdc.summary()
-        if self.stragglers is not None:
-            extra["slow_ranks"] = self.stragglers.summary()
-        check_s = self.check_s - self.search_s + sum(c.check_s for c in (self.sdc, self.stragglers) if c is not None)
+        check_s = self.check_s - self.search_s + (self.sdc.check_s if self.sdc is not None else 0.0)
         return {"skipped_steps": self.skipped, "spikes": self.spikes, "first_nonfinite_module": self.located,
                 **extra, "check_s": round(check_s, 6), "search_s": round(self.search_s, 3)}
+
+
+def for_run(cfg: FaultConfig, precision: str, zero_stage: int, layout, run_dir, engine,
+            say: Callable[[str], None], locate: Callable[[int], str | None]) -> tuple[list, StepHealth]:
+    """Every check of a training run as step hooks, in the order they run: the slow-rank comparison (the step's
+    time), then the gate (NaN/spike/SDC), attached to the engine; and the gate again, which train_step consults
+    inside the step. Every rank: the hosts are all-gathered once."""
+    hosts = all_gather_objects(socket.gethostname())
+    gate = StepHealth(cfg, precision == "fp16", say).attach(
+        engine, CorruptionCheck(cfg, layout, zero_stage, hosts, say), locate)
+    return [Stragglers(cfg, layout.rank, layout.world_size, hosts, run_dir, say, engine.device), gate], gate
 
 
 def check(cfg: FaultConfig, precision: str, layout) -> None:
@@ -281,9 +304,9 @@ def locate(engine, micro_batches: list[dict], objective, layout, step: int) -> s
     for a gradient instead), so DeepSpeed's gradient buffers and hooks see nothing. Every rank runs every
     micro-batch (ZeRO-3 gathers parameters collectively) and the origins are gathered; returns "rank R: NAME
     (output|gradient)" for the first rank that found one."""
-    from ..steps import _totals
+    from ..objectives.batches import global_counts
 
-    if layout.is_pipeline or hasattr(objective, "prepare"):
+    if layout.is_pipeline or optional_part(objective, "prepare") is not None:
         return "not searched (a pipeline's stages, or learning from rewards: the rollout is not re-run)"
     rank, model = layout.rank, engine.module
     found: list[str] = []
@@ -321,7 +344,7 @@ def locate(engine, micro_batches: list[dict], objective, layout, step: int) -> s
             for name, module in model.named_modules():
                 hooks.append(module.register_forward_hook(forward_hook(name), with_kwargs=True))
                 hooks.append(module.register_full_backward_hook(backward_hook(name)))
-            totals = _totals(objective, micro_batches, layout, engine.device)[0]
+            totals = global_counts(objective, micro_batches, layout, engine.device)[0]
             for batch in micro_batches:
                 rerun_loss(engine, batch, objective, totals, backward=True)
     except Exception as failure:  # noqa: BLE001 - the search is a diagnosis; its failure must not end the run

@@ -143,7 +143,7 @@ def launchers() -> list[Launcher]:
     what started it (the runner, or on other nodes pdsh's ssh session), torchrun, accelerate. A plain
     `python train.py` watches nothing: `nohup python train.py &` must survive its shell.
 
-    Read as early as train.py starts (LAUNCHERS below), so a launcher that dies while the rank builds its model
+    Read as early as train.py starts (note_launchers below), so a launcher that dies while the rank builds its model
     is still known; one already gone by then (launch.py or this rank adopted by init) counts as gone."""
     try:
         me = psutil.Process()
@@ -164,8 +164,15 @@ def launchers() -> list[Launcher]:
         return []
 
 
-# Taken at import (train.py imports this module first thing under a launcher), before seconds of model building.
-LAUNCHERS: list[Launcher] | None = launchers() if env.launched() else None
+# The launchers above this rank, taken by note_launchers() as train.py starts (before seconds of imports and model
+# building: a launcher that dies meanwhile is still known); None: not taken, StopRequest looks then.
+LAUNCHERS: list[Launcher] | None = None
+
+
+def note_launchers() -> None:
+    global LAUNCHERS
+    if LAUNCHERS is None and env.launched():
+        LAUNCHERS = launchers()
 
 
 def signal_ranks(root: int, signum: int = signal.SIGTERM) -> int:

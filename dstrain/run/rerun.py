@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..steps import to_device
+from ..objectives.batches import to_device
 
 
 @contextmanager

@@ -21,6 +21,10 @@ from ..config import FaultConfig
 
 
 class Stragglers:
+    """A step hook (dstrain/trainer/hooks.py's protocol): after each step, its time less its time in collectives."""
+    name = "stragglers"
+    stopping = False  # it names a rank; the run goes on at that rank's pace
+
     def __init__(self, cfg: FaultConfig, rank: int, world: int, hosts: list[str], run_dir: Path,
                  say: Callable[[str], None], device: torch.device):
         self.cfg, self.rank, self.world, self.hosts, self.run_dir, self.say, self.device = \
@@ -76,5 +80,30 @@ class Stragglers:
             with open(self.run_dir / "events.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def summary(self) -> list[dict]:
+    # ---- the step-hook protocol
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_update(self, step: int, say: Callable[[str], None]) -> None:
+        pass
+
+    def after_step(self, result) -> None:
+        result.columns |= self.step(result.step, result.seconds, result.comm_s)
+
+    def before_save(self, step: int) -> bool:
+        return True
+
+    def state_dict(self) -> None:  # a resumed run starts its windows afresh
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {"slow_ranks": self.slow_ranks(), "check_s": self.check_s}
+
+    def slow_ranks(self) -> list[dict]:
         return [{k: v for k, v in row.items() if k not in ("event", "time")} for row in self.named.values()]

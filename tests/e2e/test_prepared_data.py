@@ -1,4 +1,4 @@
-"""Training on corpora prepared by `python -m dstrain.prepare_data`: against the single-process reference loop fed
+"""Training on corpora prepared by `python -m dstrain.data.prepare_corpus`: against the single-process reference loop fed
 blocks read straight from the .bin files (numpy, not dstrain's reader), and a weighted mix of two prepared corpora
 killed mid-run and resumed on another data-parallel size against the same mix run uninterrupted."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dstrain import prepare_data
+from dstrain.data import prepare_corpus as prepare_data
 from tests.e2e.test_vs_reference import COMMON, LR, MIN_LR, RTOL, STEPS, WARMUP
 from tests.helpers import ROOT, kill_rank_after_checkpoint, launch, metrics, reference_losses
 

@@ -66,7 +66,7 @@ def test_every_shipped_config_resolves_and_deepspeed_accepts_it(name):
     assert cfg["optimizer"]["params"]["betas"] == r.train.betas
     assert parsed.bfloat16_config.enabled == (not name.endswith("_fp16.json"))
     assert parsed.float16_config.enabled == name.endswith("_fp16.json")
-    assert "scheduler" not in cfg  # none: dstrain.schedule from the recipe
+    assert "scheduler" not in cfg  # none: dstrain.trainer.schedule from the recipe
 
 
 def test_an_auto_scheduler_is_the_recipes_schedule():

@@ -31,7 +31,7 @@ def test_scripts_share_one_shape(script):
     assert "Knobs" in text  # each documents its environment variables at the top
     launcher_lines = [line for line in text.splitlines() if line.lstrip().startswith(
         ("run_with_retries \"$PYTHON\" -m deepspeed", "run_with_retries \"$PYTHON\" -m dstrain.run.elastic_run", "srun ",
-         "\"$PYTHON\" -m dstrain.prepare_data", "\"$PYTHON\" -m dstrain.sweep"))]
+         "\"$PYTHON\" -m dstrain.data.prepare_corpus", "\"$PYTHON\" -m dstrain.sweep"))]
     assert len(launcher_lines) == 1, launcher_lines  # exactly one launcher command
 
 

@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from dstrain import components, memory
+from dstrain import components
 from dstrain.components.lora import count_parameters
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.errors import UserError
 from dstrain.parallel import ds_config as dsc
 from dstrain.parallel.dist import DistContext
 from dstrain.parallel.layout import Layout
+from dstrain.planner import memory
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)

@@ -3,10 +3,10 @@ import re
 
 import pytest
 
-from dstrain import memory
 from dstrain.config import load_recipe, parse_overrides
 from dstrain.parallel import ds_config as dsc
 from dstrain.parallel.layout import Layout
+from dstrain.planner import memory
 from dstrain.run import checkpoint
 
 GPU = dsc.DeviceCaps("cuda", bf16=True, fp16=True)

@@ -86,3 +86,27 @@ def test_no_import_cycles():
 
     cycles = {" -> ".join(c) for m in graph if (c := reaches(m, m))}
     assert cycles == set()
+
+
+def test_run_does_not_import_the_loop():
+    """Issue 70: the loop (dstrain/trainer/) uses run/ (checkpoints, checks, faults); run/ never the loop, nor its
+    private names, so a check or a checkpoint module is read and tested without it."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / "dstrain/run").rglob("*.py")}
+    everything = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                  for p in (ROOT / "dstrain").rglob("*.py")}
+    offenders = {m: sorted(i for i in _imports_of(m.removesuffix(".__init__"), p, everything)
+                           if i.startswith("dstrain.trainer"))
+                 for m, p in files.items()}
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
+def test_train_py_reads_in_one_screen_and_no_module_is_too_long():
+    """Issue 70: train.py's longest function is at most 60 lines (the phases live in dstrain/trainer/), no module of
+    the package is over 700 lines."""
+    import ast
+    tree = ast.parse((ROOT / "train.py").read_text())
+    longest = max((node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(tree)
+                  if isinstance(node, ast.FunctionDef))
+    assert longest[0] <= 60, longest
+    long_modules = {str(p.relative_to(ROOT)): n for p in PACKAGE if (n := len(p.read_text().splitlines())) > 700}
+    assert long_modules == {}

@@ -244,7 +244,7 @@ def test_simulated_scaling_is_limited_by_the_slower_network(tmp_path):
     # the compute side follows the table: never above the large-GEMM rate it assumes (0.8 of an A100's peak), and
     # only the non-matmul traffic below it on one GPU
     from dstrain.flops import flops_per_token
-    from dstrain.memory import count_parameters
+    from dstrain.planner.memory import count_parameters
     mfu = per_gpu("ib-hdr")[1] * flops_per_token(config, count_parameters(config), 2048) / 312e12
     assert 0.6 < mfu < simulate.GPUS["a100-80gb"].gemm
 

@@ -223,9 +223,9 @@ def llama_8b(tmp_path_factory):
 
 
 def test_shipped_dpo_recipes_fit_where_they_say_and_count_two_rows_a_pair(llama_8b):
-    from dstrain import memory
     from dstrain.config import load_recipe, parse_overrides
     from dstrain.parallel import ds_config as dsc
+    from dstrain.planner import memory
     gpu = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
     for name in ("llama-3.1-8b/dpo_zero3.yaml", "llama-3.1-8b/dpo_lora.yaml"):
         r = load_recipe(name, parse_overrides([f"--model.name_or_path={llama_8b}",

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from dstrain import data, prepare_data
+from dstrain import data
 from dstrain.config import DataConfig, ModelConfig
+from dstrain.data import prepare_corpus as prepare_data
 from dstrain.data import prepared
 from dstrain.data.order import LAZY_ABOVE, EpochOrder, FeistelPermutation
 from dstrain.errors import UserError
@@ -83,7 +84,7 @@ def test_output_is_byte_identical_whatever_did_it(reference, corpus, tmp_path):
 
 def test_killed_run_keeps_finished_shards_and_completes_identically(reference, corpus, tmp_path):
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "dstrain.prepare_data", f"--data.path={corpus}", f"--output={out}",
+    cmd = [sys.executable, "-m", "dstrain.data.prepare_corpus", f"--data.path={corpus}", f"--output={out}",
            "--shard_documents=100"]
     # SIGKILL after shard 3's tokens are on disk but before its record: shards 0-2 are finished, 3 is not
     died = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, DSTRAIN_FAULT="prepare:shard:kill:step=3"),
@@ -256,6 +257,6 @@ def test_in_job_tokenization_of_a_large_corpus_points_at_prepare_data(corpus, to
     data.prepare(DataConfig(path=str(corpus), cache_dir=str(tmp_path)), tok, 64, 0)
     err = capsys.readouterr().err
     assert "GiB of text: every run and every node without this cache pays" in err
-    assert f"python -m dstrain.prepare_data --data.path={corpus} --output DIR" in err
+    assert f"python -m dstrain.data.prepare_corpus --data.path={corpus} --output DIR" in err
     data.prepare(DataConfig(path=str(corpus), cache_dir=str(tmp_path)), tok, 64, 0)  # a cache hit says nothing
     assert "prepare_data" not in capsys.readouterr().err

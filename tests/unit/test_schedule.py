@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dstrain.config import load_recipe, parse_overrides
-from dstrain.schedule import lr_factor, make
+from dstrain.trainer.schedule import lr_factor, make
 
 
 def test_warmup_starts_above_zero_and_reaches_peak():

@@ -1,8 +1,8 @@
 """Tokenize a text corpus once, offline and in parallel, into memory-mapped token shards that any number of ranks
 read directly (train with data.path=OUTPUT, or several with data.mix).
 
-    python -m dstrain.prepare_data --recipe recipes/llama-3.1-8b/pretrain.yaml --output /data/fw-llama3 --workers 16
-    python -m dstrain.prepare_data --data.path=corpus.jsonl --model.name_or_path=recipes/tiny/model --output DIR
+    python -m dstrain.data.prepare_corpus --recipe recipes/llama-3.1-8b/pretrain.yaml --output /data/fw --workers 16
+    python -m dstrain.data.prepare_corpus --data.path=corpus.jsonl --model.name_or_path=recipes/tiny/model --output DIR
     sbatch --array=0-31 launch/slurm_prepare_data.sbatch   # 32 array tasks, each its share of the shards
 
 The recipe's data and model sections (and the same --data.* / --model.* overrides as train.py) say what to read
@@ -28,13 +28,13 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
-from . import cli, data, env
-from .config import load_recipe, parse_overrides
-from .data import prepared
-from .errors import UserError
-from .parallel import ds_internals
-from .paths import local_or_hub
-from .run import faults
+from .. import cli, data, env
+from ..config import load_recipe, parse_overrides
+from ..errors import UserError
+from ..parallel import ds_internals
+from ..paths import local_or_hub
+from ..run import faults
+from . import prepared
 
 _JOB: dict = {}  # what forked workers inherit: the splits, tokenizer and output directory
 
@@ -156,7 +156,7 @@ def run(argv: list[str] | None = None) -> int:
     task, tasks = task_of(args.task)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: --workers says how many
 
-    from . import model as models
+    from .. import model as models
 
     tokenizer = models.load_tokenizer(recipe.model)
     if tokenizer.eos_token_id is None:

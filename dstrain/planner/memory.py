@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from . import env
-from .parallel.layout import Layout
+from .. import env
+from ..parallel.layout import Layout
 
 GiB = 1024 ** 3
 BACKWARD = ("activations", "buffers")        # alive during forward/backward only
@@ -76,7 +76,7 @@ class Estimate:
         return persistent + max(backward, step, outer, rollout)
 
 
-def _dims(config) -> tuple[int, int, int, int]:
+def dims(config) -> tuple[int, int, int, int]:
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
@@ -125,7 +125,7 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition
     moments = 8 * opt_elems                            # Adam exp_avg, exp_avg_sq
     if str((ds_cfg.get("optimizer") or {}).get("type", "")).lower() == "muon":  # one momentum per Muon matrix
-        hidden, layers, _, vocab = _dims(config)
+        hidden, layers, _, vocab = dims(config)
         tied = getattr(config, "tie_word_embeddings", True)
         adamw = (vocab * hidden * (1 if tied else 2) + (2 * layers + 1) * hidden) // split
         muon_elems = max(0, psi_t - adamw) * opt_elems // max(1, psi_t)
@@ -146,7 +146,7 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
               "optimizer_step": step, "buffers": buffers}
     host: dict = {}
     if recipe.diloco.enabled:
-        hidden, _, ffn, vocab = _dims(config)
+        hidden, _, ffn, vocab = dims(config)
         on_device, on_host = _diloco(recipe.diloco, psi_t, layout, w if stage == 3 else 0, hidden * max(vocab, ffn),
                                      offload_opt)
         device.update(on_device)
@@ -156,8 +156,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     if offload_param and stage == 3:
         host["parameters"] = device.pop("parameters")
 
-    hidden, layers, ffn, vocab = _dims(config)
-    from .objectives import sequences_per_sample
+    hidden, layers, ffn, vocab = dims(config)
+    from ..objectives import sequences_per_sample
     rows = train.micro_batch_size * sequences_per_sample(recipe)  # a preference pair: two rows
     tokens = rows * train.seq_len // layout.sequence_shards  # Ulysses x ring: a 1/(sp x cp) slice per rank
     layers_here = -(-layers // layout.pipeline_stages)
@@ -188,7 +188,7 @@ def _ring(config, tokens: int, w: int) -> int:
 
 def _attention_widths(config) -> tuple[int, int]:
     """(query width, key/value width) per token: heads x head_dim, key/value heads x head_dim."""
-    hidden, _, _, _ = _dims(config)
+    hidden, _, _, _ = dims(config)
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
     width = getattr(config, "head_dim", None) or hidden // heads
     return heads * width, (getattr(config, "num_key_value_heads", None) or heads) * width
@@ -201,7 +201,7 @@ def _rl(config, recipe, stored_params: int, w: int, shards: int) -> dict:
     the KV cache of a step's rollout (every micro-batch's prompts x rl.num_generations rows at once, keys and
     values of every layer up to train.seq_len) and one position's fp32 logits and probabilities."""
     train, rl = recipe.train, recipe.rl
-    _, layers, _, vocab = _dims(config)
+    _, layers, _, vocab = dims(config)
     kv_width = _attention_widths(config)[1]
     micro_batches = train.grad_accum_steps  # a rank's micro-batches of the step: sampled together
     rows = train.micro_batch_size * rl.num_generations * micro_batches
@@ -209,8 +209,8 @@ def _rl(config, recipe, stored_params: int, w: int, shards: int) -> dict:
     if rl.beta != 0.0 and not recipe.lora.enabled:
         out["reference_model"] = stored_params
     if rl.teacher:
-        from .config import ModelConfig
-        from .model import load_config
+        from ..config import ModelConfig
+        from ..model import load_config
         teacher = load_config(ModelConfig(name_or_path=rl.teacher), train.seq_len)[1]
         out["teacher_model"] = w * count_parameters(teacher) // shards
     return out
@@ -227,7 +227,7 @@ def _diloco(cfg, psi_t: int, layout, gathered_w: int, largest: int, offloaded: b
     offloaded the state, the slice and the decoded buckets and weight are in host memory, and the accelerator holds
     only what the collectives carry. diloco.overlap keeps the syncs in flight through the next steps: per fragment
     in flight, its part of the pseudo-gradient and its crossing codes. Returns (accelerator, host) bytes."""
-    from .components.diloco import BUCKET, WIRE_BYTES, slice_length
+    from ..components.diloco import BUCKET, WIRE_BYTES, slice_length
 
     size = layout.zero_shards  # the ranks of a replica that hold the same parameters (dp x sp)
     chunk = slice_length(psi_t, size)
@@ -263,7 +263,7 @@ _UNITS = {"": GiB, "g": GiB, "gb": 1000 ** 3, "gib": GiB, "m": 1024 ** 2, "mb": 
 
 def target_device(device: str | None, memory: str | None) -> tuple[int, str] | None:
     """(bytes, name) of the GPU a run is planned for, from --device and/or --device_memory; None: this machine."""
-    from .errors import UserError, closest
+    from ..errors import UserError, closest
 
     if device is None and memory is None:
         return None
@@ -273,7 +273,7 @@ def target_device(device: str | None, memory: str | None) -> tuple[int, str] | N
             prefixed = [k for k in DEVICES if k.startswith(device.lower())]
             hint = f" (did you mean {' or '.join(prefixed)}?)" if prefixed else closest(device.lower(), DEVICES)
             raise UserError(f"--device {device} is not in the table{hint}; names are GPU-memory like a100-80gb "
-                            f"(dstrain/memory.py DEVICES), or pass --device_memory 80GiB")
+                            f"(dstrain/planner/memory.py DEVICES), or pass --device_memory 80GiB")
         capacity, name = DEVICES[device.lower()] * GiB, device.lower()
     if memory is not None:
         import re
@@ -299,7 +299,7 @@ def _fmt(b: int) -> str:
 
 
 def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_name: str, ds_cfg: dict) -> str:
-    from .parallel.ds_config import precision
+    from ..parallel.ds_config import precision
     stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
     held = (f"{est.params_per_rank / layout.zero_shards / 1e6:,.1f}M parameters held per rank (ZeRO-3 partitions "
             f"{est.params_per_rank / 1e6:,.1f}M over {layout.zero_shards} ranks)" if stage == 3 else
@@ -315,7 +315,7 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
     for kind, value in est.host.items():
         lines.append(f"  offloaded to host: {kind:<18}{_fmt(value)}")
     t = recipe.train
-    from .objectives import sequences_per_sample
+    from ..objectives import sequences_per_sample
     rows = f"{t.micro_batch_size} pairs = {2 * t.micro_batch_size} rows" if sequences_per_sample(recipe) == 2 \
         else t.micro_batch_size
     lines.append(f"activations (micro batch {rows} x {t.seq_len} tokens): "
@@ -329,7 +329,7 @@ def ring_bytes_per_layer(config, recipe, layout, w: int) -> int:
     key/value block C-1 times forward; in backward the block C-1 times more and the fp32 key/value gradients C
     times."""
     kv_width = _attention_widths(config)[1]
-    from .objectives import sequences_per_sample
+    from ..objectives import sequences_per_sample
     tokens = recipe.train.micro_batch_size * sequences_per_sample(recipe) * recipe.train.seq_len // \
         layout.sequence_shards
     c = layout.context_parallel
@@ -341,20 +341,20 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
               target: tuple[int, str] | None = None) -> tuple[bool, str]:
     """(fits, text) for the recipe and config at this world size; suggests a shipped config that fits.
     target: (bytes, name) of the GPU the run is planned for (--device / --device_memory), else this machine's."""
-    from .model import hidden_size, load_config
-    from .parallel import ds_config
+    from ..model import hidden_size, load_config
+    from ..parallel import ds_config
 
     _, config = load_config(recipe.model, recipe.train.seq_len)
     parameters = count_parameters(config)
     h = hidden_size(config)
-    from .components.diloco import replicas_for
+    from ..components.diloco import replicas_for
     replicas = replicas_for(recipe, world_size, ranks_per_node)  # DiLoCo: ZeRO partitions within a replica
     resolved = ds_config.resolve(raw_ds, recipe, world_size, caps, h, replicas=replicas)
     layout = Layout.from_ds_config(resolved, world_size, replicas=replicas)
     capacity, capacity_name = target or device_memory(caps.name, ranks_per_node)
     trained = quantized = None
     if recipe.lora.enabled:  # a frozen base (4-bit with lora.quantize) and adapters with full training states
-        from .components.lora import count_parameters as lora_counts
+        from ..components.lora import count_parameters as lora_counts
         _, trained, linear = lora_counts(config, recipe.lora)
         quantized = linear if recipe.lora.quantize else 0
     est = estimate(config, parameters, recipe, resolved, layout, trained, quantized or 0)
@@ -373,7 +373,7 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
         per_rank = sum(est.host.values())
         text += (f"\nhost memory: {per_rank * ranks_per_node / GiB:,.1f} GiB per node for what is offloaded "
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
-    from .run.checkpoint import background_saves, checkpoint_copy_bytes
+    from ..run.checkpoint import background_saves, checkpoint_copy_bytes
     if background_saves(recipe.checkpoint, resolved):
         copy = checkpoint_copy_bytes(resolved, layout, parameters, trained)
         locked = ", page-locked" if caps.name == "cuda" else ""

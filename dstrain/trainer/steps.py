@@ -14,16 +14,12 @@ from contextlib import nullcontext
 
 import torch
 
-from .objectives.causal_lm import label_count, real_count
-from .parallel.dist import all_reduce_sum
-from .parallel.layout import Layout
-from .run import faults
-
-
-def to_device(engine, batch: dict[str, torch.Tensor], objective) -> dict[str, torch.Tensor]:
-    """The objective's host-side preparation, then a copy to the engine's device (pinned on GPUs: asynchronous)."""
-    batch = objective.host_batch(batch, engine)
-    return {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+from ..objectives import optional_part
+from ..objectives.batches import global_counts, to_device
+from ..objectives.causal_lm import label_count, real_count
+from ..parallel.dist import all_reduce_sum
+from ..parallel.layout import Layout
+from ..run import faults
 
 
 def _pipe_items(batches: list[dict[str, torch.Tensor]]):
@@ -53,20 +49,6 @@ def _pipe_step(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, t
     return loss, int(global_tokens), int(real / layout.token_replicas)
 
 
-def _totals(objective, batches: list[dict[str, torch.Tensor]], layout: Layout, device, group=None
-            ) -> tuple[dict, int]:
-    """The objective's counts and the real tokens, summed over the global batch (host counts: no device wait), or
-    over one DiLoCo replica's share of it (group: the replica's ranks)."""
-    counts = [objective.counts(b) for b in batches]
-    keys = list(counts[0]) if counts else [objective.primary]
-    local = [sum(c[k] for c in counts) for k in keys] if counts else [0.0]
-    *summed, real = all_reduce_sum(local + [sum(objective.real_tokens(b) for b in batches)], device, group)
-    replicas = layout.token_replicas  # tensor-parallel peers see the same samples; count them once
-    totals = {k: v / replicas for k, v in zip(keys, summed)}
-    totals[objective.primary] = max(totals[objective.primary], 1.0)
-    return totals, int(real / replicas)
-
-
 def _add(acc: torch.Tensor | None, summed: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:
     row = summed.detach().reshape(1).to(torch.float64)
     if stats is not None:
@@ -92,15 +74,16 @@ def train_step(engine, micro_batches: list[dict[str, torch.Tensor]], layout: Lay
 
 
 def _train_step(engine, micro_batches, layout, objective, before_update, step, checks):
-    if hasattr(objective, "prepare"):
-        micro_batches = objective.prepare(engine, micro_batches, layout, step)
+    prepare = optional_part(objective, "prepare")
+    if prepare is not None:
+        micro_batches = prepare(engine, micro_batches, layout, step)
     if layout.is_pipeline:
         before_update()  # the pipeline engine's train_batch runs the whole step
         loss, label_tokens, real = _pipe_step(engine, micro_batches, layout, train=True)
         return loss, {"label_tokens": label_tokens}, real, {}
-    totals, real = _totals(objective, micro_batches, layout, engine.device)
+    totals, real = global_counts(objective, micro_batches, layout, engine.device)
     # a DiLoCo replica's gradient is its own share's mean: normalised by the replica's counts, averaged over its ranks
-    own = _totals(objective, micro_batches, layout, engine.device, layout.data_parallel_group)[0] \
+    own = global_counts(objective, micro_batches, layout, engine.device, layout.data_parallel_group)[0] \
         if layout.replicas > 1 else totals
     scale = len(micro_batches) * layout.gradients_averaged_over / own[objective.primary]
     loss_hook = checks.loss_hook if checks is not None else None
@@ -144,11 +127,12 @@ def evaluate(engine, batches: list[dict[str, torch.Tensor]], layout: Layout, obj
         size = batches[0]["input_ids"].shape[0] if batches else 0
         full = [b for b in batches if b["input_ids"].shape[0] == size]  # the pipe schedule needs fixed shapes
         return _pipe_step(engine, full, layout, train=False)[0], {}
-    if hasattr(objective, "prepare"):  # RL: the validation prompts' completions (step 0's keys)
-        batches = objective.prepare(engine, batches, layout, 0)
+    prepare = optional_part(objective, "prepare")
+    if prepare is not None:  # RL: the validation prompts' completions (step 0's keys)
+        batches = prepare(engine, batches, layout, 0)
     was_training = engine.module.training
     engine.eval()
-    totals, _ = _totals(objective, batches, layout, engine.device)
+    totals, _ = global_counts(objective, batches, layout, engine.device)
     acc = None
     for batch in batches:
         summed, stats = objective.loss_sum(engine, to_device(engine, batch, objective), totals)
