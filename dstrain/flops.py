@@ -8,6 +8,8 @@ FLOPs per trained token, PaLM's convention (Chowdhery et al. 2022, appendix B): 
 Recomputation under activation checkpointing is not counted (model, not hardware, FLOPs utilisation).
 With a frozen base and A trained adapter parameters (LoRA), the backward skips the base's weight gradients:
   2 (N + A) forward + 2 (N + A) for the activations' gradients + 2 A for the adapters' = 4 N + 6 A.
+Mixture-of-Experts: N counts the parameters a token runs through, the routed experts it was sent to (top_k of
+each block's experts) and the shared ones, not every expert (dstrain/moe.py finds them in the model).
 
 Peak: a table of dense bf16/fp16 tensor-core peaks for known GPUs; anything else (CPU, fp32, an unknown GPU)
 gets a measured matmul peak, taken on every rank at once so ranks sharing cores share them here too. A single
@@ -47,14 +49,15 @@ class Peak:
     source: str  # where the figure came from, for the log and run_info.json
 
 
-def flops_per_token(config, parameters: int, seq_len: int, adapters: int | None = None) -> float:
+def flops_per_token(config, parameters: int, seq_len: int, adapters: int | None = None, inactive: int = 0) -> float:
     """6 N + 12 L T A for a Hugging Face decoder config with `parameters` in total (see module docstring);
-    4 N + 6 A + 12 L T A when only `adapters` parameters train on a frozen base of `parameters`."""
+    4 N + 6 A + 12 L T A when only `adapters` parameters train on a frozen base of `parameters`. `inactive`: the
+    routed experts' parameters a token does not run through (moe.inactive_parameters)."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    matmul_params = parameters - (0 if tied else config.vocab_size * hidden)
+    matmul_params = parameters - inactive - (0 if tied else config.vocab_size * hidden)
     attention = 12.0 * config.num_hidden_layers * seq_len * heads * head_dim
     if adapters is not None:
         return 4.0 * matmul_params + 6.0 * adapters + attention

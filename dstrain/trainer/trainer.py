@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import replace
 
-from .. import components, data, env, flops
+from .. import components, data, env, flops, moe
 from .. import model as models
 from ..errors import EXIT_OK, UserError
 from ..metrics import Metrics
@@ -93,7 +93,9 @@ class Trainer:
                                             components.load_kwargs(r.features, r.setup), r.layout.replicas == 1)
         self.params_total, params_local = models.parameter_counts(model)  # before the engine: what it held
         self.trained = components.trained_parameters(r.features)  # None: every parameter trains
-        self.flops_per_token = flops.flops_per_token(r.model_config, self.params_total, cfg.seq_len, self.trained)
+        # a Mixture-of-Experts token runs top_k of each block's routed experts: only those count in its FLOPs
+        self.flops_per_token = flops.flops_per_token(r.model_config, self.params_total, cfg.seq_len, self.trained,
+                                                     moe.inactive_parameters(model))
         checkpoint.write_run_files(self.run_dir, self.recipe, r.ds_cfg, model.config, r.tokenizer, self.ctx, {
             "parameters": self.params_total, "parameters_on_rank0_at_build": params_local,
             "trainable_parameters": self.trained or self.params_total,
