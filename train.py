@@ -85,8 +85,9 @@ def train(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, watchdog, init
 
 
 def run_preflight(args, recipe: Recipe, ds_overrides: dict) -> int:
-    from dstrain import env, memory
+    from dstrain import env
     from dstrain.parallel import ds_config
+    from dstrain.planner import memory
 
     world = args.world_size or env.world_size(default=0) or recipe.world_size or 1
     target = memory.target_device(args.device, args.device_memory)  # planning for GPUs this machine lacks
