@@ -72,8 +72,8 @@ def starts(out: Path, number: int) -> tuple[int, int]:
 
 
 def assert_same_study(got: Path, want: Path, first: int | None = None) -> None:
-    """`got`, a study of the same sweep file (run with --trials=`first`, when given), holds the uninterrupted study's first trials:
-    the sampler is seeded per trial number and a trial is judged against the trials numbered before it only."""
+    """`got`, a study of the same sweep file (run with --trials=`first` when given), holds the uninterrupted study's
+    first trials: the sampler is seeded per trial number, and a trial is judged only against the trials before it."""
     assert trials(got) == trials(want)[:first]
     for t in trials(want)[:first]:
         a, b = losses(got / f"trial_{t['trial']:03d}"), losses(want / f"trial_{t['trial']:03d}")
