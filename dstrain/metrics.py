@@ -144,6 +144,8 @@ class Metrics:
                                         else "")
                                      + (f" rollout={row['rollout_share']:.0%}" if row.get("rollout_share") is not None
                                         else "")
+                                     + (f" route_cv={row['expert_load_cv']:.2f}" if row.get("expert_load_cv")
+                                        is not None else "")
                                      + (f" mfu={mfu:.1%}" if mfu is not None else "")
                                      + (f" comm={row['comm_fraction']:.0%}" if row.get("comm_fraction") is not None
                                         else "")

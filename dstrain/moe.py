@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UserError
+
 
 @dataclass(frozen=True)
 class MoeBlock:
@@ -46,3 +48,131 @@ def moe_blocks(model: torch.nn.Module) -> list[MoeBlock]:
 def inactive_parameters(model: torch.nn.Module) -> int:
     """Routed-expert parameters a token does not run through, over the whole model (0 for a dense model)."""
     return round(sum(block.inactive_parameters for block in moe_blocks(model)))
+
+
+def router_aux_coefficient(recipe_value: float | None, model_config) -> float:
+    """The weight of the router's load-balancing loss a run trains with: the recipe's `model.router_aux_loss_coef`,
+    else the model config's. transformers computes the loss (Switch Transformer's, load_balancing_loss_func) for
+    exactly the families whose config names `router_aux_loss_coef` (Mixtral, Qwen2/3-MoE, Qwen3.5-MoE, OLMoE,
+    gpt-oss, ...); DeepSeek-V3 has none (its router balances with a bias, not a loss), nor has a dense model."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    own = getattr(config, "router_aux_loss_coef", None)
+    if own is None:
+        if recipe_value:
+            raise UserError(f"model.router_aux_loss_coef={recipe_value}: {config.model_type} has no router "
+                            "load-balancing loss in transformers (only models whose config names "
+                            "router_aux_loss_coef do); remove the key")
+        return 0.0
+    value = own if recipe_value is None else recipe_value
+    if value < 0:
+        raise UserError(f"model.router_aux_loss_coef={value}: a weight is 0 (off) or more")
+    return float(value)
+
+
+def routed_per_token(model_config) -> int:
+    """top_k of the model's routers, from its config (every family names it num_experts_per_tok); 0 if dense."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return int(getattr(config, "num_experts_per_tok", 0) or 0)
+
+
+def routed_experts(model_config) -> int:
+    """The routed experts of each MoE layer, by the config's name for them (num_local_experts: Mixtral, gpt-oss;
+    num_experts: Qwen2/3-MoE, Qwen3.5-MoE, OLMoE; n_routed_experts: DeepSeek-V2/V3); 0 if dense."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return int(next((getattr(config, name) for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                     if getattr(config, name, None)), 0))
+
+
+def tokens_per_expert(router_logits: tuple[torch.Tensor, ...], top_k: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """[MoE layers, experts]: how many of the micro-batch's tokens each layer's router sent to each expert (a token
+    counts once in each of its top_k), padding left out. The top-k of the logits is the top-k of the softmax that
+    transformers' routers take."""
+    weight = mask.reshape(-1).to(torch.float32) if mask is not None else None
+    rows = []
+    for logits in router_logits:
+        chosen = torch.topk(logits.detach(), top_k, dim=-1).indices  # [tokens, k]
+        counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        ones = weight.repeat_interleave(top_k) if weight is not None else \
+            torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device)
+        rows.append(counts.scatter_add_(0, chosen.reshape(-1), ones))
+    return torch.stack(rows)
+
+
+def load_figures(load: list[float], experts: int) -> dict[str, float]:
+    """The global batch's routing figures, from tokens_per_expert summed over it: per MoE layer the busiest
+    expert's tokens over the mean (1 when balanced, experts / top_k when every token goes to the same top_k) and
+    the coefficient of variation of the experts' tokens (std / mean: 0 when balanced); logged is the worst layer
+    of each, and which layer that is."""
+    table = torch.tensor(load, dtype=torch.float64).reshape(-1, experts)
+    mean = table.mean(dim=1).clamp(min=1e-12)
+    peak = table.max(dim=1).values / mean
+    cv = table.std(dim=1, correction=0) / mean
+    return {"expert_load_max": float(peak.max()), "expert_load_cv": float(cv.max()),
+            "expert_load_worst_layer": int(cv.argmax())}
+
+
+def without_router_loss(setup, objective: str) -> None:
+    """For the objectives that do not add the load-balancing loss yet (preference, RL: their micro-batches hold a
+    pair's or a prompt group's rows, and their losses are not token means): a weight the recipe set is refused, a
+    model config's own is said to go unused."""
+    if not router_aux_coefficient(setup.recipe.model.router_aux_loss_coef, setup.model_config):
+        return
+    if setup.recipe.model.router_aux_loss_coef:
+        raise UserError(f"model.router_aux_loss_coef: {objective} does not add the router's load-balancing loss "
+                        "yet; remove the key")
+    setup.log(f"note: {objective} trains this Mixture-of-Experts model without its router's load-balancing loss "
+              "(not added to that objective yet)")
+
+
+class RouterWatch:
+    """A step hook (trainer/hooks.py) over the routing figures the objective logs (load_figures): says once when a
+    layer's busiest expert has taken at least half of the tokens (a token counted once per expert it runs) for
+    `patience` steps in a row, which is a router collapsing onto a few experts, and gives summary.json the figures'
+    first, last and worst values. No collective: the figures are the step's, already summed over the ranks."""
+    name = "router"
+    stopping = False
+
+    def __init__(self, experts: int, top_k: int, say, patience: int = 20, share: float = 0.5):
+        self.experts, self.top_k, self.say, self.patience, self.share = experts, top_k, say, patience, share
+        self.streak, self.said_at, self.first, self.last, self.worst = 0, None, None, None, None
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_update(self, step: int, say) -> None:
+        pass
+
+    def after_step(self, result) -> None:
+        cv, peak = result.columns.get("expert_load_cv"), result.columns.get("expert_load_max")
+        if cv is None:
+            return
+        self.first = self.first if self.first is not None else cv
+        self.last, self.worst = cv, max(cv, self.worst if self.worst is not None else cv)
+        busiest = peak * self.top_k / self.experts  # the busiest expert's tokens over the layer's tokens
+        self.streak = self.streak + 1 if busiest >= self.share else 0
+        if self.streak >= self.patience and self.said_at is None:
+            self.said_at = result.step
+            layer = result.columns.get("expert_load_worst_layer")
+            self.say(f"warning: routing collapsed: in MoE layer {layer} one expert has taken {busiest:.0%} of the "
+                     f"tokens for {self.streak} steps in a row (expert_load_max {peak:.2f}, balanced 1.00); a "
+                     "larger model.router_aux_loss_coef or a lower learning rate usually helps")
+
+    def before_save(self, step: int) -> bool:
+        return True
+
+    def state_dict(self) -> dict:
+        return {"streak": self.streak, "said_at": self.said_at, "first": self.first, "worst": self.worst}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.streak, self.said_at, self.first, self.worst = (state[k] for k in ("streak", "said_at", "first",
+                                                                                     "worst"))
+
+    def close(self) -> None:
+        pass
+
+    def summary(self) -> dict:
+        if self.last is None:
+            return {}
+        return {"expert_load_cv": {"first": round(self.first, 4), "last": round(self.last, 4),
+                                   "worst": round(self.worst, 4)}, "routing_collapsed_at": self.said_at}

@@ -76,6 +76,22 @@ def tiny_llama_mha(tmp_path_factory) -> Path:
                  tmp_path_factory.mktemp("models") / "tiny-llama-mha")
 
 
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    """A Mixture-of-Experts model in the tiny Llama's shape (the same tokenizer): 2 layers of 4 routed experts,
+    2 per token, with a load-balancing weight of 0.02 (Mixtral's default, 0.001, would hardly move the loss)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
+                                            "tie_word_embeddings", "max_position_embeddings")}
+    config = AutoConfig.for_model("mixtral", **shape, num_hidden_layers=2, intermediate_size=128,
+                                  num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-mixtral")
+
+
 # The order `make test`'s two workers take the test files in (pytest-xdist, --dist loadfile
 # --no-loadscope-reorder): the longest files first, so the run does not end with one worker alone on a
 # five-minute file while the other idles. xdist's own order (most tests first) put the one-test Docker file

@@ -212,7 +212,8 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
                      weight_decay: float, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0, seed=42,
                      lr_scale: float = 1.0, record: dict | None = None, sequences: torch.Tensor | None = None,
                      lora: dict | None = None, dpo_beta: float | None = None, topk: dict | None = None,
-                     skip: tuple = (), stop_after: int | None = None, muon: dict | None = None):
+                     skip: tuple = (), stop_after: int | None = None, muon: dict | None = None,
+                     router_aux: dict | None = None):
     """Plain PyTorch: one process, whole global batch per step, torch AdamW, hand-written cosine schedule.
 
     Shares nothing with dstrain but the tokenized data (read from the run's cache) and the documented
@@ -236,7 +237,10 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
     (default `steps`, which also sets the schedule's length). `muon`, when given ({"lr", "momentum", "dtype"}): the
     trained matrices that are not embeddings (nn.Embedding weights, the output embeddings) take Muon's update
     (muon_step, written from Jordan et al.'s definition), at muon["lr"] x the same schedule, decayed by
-    lr x weight_decay; the rest keep torch AdamW."""
+    lr x weight_decay; the rest keep torch AdamW. `router_aux`, when given ({"coef", "micro"}): a Mixture-of-Experts
+    model's loss adds coef x the mean of transformers' own aux_loss over the global batch's micro-batches (consecutive
+    runs of `micro` rows, each a forward with output_router_logits), and `record` gets the per-step aux_loss and
+    lm_loss."""
     import datasets
     from transformers import AutoModelForCausalLM
 
@@ -297,6 +301,13 @@ def reference_losses(model_dir: Path, run_dir: Path, steps: int, lr: float, warm
             loss, target, real = _dpo_loss(model, reference, train[indices(step)], dpo_beta)
         else:
             loss, target, real = _lm_loss(model, *batch(step))
+        if router_aux is not None:
+            lm_loss, (aux, load) = loss, _router_aux_loss(model, *batch(step), router_aux["micro"])
+            loss = lm_loss + router_aux["coef"] * aux
+            if record is not None:
+                record.setdefault("aux_loss", []).append(aux.item())
+                record.setdefault("lm_loss", []).append(lm_loss.item())
+                record.setdefault("expert_load", []).append(load)
         if topk is None or step < topk["warmup"]:
             for p in trained:  # opt holds only AdamW's share under muon
                 p.grad = None
@@ -382,6 +393,25 @@ def _lm_loss(model, input_ids, labels, mask, positions):
     loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1),
                                ignore_index=-100, reduction="sum")
     return loss_sum / (target != -100).sum(), target, int(mask.sum()) if mask is not None else input_ids.numel()
+
+
+def _router_aux_loss(model, input_ids, labels, mask, positions, micro: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The mean over consecutive `micro`-row micro-batches of the model's own load-balancing loss, and the tokens
+    each MoE layer's router sent to each expert over the whole batch ([layers, experts]: softmax, top-k, bincount;
+    padding left out)."""
+    losses, load = [], 0
+    top_k = model.config.num_experts_per_tok
+    for i in range(0, len(input_ids), micro):
+        rows = slice(i, i + micro)
+        inputs = {"position_ids": positions[rows].long()} if positions is not None else \
+            {"attention_mask": mask[rows] if mask is not None else None}
+        out = model(input_ids=input_ids[rows], use_cache=False, output_router_logits=True, **inputs)
+        losses.append(out.aux_loss)
+        real = mask[rows].reshape(-1).bool() if mask is not None else slice(None)
+        load = load + np.array([np.bincount(torch.topk(torch.softmax(layer.detach(), -1), top_k).indices[real]
+                                            .reshape(-1).numpy(), minlength=layer.shape[-1])
+                                for layer in out.router_logits])
+    return torch.stack(losses).mean(), load
 
 
 def response_logps(model, rows, side: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,10 @@ class ModelConfig:
     config_overrides: dict = field(default_factory=dict)  # applied to the config, e.g. `{num_hidden_layers: 2}`
     trust_remote_code: bool = False  # transformers' flag, for models whose code lives on the Hub
     attn_implementation: str | None = None  # `sdpa`, `eager`, `flash_attention_2`; null: transformers' choice
+    # Mixture-of-Experts models: the weight of the router's load-balancing loss added to the training loss (null:
+    # the model config's own `router_aux_loss_coef`; 0: not added). Families without one (DeepSeek-V3 balances its
+    # router with a bias) train without it
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         self.from_scratch = str(self.from_scratch).lower()

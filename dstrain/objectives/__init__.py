@@ -61,7 +61,9 @@ class Objective(Protocol):
 #                                   anything is counted (RL: the rollout, the rewards, the advantages); evaluation too
 #   steps_per_batch: int (1)        optimizer steps that train on one batch of the stream; the trainer reads batch
 #                                   (step - 1) // it and saves and stops only at a multiple of it (RL's num_iterations)
-OPTIONAL = ("prepare", "steps_per_batch")
+#   step_hooks(say) -> list         the objective's own step hooks (trainer/hooks.py), after the components' (next-
+#                                   token prediction on an MoE model: moe.RouterWatch over its routing figures)
+OPTIONAL = ("prepare", "steps_per_batch", "step_hooks")
 
 
 def optional_part(objective, name: str, default: Any = None) -> Any:

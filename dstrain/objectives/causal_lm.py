@@ -4,13 +4,23 @@ Each micro-batch contributes sum_loss * (accum * dp) / global_tokens: DeepSpeed 
 dp, so SFT batches with uneven response lengths weigh every token equally (unlike a mean of per-micro-batch means).
 Under sequence parallelism each rank's sum covers its slice of the sequences, and the sp ranks' gradients add up
 (Layout.gradients_averaged_over: what DeepSpeed divides by, dp x sp under ZeRO-3).
+
+Mixture-of-Experts models add their router's load-balancing loss (moe.router_aux_coefficient: the model config's
+weight unless the recipe's model.router_aux_loss_coef says otherwise), as transformers computes it: the model's
+own `aux_loss` of each micro-batch, so the loss minimised is the token mean above plus coef x the mean of the
+global batch's micro-batches' aux losses. A micro-batch holds the same samples on every world size (rank r's m-th
+holds global positions (m x world + r) x micro_batch_size on), so that mean does not change with the layout. The
+logged `loss` is that sum (what a transformers model returns with labels); `lm_loss` and `aux_loss` are its two
+parts. Evaluation is the language model's loss alone (its perplexity means something).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .. import moe
 from ..data import IGNORE_INDEX
+from ..errors import UserError
 
 
 def label_count(batch: dict[str, torch.Tensor]) -> int:
@@ -34,19 +44,23 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
 
 
-def loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's label tokens (fp32 logits)."""
+def loss_sum(model, batch: dict[str, torch.Tensor], router: bool = False):
+    """Summed next-token cross-entropy over the batch's label tokens (fp32 logits); with `router`, also the
+    model's router load-balancing loss of this micro-batch and each MoE layer's router logits: (summed, aux,
+    logits)."""
     inputs = model_inputs(batch)
     shifted = "shift_labels" in batch  # a sequence-parallel slice: position t's target is shift_labels[t]
     labels = batch["shift_labels"] if shifted else batch["labels"]
-    if chunked_loss(model):  # components/chunked_loss.py: no full logits
+    if chunked_loss(model):  # components/chunked_loss.py: no full logits (validate refuses it with `router`)
         return model(**inputs, use_cache=False, sum_loss_labels=labels, labels_shifted=shifted,
                      label_positions=batch.get("label_positions")).loss
-    logits = model(**inputs, use_cache=False).logits
+    out = model(**inputs, use_cache=False, **({"output_router_logits": True} if router else {}))
+    logits = out.logits
     if not shifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    summed = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return (summed, out.aux_loss.float(), out.router_logits) if router else summed
 
 
 def chunked_loss(model) -> bool:
@@ -58,10 +72,30 @@ class CausalLM:
     primary = "label_tokens"
     perplexity = True
 
+    def __init__(self) -> None:
+        self.router_aux = 0.0  # the load-balancing loss's weight (validate: 0 for a dense model)
+        self.top_k = 0  # routed experts per token, and per MoE layer (the config's; the first step's logits)
+        self.experts_in_config = self.experts = 0
+
     def validate(self, setup) -> None:
-        pass
+        self.router_aux = moe.router_aux_coefficient(setup.recipe.model.router_aux_loss_coef, setup.model_config)
+        self.top_k = moe.routed_per_token(setup.model_config)
+        self.experts_in_config = moe.routed_experts(setup.model_config)
+        if not self.router_aux:
+            return
+        off = "or set model.router_aux_loss_coef: 0 to train without it"
+        if setup.recipe.train.loss_chunk_tokens:
+            raise UserError(f"train.loss_chunk_tokens: the chunked loss does not add the router's load-balancing "
+                            f"loss yet; set train.loss_chunk_tokens: 0, {off}")
+        if setup.layout.sequence_parallel * setup.layout.context_parallel > 1 or setup.layout.is_pipeline:
+            raise UserError("the router's load-balancing loss is computed per micro-batch, which sequence or "
+                            f"context parallelism and pipeline stages split; train without them, {off}")
+        setup.log(f"router load-balancing loss: {self.router_aux:g} x the model's aux_loss, averaged over the "
+                  "global batch's micro-batches (model.router_aux_loss_coef to change, 0 for off)")
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        if self.router_aux:  # the aux loss is a mean over the global batch's micro-batches
+            return {"label_tokens": label_count(batch), "micro_batches": 1}
         return {"label_tokens": label_count(batch)}
 
     def real_tokens(self, batch: dict[str, torch.Tensor]) -> int:
@@ -78,10 +112,24 @@ class CausalLM:
         return batch
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
-        return loss_sum(model, batch), None
+        if not (self.router_aux and model.training):
+            return loss_sum(model, batch), None
+        summed, aux, logits = loss_sum(model, batch, router=True)
+        # the seam divides by totals[primary]: this makes the aux term coef x the micro-batches' mean
+        total = summed + self.router_aux * aux * (totals[self.primary] / totals["micro_batches"])
+        load = moe.tokens_per_expert(logits, self.top_k, batch.get("attention_mask"))
+        self.experts = load.shape[1]
+        # summed over the global batch by the step's one all-reduce, with the loss
+        return total, torch.cat([summed.detach().reshape(1), aux.detach().reshape(1), load.reshape(-1)])
+
+    def step_hooks(self, say) -> list:
+        return [moe.RouterWatch(self.experts_in_config, self.top_k, say)] if self.router_aux else []
 
     def metrics(self, stats, totals: dict[str, float]) -> dict[str, float]:
-        return {}
+        if not stats:  # a dense model, or evaluation
+            return {}
+        return {"lm_loss": stats[0] / totals[self.primary], "aux_loss": stats[1] / totals["micro_batches"],
+                **moe.load_figures(stats[2:], self.experts)}
 
     def before_training(self, engine, datasets: list, setup, data_cache, weights: str) -> list:
         return datasets

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import moe
 from ..config import PreferenceSection
 from ..data import IGNORE_INDEX
 from ..data.formats.preference import COLUMNS
@@ -176,6 +177,7 @@ class Preference:
                             f"its hf/ export> or a model with weights, or use preference.loss=simpo or orpo")
         self.adapters_off = self.cfg.needs_reference and recipe.lora.enabled
         self.packed = recipe.data.packing
+        moe.without_router_loss(setup, "data.format=preference")
 
     # ------------------------------------------------------------------ counts and the loss
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:

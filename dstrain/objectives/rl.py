@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from .. import moe
 from ..config import RLSection
 from ..errors import UserError
 from . import rewards as reward_fns
@@ -72,6 +73,7 @@ class RL:
         if room < 1:
             raise UserError(f"train.seq_len={recipe.train.seq_len} leaves no room for a prompt beside "
                             f"rl.max_completion_length={self.cfg.max_completion_length}; raise train.seq_len")
+        moe.without_router_loss(setup, "data.format=prompt (learning from rewards)")
         self.prompt_room, self.seed, self.micro = room, recipe.train.seed, recipe.train.micro_batch_size
         self.setup, self.reference, self.adapters_off = setup, None, self.cfg.beta != 0 and recipe.lora.enabled
         self.prompt_field = recipe.data.prompt_field

@@ -22,7 +22,8 @@ A hook that can stop the run (the gate) also offers `why` (the status the run en
 do next) and `exit_code`.
 
 The order is the list's (trainer.Trainer._hooks): the components' hooks (their own order, components.build), the
-slow-rank check, then the gate. The gate also acts inside the step, through the optimizer's norm check
+objective's own (objectives' optional step_hooks: the MoE routing watch), the slow-rank check, then the gate.
+The gate also acts inside the step, through the optimizer's norm check
 (ds_internals.gate_optimizer_step) and the SDC replay (steps.train_step's `checks`).
 """
 from __future__ import annotations

@@ -154,12 +154,14 @@ class Trainer:
                                lambda achieved: flops.record_achieved(engine.device, precision, achieved / world))
 
     def _hooks(self) -> Hooks:
-        """The step hooks in the order they run (hooks.py): the components' part of a step, then the checks."""
+        """The step hooks in the order they run (hooks.py): the components' part of a step, the objective's own,
+        then the checks."""
         r = self.resolved
         checks, in_step = health.for_run(self.recipe.fault, r.setup.precision, ds_config.zero_stage(r.ds_cfg),
                                          self.layout, self.run_dir, self.engine, self.metrics.message,
                                          self.locate_nonfinite)
-        return Hooks([ComponentHooks(r.features), *checks], in_step)
+        own = optional_part(self.objective, "step_hooks", lambda say: [])(self.metrics.message)
+        return Hooks([ComponentHooks(r.features), *own, *checks], in_step)
 
     def _say_start(self) -> None:
         r, cfg = self.resolved, self.cfg

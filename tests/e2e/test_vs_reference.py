@@ -26,9 +26,10 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=(), rtol=RTOL, nproc=2,
                     norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None, topk=None, muon=None,
-                    max_grad_norm=1.0):
+                    max_grad_norm=1.0, router_aux=None, record=None):
     """`resume_on`: stop after half the steps and finish on that many ranks (written for `nproc`). `muon`,
-    `max_grad_norm`: reference_losses'; norm_rtol None leaves the logged grad_norm unchecked."""
+    `max_grad_norm`, `router_aux`: reference_losses'; norm_rtol None leaves the logged grad_norm unchecked;
+    `record`, when given, receives the reference's per-step records."""
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
     args = COMMON + [f"--train.lr={lr}", f"--model.name_or_path={model_dir}", *ds_args, "--output_dir", str(run_dir),
@@ -40,9 +41,10 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=
     proc = launch(args, cache, launcher=launcher, nproc=nproc)
     (run_dir / "launch_stderr.txt").write_text(proc.stderr)  # what rank 0 said, for tests that check it
     got, _ = metrics(run_dir)
-    ref = {}
+    ref = record if record is not None else {}
     want, ref_model = reference_losses(model_dir, run_dir, STEPS, lr, WARMUP, MIN_LR, weight_decay=0.1, record=ref,
-                                       lora=lora, topk=topk, muon=muon, max_grad_norm=max_grad_norm)
+                                       lora=lora, topk=topk, muon=muon, max_grad_norm=max_grad_norm,
+                                       router_aux=router_aux)
     gaps = [abs(g - w) / w for g, w in zip(got, want)]
     rows = _step_rows(run_dir)
     norms = [r["grad_norm"] for r in rows]

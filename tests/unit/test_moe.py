@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dstrain import flops, moe
+from dstrain.errors import UserError
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=4, num_experts_per_tok=2)
@@ -23,8 +24,8 @@ FAMILIES = {
 TOKENS = 16
 
 
-def tiny(family: str):
-    config = AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
+def tiny(family: str, **extra):
+    config = AutoConfig.for_model(family, **SHAPE, **FAMILIES[family], **extra)
     torch.manual_seed(0)
     return config, AutoModelForCausalLM.from_config(config)
 
@@ -58,3 +59,127 @@ def test_a_dense_model_has_no_moe_blocks():
     config = AutoConfig.for_model("llama", **{k: v for k, v in SHAPE.items() if k != "num_experts_per_tok"})
     model = AutoModelForCausalLM.from_config(config)
     assert moe.moe_blocks(model) == [] and moe.inactive_parameters(model) == 0
+
+
+def test_the_load_balancing_weight_is_the_model_configs_unless_the_recipe_says_otherwise():
+    mixtral = AutoConfig.for_model("mixtral", **SHAPE, **FAMILIES["mixtral"], router_aux_loss_coef=0.02)
+    assert moe.router_aux_coefficient(None, mixtral) == 0.02
+    assert moe.router_aux_coefficient(0.1, mixtral) == 0.1 and moe.router_aux_coefficient(0, mixtral) == 0.0
+    with pytest.raises(UserError, match="a weight is 0"):
+        moe.router_aux_coefficient(-1.0, mixtral)
+    deepseek = AutoConfig.for_model("deepseek_v3", **SHAPE, **FAMILIES["deepseek_v3"])
+    llama = AutoConfig.for_model("llama", **{k: v for k, v in SHAPE.items() if k != "num_experts_per_tok"})
+    for config in (deepseek, llama):  # no loss in transformers: nothing to add, and a weight set for it is refused
+        assert moe.router_aux_coefficient(None, config) == 0.0
+        with pytest.raises(UserError, match=f"{config.model_type} has no router load-balancing loss"):
+            moe.router_aux_coefficient(0.01, config)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_objective_adds_the_load_balancing_loss_as_transformers_does(family):
+    """One micro-batch as the whole global batch: the objective's loss over the label tokens equals the loss
+    transformers' own model returns with labels and output_router_logits (cross-entropy + coef x aux_loss), and
+    its two parts are logged apart. In evaluation the loss is the language model's alone."""
+    from types import SimpleNamespace
+
+    from dstrain.config import Recipe
+    from dstrain.objectives.causal_lm import CausalLM
+    from dstrain.parallel.layout import Layout
+
+    config, model = tiny(family, router_aux_loss_coef=0.05)  # (the model keeps its config's weight when built)
+    objective = CausalLM()
+    objective.validate(SimpleNamespace(recipe=Recipe(), model_config=config, layout=Layout(world_size=1),
+                                       log=lambda line: None))
+    assert objective.router_aux == 0.05
+    ids = torch.randint(0, 64, (2, TOKENS))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    totals = {"label_tokens": 2 * (TOKENS - 1), "micro_batches": 1}
+    assert objective.counts(batch) == totals
+    model.train()
+    summed, stats = objective.loss_sum(model, batch, totals)
+    want = model(**batch, output_router_logits=True)
+    assert float(want.aux_loss) > 0 and float(summed) / totals["label_tokens"] == pytest.approx(float(want.loss), rel=1e-6)
+    parts = objective.metrics(stats.tolist(), totals)
+    assert parts["aux_loss"] == pytest.approx(float(want.aux_loss), rel=1e-6)
+    assert parts["lm_loss"] + 0.05 * parts["aux_loss"] == pytest.approx(float(want.loss), rel=1e-6)
+    # the routing figures against a count made here: softmax, top-k, bincount per MoE layer (numpy's statistics)
+    import numpy as np
+    table = np.array([np.bincount(torch.topk(torch.softmax(layer, -1), 2).indices.reshape(-1).numpy(), minlength=4)
+                      for layer in want.router_logits], dtype=float)
+    assert table.sum() == len(want.router_logits) * 2 * ids.numel()
+    cv = table.std(axis=1) / table.mean(axis=1)
+    assert parts["expert_load_max"] == pytest.approx((table.max(axis=1) / table.mean(axis=1)).max())
+    assert parts["expert_load_cv"] == pytest.approx(cv.max()) and parts["expert_load_worst_layer"] == cv.argmax()
+    model.eval()
+    summed, stats = objective.loss_sum(model, batch, totals)
+    assert stats is None and float(summed) / totals["label_tokens"] == pytest.approx(parts["lm_loss"], rel=1e-6)
+
+
+def test_a_run_the_load_balancing_loss_cannot_join_is_refused_before_anything_is_built():
+    from types import SimpleNamespace
+
+    from dstrain.config import Recipe
+    from dstrain.objectives.causal_lm import CausalLM
+    from dstrain.parallel.layout import Layout
+
+    config = AutoConfig.for_model("mixtral", **SHAPE, **FAMILIES["mixtral"])
+    chunked = Recipe()
+    chunked.train.loss_chunk_tokens = 64
+    for recipe, layout, problem in ((chunked, Layout(world_size=1), "train.loss_chunk_tokens"),
+                                    (Recipe(), Layout(world_size=2, sequence_parallel=2), "sequence or context")):
+        with pytest.raises(UserError, match=problem):
+            CausalLM().validate(SimpleNamespace(recipe=recipe, model_config=config, layout=layout, log=print))
+    chunked.model.router_aux_loss_coef = 0  # turned off: nothing to refuse
+    CausalLM().validate(SimpleNamespace(recipe=chunked, model_config=config, layout=Layout(world_size=1), log=print))
+
+
+def test_routing_figures_read_balanced_and_collapsed():
+    balanced, collapsed = [8.0] * 4, [16.0, 16.0, 0.0, 0.0]  # 16 tokens x top-2 over 4 experts, one layer each
+    assert moe.load_figures(balanced + collapsed, 4) == {"expert_load_max": 2.0, "expert_load_cv": 1.0,
+                                                         "expert_load_worst_layer": 1}
+    assert moe.load_figures(balanced, 4)["expert_load_cv"] == 0.0
+
+
+def test_padding_is_not_routed_work():
+    logits = (torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 3.0]]),)  # 2 tokens, the second one padding
+    assert moe.tokens_per_expert(logits, 2, torch.tensor([[1, 0]])).tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    assert moe.tokens_per_expert(logits, 2, None).tolist() == [[1.0, 1.0, 1.0, 1.0]]
+
+
+def test_the_objectives_without_the_load_balancing_loss_say_so():
+    from types import SimpleNamespace
+
+    from dstrain.config import Recipe
+
+    config = AutoConfig.for_model("mixtral", **SHAPE, **FAMILIES["mixtral"])
+    said = []
+    moe.without_router_loss(SimpleNamespace(recipe=Recipe(), model_config=config, log=said.append), "preference")
+    assert len(said) == 1 and "without its router's load-balancing loss" in said[0]
+    asked = Recipe()
+    asked.model.router_aux_loss_coef = 0.01
+    with pytest.raises(UserError, match="preference does not add the router's load-balancing loss yet"):
+        moe.without_router_loss(SimpleNamespace(recipe=asked, model_config=config, log=said.append), "preference")
+    dense = AutoConfig.for_model("llama", **{k: v for k, v in SHAPE.items() if k != "num_experts_per_tok"})
+    moe.without_router_loss(SimpleNamespace(recipe=Recipe(), model_config=dense, log=said.append), "preference")
+    assert len(said) == 1
+
+
+def test_a_collapsing_router_is_said_once_and_the_watch_resumes_where_it_was():
+    from dstrain.trainer.hooks import StepHook, StepResult
+
+    said = []
+    watch = moe.RouterWatch(experts=4, top_k=2, say=said.append, patience=3)
+    assert isinstance(watch, StepHook)
+
+    def step(n, peak, cv):  # peak 1.5: the busiest expert has 1.5 x 2 / 4 = 75% of the tokens
+        watch.after_step(StepResult(n, 1.0, 1.0, 0.1, 0.0, {"expert_load_max": peak, "expert_load_cv": cv,
+                                                             "expert_load_worst_layer": 1}))
+
+    step(1, 1.5, 0.5), step(2, 1.5, 0.5), step(3, 0.9, 0.1)  # not 3 in a row: nothing said
+    step(4, 1.5, 0.6), step(5, 1.5, 0.6)
+    again = moe.RouterWatch(experts=4, top_k=2, say=said.append, patience=3)
+    again.load_state_dict(watch.state_dict())  # a resume in the middle of the streak keeps it
+    watch = again
+    step(6, 1.5, 0.7), step(7, 1.5, 0.7)
+    assert len(said) == 1 and "MoE layer 1 one expert has taken 75% of the tokens for 3 steps" in said[0], said
+    assert watch.summary() == {"expert_load_cv": {"first": 0.5, "last": 0.7, "worst": 0.7}, "routing_collapsed_at": 6}
