@@ -173,7 +173,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitioned params keep their shape here
         (decay if len(shape) >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # named: DeepSpeed's MoE support splits each group into its expert and non-expert parameters by name
+    # (deepspeed/moe/utils.py, under expert parallelism); elsewhere the names are ignored
+    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -96,6 +96,7 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
         compile,
         compression,
         diloco,
+        expert_parallel,
         flops_profile,
         lora,
         muon,
@@ -108,10 +109,10 @@ def build(recipe: Recipe, raw_ds: dict) -> list[Component]:
 
     # the chunked loss patches the HF model before lora wraps it (peft passes its keyword arguments through)
     # Ulysses wraps the attention of the model lora returns (peft passes its keyword arguments through)
-    found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), chunked_loss.make(recipe), lora.make(recipe),
-             tiled_mlp.make(recipe), sequence_parallel.make(raw_ds), compression.make(recipe),
-             diloco.make(recipe), muon.make(recipe, raw_ds), flops_profile.make(recipe), compile.make(recipe),
-             trace.make(recipe)]
+    found = [pipeline.make(raw_ds), tensor_parallel.make(raw_ds), expert_parallel.make(raw_ds),
+             chunked_loss.make(recipe), lora.make(recipe), tiled_mlp.make(recipe), sequence_parallel.make(raw_ds),
+             compression.make(recipe), diloco.make(recipe), muon.make(recipe, raw_ds), flops_profile.make(recipe),
+             compile.make(recipe), trace.make(recipe)]
     return [c for c in found if c is not None]
 
 

@@ -263,7 +263,11 @@ class Checkpointer:
 
     def _write(self, engine, step: int, tmp: Path, client_state: dict, save: Callable) -> None:
         """Every file of this rank's share of the checkpoint, through save(obj, path)."""
-        state = dict(client_state, step=step, universal_checkpoint_info={"universal_checkpoint_version": 0.2})
+        state = dict(client_state, step=step)
+        # DeepSpeed's universal conversion reads this marker; under AutoEP DeepSpeed writes its own (with the
+        # expert layers' layout) and refuses a client's
+        if not ds_internals.autoep_layers(engine.module):
+            state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.2}
         where, tag = (tmp, self.replica) if self.replica else (self.root, tmp.name)
         engine.save_checkpoint(str(where), tag=tag, client_state=state, save_latest=False,
                                exclude_frozen_parameters=has_frozen(engine))

@@ -44,9 +44,48 @@ def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
         say(f"exported {out_dir}" + (f" (merged) and the adapter {adapter}" if adapter.is_dir() else ""))
 
 
-def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """An AutoEP checkpoint in transformers' own names and layout. DeepSpeed's zero_to_fp32 cannot read one (it
+    takes the per-expert files for model states) and save_16bit_model writes only rank 0's experts under AutoEP's
+    names, so this is written here: the module states hold every weight but the routed experts (ZeRO-1/2 keep the
+    whole module on every rank, in the training precision: what the export is cast to anyway), and DeepSpeed writes
+    each routed expert of every layer to its own file, `{block}.experts.w1|w2|w3.{expert}` (gate [F, H], down
+    [H, F], up [F, H]: deepspeed/moe/ep_repack.py's grouped form). transformers 5 fuses them as gate_up_proj
+    [E, 2F, H] (gate first) and down_proj [E, H, F], or transposed ([E, H, 2F], [E, F, H]) in a few families:
+    `shapes`, the target model's, says which. AutoEP's router `{block}.router.gate.weight` is the model's
+    `{block}.gate.weight`."""
+    layers = states["ds_autoep_layers"]
+    state = {}
+    for key, value in states["module"].items():
+        block = next((info["module_path"] for info in layers if key.startswith(info["module_path"] + ".")), None)
+        if block is not None and key.startswith(f"{block}.router.gate."):
+            key = f"{block}.gate." + key[len(f"{block}.router.gate."):]
+        elif block is not None and key.startswith((f"{block}.experts.", f"{block}.gate.gate.")):
+            continue  # the routed experts come from their own files; gate.gate is the router under another name
+        state[key] = value.float()
+    for info in layers:
+        block, count = info["module_path"], info["num_experts"]
+        parts = {w: [] for w in ("w1", "w2", "w3")}
+        for expert in range(count):
+            name = ckpt / f"layer_{info['moe_layer_id']}_expert_{expert}_mp_rank_00_model_states.pt"
+            if not name.exists():
+                raise UserError(f"{ckpt} lacks {name.name}; the checkpoint is incomplete")
+            saved = torch.load(name, map_location="cpu", weights_only=False)
+            for w in parts:
+                parts[w].append(saved[f"{block}.experts.{w}.{expert}"].float())
+        gate, down, up = (torch.stack(parts[w]) for w in ("w1", "w2", "w3"))
+        fused = torch.cat([gate, up], dim=1)  # [E, 2F, H]
+        target = shapes.get(f"{block}.experts.gate_up_proj")
+        if target is not None and tuple(target) != tuple(fused.shape):  # the transposed layout
+            fused, down = fused.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        state[f"{block}.experts.gate_up_proj"], state[f"{block}.experts.down_proj"] = fused, down
+    return state
+
+
+def consolidated_state_dict(ckpt: Path, shapes: dict[str, torch.Size] | None = None) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
-    stage), or for pipeline checkpoints the per-layer module states (the engine's own weights)."""
+    stage), or for pipeline checkpoints the per-layer module states (the engine's own weights); an expert-parallel
+    checkpoint in transformers' layout (`shapes`: the target model's parameter shapes)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if (ckpt / CONSOLIDATED).exists():
@@ -57,6 +96,10 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     names_file = run_dir / "model_config" / PIPELINE_NAMES
     if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
+    if list(ckpt.glob("layer_*_expert_*_model_states.pt")):
+        states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        if states.get("ds_autoep_layers"):
+            return _expert_parallel_state_dict(ckpt, states, shapes or {})
     if list(ckpt.glob("*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights
@@ -83,7 +126,9 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         # a QLoRA run's config records its 4-bit base: the export is the full-precision base with the adapters
         # merged (a 4-bit load here put bitsandbytes layers with plain weights under peft: seen on an H200)
         del config.quantization_config
-    state = consolidated_state_dict(ckpt)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    state = consolidated_state_dict(ckpt, shapes)
     if (model_files / LORA_DIR / "adapter_config.json").exists():
         model = _lora_model(model_files, config, state, ckpt)
         trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}

@@ -75,7 +75,9 @@ class CorruptionCheck:
             return self.found is None
         began = time.perf_counter()
         self.checked_at = step
-        mine, text = checksum(engine.module.parameters()), ""
+        # expert parallelism: each rank holds its own routed experts (DeepSpeed marks them allreduce=False,
+        # deepspeed.moe.utils.is_moe_param), so only the rest is a replica to compare
+        mine, text = checksum(p for p in engine.module.parameters() if getattr(p, "allreduce", True)), ""
         if torch.distributed.is_initialized():
             group = self.layout.data_parallel_group  # None: the world (sequence-parallel ranks hold the same too)
             sums = [None] * torch.distributed.get_world_size(group)

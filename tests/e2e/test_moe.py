@@ -6,6 +6,7 @@ import json
 import pytest
 
 from tests.e2e.test_vs_reference import STEPS, _step_rows, run_and_compare
+from tests.helpers import ROOT
 
 
 def test_the_load_balancing_loss_trains_as_the_plain_loop_and_on_another_world_size(tmp_path, cache, tiny_mixtral):
@@ -34,3 +35,31 @@ def test_the_load_balancing_loss_trains_as_the_plain_loop_and_on_another_world_s
     said = (run_dir / "launch_stderr.txt").read_text()
     assert "router load-balancing loss: 0.02 x the model's aux_loss" in said, said[-3000:]
     assert json.loads((run_dir / "run_info.json").read_text())["world_size"] == 1 and len(rows) == STEPS
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp_path, cache, tiny_mixtral, stage):
+    """DeepSpeed's AutoEP with autoep_size 2 on 2 ranks (ds_configs/ep2_zero2.json; each rank holds 2 of each
+    layer's 4 routed experts, tokens sent to them by all-to-all), the load-balancing loss on: every step's loss and
+    grad norm are the single-process reference's, and hf/ holds all 4 experts of both layers in transformers'
+    fused layout (gate_up_proj [E, 2F, H], down_proj [E, H, F]) equal to the reference's weights. Before this
+    component the same JSON failed at deepspeed.initialize (TypeError in AutoEP's output-registry code); with the
+    experts left out of the replicas' checksum the SDC check stopped it at step 3; the export took AutoEP's
+    per-expert files for model states."""
+    import json as _json
+    config = _json.loads((ROOT / "ds_configs/ep2_zero2.json").read_text())
+    config["zero_optimization"]["stage"] = stage
+    (tmp_path / "ep.json").write_text(_json.dumps(config))
+    run_dir, ref_model = run_and_compare(tmp_path, cache, tiny_mixtral, str(tmp_path / "ep.json"),
+                                         router_aux={"coef": 0.02, "micro": 4})
+    said = (run_dir / "launch_stderr.txt").read_text()
+    assert "expert parallelism: 2 MoE blocks, their experts split over 2 ranks (2 per rank)" in said, said[-3000:]
+    # save_pretrained writes Mixtral in its hub names (block_sparse_moe.experts.N.w1, ...): compared as loaded
+    from transformers import AutoModelForCausalLM
+    got, want = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict(), ref_model.state_dict()
+    assert got.keys() == want.keys() and got["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 256, 128)
+    # the suite's export bound against the reference (test_vs_reference.py); measured 3.1e-5 at ZeRO-1 (AdamW's
+    # normalised step magnifies a reduction order's rounding where a gradient is near 0); gate and up swapped in
+    # the export, or one layer's experts in the wrong order, miss by the weights' own size (~1e-1)
+    worst = max((got[k] - want[k]).abs().max().item() for k in got)
+    assert worst < 1e-4, f"the export differs from the reference by {worst:.1e}"

@@ -183,3 +183,69 @@ def test_a_collapsing_router_is_said_once_and_the_watch_resumes_where_it_was():
     step(6, 1.5, 0.7), step(7, 1.5, 0.7)
     assert len(said) == 1 and "MoE layer 1 one expert has taken 75% of the tokens for 3 steps" in said[0], said
     assert watch.summary() == {"expert_load_cv": {"first": 0.5, "last": 0.7, "worst": 0.7}, "routing_collapsed_at": 6}
+
+
+def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | None = None):
+    from types import SimpleNamespace
+
+    from dstrain.parallel.layout import Layout
+    ds = {"expert_parallel": {"enabled": True, "autoep_size": 2, **(ep or {})}, **(ds_extra or {})}
+    return ds, SimpleNamespace(model_config=config, ds_cfg=ds, layout=Layout.from_ds_config(ds, world), log=print)
+
+
+@pytest.mark.parametrize("case,problem", [
+    ("dense", "the model has no routed experts"),
+    ("indivisible experts", "does not divide the model's 4 routed experts"),
+    ("tensor parallel", "tensor_parallel.autotp_size=2: DeepSpeed's AutoEP runs beside data parallelism only"),
+    ("sequence parallel", "sequence_parallel_size=2: DeepSpeed's AutoEP runs beside data parallelism only"),
+    ("odd world", "does not divide the 3 data-parallel ranks; launch a multiple of 2 ranks or choose autoep_size=1"),
+    ("no preset", "DeepSpeed's AutoEP has no preset for model type 'gpt_oss'"),
+    ("unknown preset", "expert_parallel.preset_model='mixtrall' is not one of DeepSpeed's AutoEP presets"),
+])
+def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built(case, problem):
+    """Each is one UserError from the component's validate (run in the one validation pass, before the run
+    directory is written): without these, the dense model and gpt-oss trained with every expert on every rank after
+    DeepSpeed's warning, and the rest failed inside deepspeed.initialize."""
+    from dstrain.components import expert_parallel
+
+    mixtral = AutoConfig.for_model("mixtral", **SHAPE, **FAMILIES["mixtral"])
+    config, ds_extra, world, ep = mixtral, None, 2, None
+    if case == "dense":
+        config = AutoConfig.for_model("llama", **{k: v for k, v in SHAPE.items() if k != "num_experts_per_tok"})
+    elif case == "indivisible experts":
+        ep = {"autoep_size": 3}
+        world = 3
+    elif case == "tensor parallel":
+        ds_extra, world = {"tensor_parallel": {"autotp_size": 2}}, 4
+    elif case == "sequence parallel":
+        ds_extra, world = {"sequence_parallel_size": 2}, 4
+    elif case == "odd world":
+        world = 3
+    elif case == "no preset":
+        config = AutoConfig.for_model("gpt_oss", vocab_size=64, hidden_size=32, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=8, num_local_experts=4, num_experts_per_tok=2)
+    elif case == "unknown preset":
+        ep = {"preset_model": "mixtrall"}
+    ds, setup = _ep_setup(config, ds_extra, world, ep)
+    component = expert_parallel.make(ds)
+    with pytest.raises(UserError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        component.validate(setup)
+
+
+def test_expert_parallelism_proves_every_block_was_replaced():
+    """After deepspeed.initialize: a block AutoEP left dense (here: none replaced) ends the run before step 1
+    instead of training without expert parallelism; a JSON without the section builds no component."""
+    from types import SimpleNamespace
+
+    from dstrain.components import expert_parallel
+
+    config, model = tiny("mixtral")
+    ds, setup = _ep_setup(config)
+    component = expert_parallel.make(ds)
+    component.validate(setup)
+    assert component.convert(model, setup) is model and len(component.blocks) == 3
+    with pytest.raises(RuntimeError, match="AutoEP replaced 0 of the model's 3 MoE blocks"):
+        component.attach(SimpleNamespace(module=model), setup)
+    assert expert_parallel.make({"expert_parallel": {"enabled": False, "autoep_size": 2}}) is None
+    assert expert_parallel.make({}) is None

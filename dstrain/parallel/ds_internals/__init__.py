@@ -35,6 +35,13 @@ from .engine import (  # noqa: F401
     profile_one_step,
     record_fp32_grad_norm,
 )
+from .experts import (  # noqa: F401
+    autoep_layers,
+    autoep_local_experts,
+    autoep_preset_for,
+    autoep_preset_names,
+    let_autoep_use_the_output_registry,
+)
 from .groups import (  # noqa: F401
     ReplicaUnit,
     UlyssesInReplicas,
@@ -119,4 +126,9 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "dataset_fingerprint",
+    "let_autoep_use_the_output_registry",
+    "autoep_layers",
+    "autoep_local_experts",
+    "autoep_preset_for",
+    "autoep_preset_names",
 ]

@@ -1,0 +1,112 @@
+"""expert_parallel.enabled in the DeepSpeed JSON: DeepSpeed's AutoEP splits each Mixture-of-Experts block's routed
+experts over the ranks of an expert-parallel group of `autoep_size` (tokens travel to their experts by all-to-all);
+attention, norms, routers and shared experts stay data-parallel. The engine does the replacing from the JSON; this
+component checks the model and the layout first, mends the one transformers incompatibility AutoEP has
+(ds_internals.let_autoep_use_the_output_registry), and proves afterwards that every MoE block was replaced: AutoEP
+itself only warns and trains densely when it detects nothing.
+
+What AutoEP or this project cannot combine is one line before anything is built: tensor or sequence parallelism and
+pipelines beside it, a model without routed experts, an expert count or data-parallel size the EP size does not
+divide.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+from ..parallel import ds_internals
+from ..parallel.layout import parallel_sizes
+from . import Component, Setup
+
+# the config names transformers' MoE families give their routed-expert count (Mixtral; Qwen2/3-MoE, OLMoE, gpt-oss;
+# DeepSeek-V2/V3)
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def routed_experts(model_config) -> int | None:
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    for key in EXPERT_COUNT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+class ExpertParallel(Component):
+    name = "expert_parallel"
+
+    def __init__(self, size: int, section: dict):
+        self.size = size
+        self.section = section
+        self.blocks: list[str] = []
+
+    def validate(self, setup: Setup) -> None:
+        experts = routed_experts(setup.model_config)
+        size = self.size
+        if experts is None:
+            raise UserError(f"expert_parallel.autoep_size={size} but the model has no routed experts (none of "
+                            f"{', '.join(EXPERT_COUNT_KEYS)} in its config); use a DeepSpeed JSON without "
+                            f"expert_parallel for a dense model")
+        if experts % size:
+            raise UserError(f"expert_parallel.autoep_size={size} does not divide the model's {experts} routed "
+                            f"experts; choose a size that divides {experts}")
+        config = setup.model_config.get_text_config() if hasattr(setup.model_config, "get_text_config") \
+            else setup.model_config
+        model_type = getattr(config, "model_type", None)
+        preset, note = ds_internals.autoep_preset_for(model_type)
+        named = self.section.get("preset_model")
+        if named is not None and named not in ds_internals.autoep_preset_names():
+            raise UserError(f"expert_parallel.preset_model={named!r} is not one of DeepSpeed's AutoEP presets "
+                            f"({', '.join(ds_internals.autoep_preset_names())}); use one of them or leave it out")
+        if named is None and preset is None and not self.section.get("moe_layer_pattern"):
+            # AutoEP would warn, find no MoE layer and train every expert on every rank (gpt-oss does so)
+            raise UserError(f"DeepSpeed's AutoEP has no preset for model type {model_type!r}"
+                            + (f" ({note})" if note else "") + f" (presets: "
+                            f"{', '.join(ds_internals.autoep_preset_names())}); set expert_parallel.preset_model, or "
+                            f"expert_parallel.moe_layer_pattern and its patterns, or drop expert_parallel")
+        sizes = parallel_sizes(setup.ds_cfg)
+        for what, other in (("tensor_parallel.autotp_size", sizes.tensor), ("sequence_parallel_size", sizes.sequence),
+                            ("pipeline stages", sizes.pipeline)):
+            if other > 1:
+                raise UserError(f"expert_parallel with {what}={other}: DeepSpeed's AutoEP runs beside data "
+                                f"parallelism only; drop one of them from the DeepSpeed JSON")
+        dp = setup.layout.data_parallel
+        if dp % size:
+            raise UserError(f"expert_parallel.autoep_size={size} does not divide the {dp} data-parallel ranks; "
+                            f"launch a multiple of {size} ranks or choose autoep_size={_divisor(dp, experts)}")
+
+    def configure(self, ds_cfg: dict, setup: Setup) -> None:
+        ds_internals.let_autoep_use_the_output_registry()
+
+    def convert(self, model, setup: Setup):
+        from .. import moe
+        self.blocks = [block.name for block in moe.moe_blocks(model)]
+        if not self.blocks:
+            raise UserError("expert_parallel is on but no Mixture-of-Experts block was found in the model (an "
+                            "`experts` module beside a router `gate`); use a DeepSpeed JSON without expert_parallel")
+        return model
+
+    def attach(self, engine, setup: Setup) -> None:
+        from .. import moe
+        replaced = ds_internals.autoep_layers(engine.module)
+        # an AutoEP layer keeps the block's `experts` and `gate`: a block outside every AutoEP layer stayed dense
+        left = [block.name for block in moe.moe_blocks(engine.module)
+                if not any(block.name.startswith(name + ".") for name in replaced)]
+        if left or len(replaced) != len(self.blocks):
+            raise RuntimeError(f"AutoEP replaced {len(replaced)} of the model's {len(self.blocks)} MoE blocks "
+                               f"(still dense: {left[:3]}); the run would train without expert parallelism")
+        setup.log(f"expert parallelism: {len(replaced)} MoE blocks, their experts split over {self.size} ranks "
+                  f"({ds_internals.autoep_local_experts(next(iter(replaced.values())))} per rank)")
+
+    def describe(self) -> dict:
+        return {"autoep_size": self.size, "moe_blocks": len(self.blocks), "preset_model": self.section.get(
+            "preset_model")}
+
+
+def _divisor(dp: int, experts: int) -> int:
+    return max(d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0)
+
+
+def make(raw_ds: dict) -> ExpertParallel | None:
+    section = raw_ds.get("expert_parallel") or {}
+    if not section.get("enabled"):
+        return None
+    return ExpertParallel(int(section.get("autoep_size", 1)), section)
