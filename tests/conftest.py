@@ -92,6 +92,24 @@ def tiny_mixtral(tmp_path_factory) -> Path:
                  tmp_path_factory.mktemp("models") / "tiny-mixtral")
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory) -> Path:
+    """DeepSeek-V3's architecture in the tiny Llama's width: 2 layers, each of 4 routed experts (2 per token) beside
+    1 shared expert, multi-head latent attention; its router balances with a bias, not a loss."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                            "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+                                            "max_position_embeddings")}
+    config = AutoConfig.for_model("deepseek_v3", **shape, num_hidden_layers=2, intermediate_size=128,
+                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                  n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=None,
+                                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-deepseek")
+
+
 # The order `make test`'s two workers take the test files in (pytest-xdist, --dist loadfile
 # --no-loadscope-reorder): the longest files first, so the run does not end with one worker alone on a
 # five-minute file while the other idles. xdist's own order (most tests first) put the one-test Docker file

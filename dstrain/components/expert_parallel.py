@@ -56,6 +56,12 @@ class ExpertParallel(Component):
         if named is not None and named not in ds_internals.autoep_preset_names():
             raise UserError(f"expert_parallel.preset_model={named!r} is not one of DeepSpeed's AutoEP presets "
                             f"({', '.join(ds_internals.autoep_preset_names())}); use one of them or leave it out")
+        if named is not None and preset is not None and named != preset:
+            # another family's preset replaces the blocks by its own names: DeepSeek-V3 under "mixtral" trained
+            # without its shared experts (attach's check below names that too)
+            raise UserError(f"expert_parallel.preset_model={named!r} is DeepSpeed's AutoEP preset for another "
+                            f"family; this model is {model_type!r}, whose preset is {preset!r}: set that, or leave "
+                            f"preset_model out (AutoEP finds it)")
         if named is None and preset is None and not self.section.get("moe_layer_pattern"):
             # AutoEP would warn, find no MoE layer and train every expert on every rank (gpt-oss does so)
             raise UserError(f"DeepSpeed's AutoEP has no preset for model type {model_type!r}"
@@ -79,6 +85,8 @@ class ExpertParallel(Component):
     def convert(self, model, setup: Setup):
         from .. import moe
         self.blocks = [block.name for block in moe.moe_blocks(model)]
+        self.beside = {block.removesuffix(".experts"): _beside_experts(model, block.removesuffix(".experts"))
+                       for block in self.blocks}
         if not self.blocks:
             raise UserError("expert_parallel is on but no Mixture-of-Experts block was found in the model (an "
                             "`experts` module beside a router `gate`); use a DeepSpeed JSON without expert_parallel")
@@ -93,12 +101,25 @@ class ExpertParallel(Component):
         if left or len(replaced) != len(self.blocks):
             raise RuntimeError(f"AutoEP replaced {len(replaced)} of the model's {len(self.blocks)} MoE blocks "
                                f"(still dense: {left[:3]}); the run would train without expert parallelism")
+        for name in replaced:  # what else the block held (shared experts) is still there
+            kept = _beside_experts(engine.module, name)
+            if kept < self.beside.get(name, 0):
+                raise RuntimeError(f"AutoEP's replacement of {name} holds {kept} parameters beside its routed "
+                                   f"experts and router where the model's block held {self.beside[name]} (its shared "
+                                   f"experts?); set expert_parallel.has_shared_experts and shared_experts_pattern")
         setup.log(f"expert parallelism: {len(replaced)} MoE blocks, their experts split over {self.size} ranks "
                   f"({ds_internals.autoep_local_experts(next(iter(replaced.values())))} per rank)")
 
     def describe(self) -> dict:
         return {"autoep_size": self.size, "moe_blocks": len(self.blocks), "preset_model": self.section.get(
             "preset_model")}
+
+
+def _beside_experts(model, block: str) -> int:
+    """Parameters of an MoE block other than its routed experts and its router (its shared experts)."""
+    module = model.get_submodule(block)
+    return sum(p.numel() for name, p in module.named_parameters()
+               if not name.startswith(("experts.", "gate.", "router.")))
 
 
 def _divisor(dp: int, experts: int) -> int:

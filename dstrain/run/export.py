@@ -58,10 +58,16 @@ def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torc
     state = {}
     for key, value in states["module"].items():
         block = next((info["module_path"] for info in layers if key.startswith(info["module_path"] + ".")), None)
-        if block is not None and key.startswith(f"{block}.router.gate."):
-            key = f"{block}.gate." + key[len(f"{block}.router.gate."):]
-        elif block is not None and key.startswith((f"{block}.experts.", f"{block}.gate.gate.")):
-            continue  # the routed experts come from their own files; gate.gate is the router under another name
+        if block is not None and key.startswith(f"{block}.router."):
+            # AutoEP's router holds the model's: router.gate.weight is gate.weight, DeepSeek's
+            # router.e_score_correction_bias its gate.e_score_correction_bias
+            rest = key[len(f"{block}.router."):]
+            key = next((k for k in (f"{block}.gate.{rest.removeprefix('gate.')}", f"{block}.gate.{rest}")
+                        if k in shapes), f"{block}.gate.{rest.removeprefix('gate.')}")
+        elif block is not None and (key.startswith((f"{block}.experts.", f"{block}.gate.gate."))):
+            continue  # the routed experts come from their own files; gate.gate.* is the router's other name
+        if key in state:  # the router's tensors reached under both of AutoEP's names
+            continue
         state[key] = value.float()
     for info in layers:
         block, count = info["module_path"], info["num_experts"]
@@ -127,7 +133,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         # merged (a 4-bit load here put bitsandbytes layers with plain weights under peft: seen on an H200)
         del config.quantization_config
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+        shapes = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     state = consolidated_state_dict(ckpt, shapes)
     if (model_files / LORA_DIR / "adapter_config.json").exists():
         model = _lora_model(model_files, config, state, ckpt)

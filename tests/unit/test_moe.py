@@ -201,6 +201,8 @@ def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | N
     ("odd world", "does not divide the 3 data-parallel ranks; launch a multiple of 2 ranks or choose autoep_size=1"),
     ("no preset", "DeepSpeed's AutoEP has no preset for model type 'gpt_oss'"),
     ("unknown preset", "expert_parallel.preset_model='mixtrall' is not one of DeepSpeed's AutoEP presets"),
+    ("another family's preset", "preset_model='deepseek_v3' is DeepSpeed's AutoEP preset for another family; this "
+                                "model is 'mixtral', whose preset is 'mixtral'"),
 ])
 def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built(case, problem):
     """Each is one UserError from the component's validate (run in the one validation pass, before the run
@@ -227,6 +229,8 @@ def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built
                                       head_dim=8, num_local_experts=4, num_experts_per_tok=2)
     elif case == "unknown preset":
         ep = {"preset_model": "mixtrall"}
+    elif case == "another family's preset":
+        ep = {"preset_model": "deepseek_v3"}
     ds, setup = _ep_setup(config, ds_extra, world, ep)
     component = expert_parallel.make(ds)
     with pytest.raises(UserError, match=problem.replace("(", r"\(").replace(")", r"\)")):
