@@ -16,18 +16,10 @@ from ..parallel import ds_internals
 from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
-# the config names transformers' MoE families give their routed-expert count (Mixtral; Qwen2/3-MoE, OLMoE, gpt-oss;
-# DeepSeek-V2/V3)
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
-def routed_experts(model_config) -> int | None:
-    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    for key in EXPERT_COUNT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 1:
-            return value
-    return None
+# the families whose router logits transformers still records once AutoEP replaced their blocks (Mixtral's router
+# module survives inside AutoEP's; DeepSpeed re-points Qwen3.5-MoE's recorder): the others' load-balancing loss got
+# an empty tuple (Qwen3-MoE: IndexError in load_balancing_loss_func at the first step)
+ROUTER_LOGITS_UNDER_AUTOEP = ("mixtral", "qwen3_5_moe_text")
 
 
 class ExpertParallel(Component):
@@ -39,12 +31,12 @@ class ExpertParallel(Component):
         self.blocks: list[str] = []
 
     def validate(self, setup: Setup) -> None:
-        experts = routed_experts(setup.model_config)
+        from .. import moe
+        experts = moe.routed_experts(setup.model_config)
         size = self.size
-        if experts is None:
-            raise UserError(f"expert_parallel.autoep_size={size} but the model has no routed experts (none of "
-                            f"{', '.join(EXPERT_COUNT_KEYS)} in its config); use a DeepSpeed JSON without "
-                            f"expert_parallel for a dense model")
+        if not experts:
+            raise UserError(f"expert_parallel.autoep_size={size} but the model has no routed experts; use a "
+                            f"DeepSpeed JSON without expert_parallel for a dense model")
         if experts % size:
             raise UserError(f"expert_parallel.autoep_size={size} does not divide the model's {experts} routed "
                             f"experts; choose a size that divides {experts}")
@@ -68,6 +60,11 @@ class ExpertParallel(Component):
                             + (f" ({note})" if note else "") + f" (presets: "
                             f"{', '.join(ds_internals.autoep_preset_names())}); set expert_parallel.preset_model, or "
                             f"expert_parallel.moe_layer_pattern and its patterns, or drop expert_parallel")
+        coef = moe.router_aux_coefficient(setup.recipe.model.router_aux_loss_coef, setup.model_config)
+        if coef and model_type not in ROUTER_LOGITS_UNDER_AUTOEP:
+            raise UserError(f"the router load-balancing loss cannot be added to {model_type} under expert "
+                            f"parallelism yet (DeepSpeed's AutoEP hides its router logits from transformers); set "
+                            f"model.router_aux_loss_coef=0 or drop expert_parallel")
         sizes = parallel_sizes(setup.ds_cfg)
         for what, other in (("tensor_parallel.autotp_size", sizes.tensor), ("sequence_parallel_size", sizes.sequence),
                             ("pipeline stages", sizes.pipeline)):
