@@ -68,6 +68,9 @@ TRAFFIC = {
     "cp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "context_parallel_size": 2},
     "sp2cp2_zero3": {"zero_optimization": {"stage": 3, **ZERO3}, "sequence_parallel_size": 2,
                      "context_parallel_size": 2},
+    # Mixture-of-Experts: DeepSpeed's AutoEP splits each MoE block's routed experts over 2 ranks (the preset picked
+    # from the model's type; components/expert_parallel.py)
+    "ep2_zero2": {"zero_optimization": {"stage": 2, **ZERO12}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
     "zero3_zeropp": {"zero_optimization": {"stage": 3, **ZERO3, "zero_quantized_weights": True,
                                            "zero_quantized_gradients": True, "zero_hpz_partition_size": "auto"}},
 }

@@ -37,7 +37,8 @@ def test_the_load_balancing_loss_trains_as_the_plain_loop_and_on_another_world_s
     assert json.loads((run_dir / "run_info.json").read_text())["world_size"] == 1 and len(rows) == STEPS
 
 
-@pytest.mark.parametrize("family,stage", [("mixtral", 1), ("mixtral", 2), ("deepseek_v3", 2)])
+# two launches for two stages and two families (Mixtral at ZeRO-1 measured 5.7e-8 / 2.1e-6 / 3.1e-5 as at ZeRO-2)
+@pytest.mark.parametrize("family,stage", [("mixtral", 2), ("deepseek_v3", 1)])
 def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp_path, cache, request, family,
                                                                                stage):
     """DeepSpeed's AutoEP with autoep_size 2 on 2 ranks (ds_configs/ep2_zero2.json; each rank holds 2 of each
