@@ -6,13 +6,13 @@ component checks the model and the layout first, mends the one transformers inco
 itself only warns and trains densely when it detects nothing.
 
 What AutoEP or this project cannot combine is one line before anything is built: tensor or sequence parallelism and
-pipelines beside it, a model without routed experts, an expert count or data-parallel size the EP size does not
-divide.
+pipelines beside it, ZeRO-0 and ZeRO-3 (not yet), a model without routed experts or a preset, an expert count or
+data-parallel size the EP size does not divide, the load-balancing loss where AutoEP hides the router logits.
 """
 from __future__ import annotations
 
 from ..errors import UserError
-from ..parallel import ds_internals
+from ..parallel import ds_config, ds_internals
 from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
@@ -65,6 +65,13 @@ class ExpertParallel(Component):
             raise UserError(f"the router load-balancing loss cannot be added to {model_type} under expert "
                             f"parallelism yet (DeepSpeed's AutoEP hides its router logits from transformers); set "
                             f"model.router_aux_loss_coef=0 or drop expert_parallel")
+        stage = ds_config.zero_stage(setup.ds_cfg)
+        if stage not in (1, 2):
+            # not tried through train.py yet: ZeRO-3's module states hold partitions (the export reads whole
+            # weights from them), ZeRO-0's gradient all-reduce is replaced here (ds_internals.replace_zero0_allreduce)
+            # and would have to leave the experts' own reduction alone
+            raise UserError(f"expert_parallel with ZeRO-{stage} is not supported here yet; use ZeRO-1 or ZeRO-2 "
+                            f"(e.g. ep2_zero2.json)")
         sizes = parallel_sizes(setup.ds_cfg)
         for what, other in (("tensor_parallel.autotp_size", sizes.tensor), ("sequence_parallel_size", sizes.sequence),
                             ("pipeline stages", sizes.pipeline)):

@@ -189,7 +189,8 @@ def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | N
     from types import SimpleNamespace
 
     from dstrain.parallel.layout import Layout
-    ds = {"expert_parallel": {"enabled": True, "autoep_size": 2, **(ep or {})}, **(ds_extra or {})}
+    ds = {"expert_parallel": {"enabled": True, "autoep_size": 2, **(ep or {})}, "zero_optimization": {"stage": 2},
+          **(ds_extra or {})}
     from dstrain.config import Recipe
     return ds, SimpleNamespace(model_config=config, ds_cfg=ds, layout=Layout.from_ds_config(ds, world), log=print,
                                recipe=Recipe())
@@ -203,6 +204,8 @@ def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | N
     ("odd world", "does not divide the 3 data-parallel ranks; launch a multiple of 2 ranks or choose autoep_size=1"),
     ("no preset", "DeepSpeed's AutoEP has no preset for model type 'gpt_oss'"),
     ("unknown preset", "expert_parallel.preset_model='mixtrall' is not one of DeepSpeed's AutoEP presets"),
+    ("ZeRO-3", "expert_parallel with ZeRO-3 is not supported here yet; use ZeRO-1 or ZeRO-2"),
+    ("ZeRO-0", "expert_parallel with ZeRO-0 is not supported here yet"),
     ("qwen3_moe with its aux loss", "cannot be added to qwen3_moe under expert parallelism yet"),
     ("another family's preset", "preset_model='deepseek_v3' is DeepSpeed's AutoEP preset for another family; this "
                                 "model is 'mixtral', whose preset is 'mixtral'"),
@@ -232,6 +235,8 @@ def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built
                                       head_dim=8, num_local_experts=4, num_experts_per_tok=2)
     elif case == "unknown preset":
         ep = {"preset_model": "mixtrall"}
+    elif case in ("ZeRO-3", "ZeRO-0"):
+        ds_extra = {"zero_optimization": {"stage": int(case[-1])}}
     elif case == "qwen3_moe with its aux loss":
         config = AutoConfig.for_model("qwen3_moe", **SHAPE, **FAMILIES["qwen3_moe"])
     elif case == "another family's preset":
