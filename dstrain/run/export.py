@@ -88,10 +88,10 @@ def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torc
     return state
 
 
-def consolidated_state_dict(ckpt: Path, shapes: dict[str, torch.Size] | None = None) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(ckpt: Path, shapes=None) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
     stage), or for pipeline checkpoints the per-layer module states (the engine's own weights); an expert-parallel
-    checkpoint in transformers' layout (`shapes`: the target model's parameter shapes)."""
+    checkpoint in transformers' layout (`shapes()`: the target model's tensor shapes, asked only for one)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if (ckpt / CONSOLIDATED).exists():
@@ -105,7 +105,7 @@ def consolidated_state_dict(ckpt: Path, shapes: dict[str, torch.Size] | None = N
     if list(ckpt.glob("layer_*_expert_*_model_states.pt")):
         states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         if states.get("ds_autoep_layers"):
-            return _expert_parallel_state_dict(ckpt, states, shapes or {})
+            return _expert_parallel_state_dict(ckpt, states, shapes() if shapes else {})
     if list(ckpt.glob("*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights
@@ -132,8 +132,9 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         # a QLoRA run's config records its 4-bit base: the export is the full-precision base with the adapters
         # merged (a 4-bit load here put bitsandbytes layers with plain weights under peft: seen on an H200)
         del config.quantization_config
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    def shapes() -> dict[str, torch.Size]:  # the target model's tensor shapes: an expert-parallel checkpoint's layout
+        with torch.device("meta"):
+            return {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     state = consolidated_state_dict(ckpt, shapes)
     if (model_files / LORA_DIR / "adapter_config.json").exists():
         model = _lora_model(model_files, config, state, ckpt)
