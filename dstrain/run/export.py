@@ -61,10 +61,8 @@ def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torc
         if block is not None and key.startswith(f"{block}.router."):
             # AutoEP's router holds the model's: router.gate.weight is gate.weight, DeepSeek's
             # router.e_score_correction_bias its gate.e_score_correction_bias
-            rest = key[len(f"{block}.router."):]
-            key = next((k for k in (f"{block}.gate.{rest.removeprefix('gate.')}", f"{block}.gate.{rest}")
-                        if k in shapes), f"{block}.gate.{rest.removeprefix('gate.')}")
-        elif block is not None and (key.startswith((f"{block}.experts.", f"{block}.gate.gate."))):
+            key = f"{block}.gate." + key[len(f"{block}.router."):].removeprefix("gate.")
+        elif block is not None and key.startswith((f"{block}.experts.", f"{block}.gate.gate.")):
             continue  # the routed experts come from their own files; gate.gate.* is the router's other name
         if key in state:  # the router's tensors reached under both of AutoEP's names
             continue
