@@ -133,6 +133,8 @@ class Metrics:
             row["comm_fraction"] = comm["comm_s"] / seconds if seconds > 0 else None
             if self.cfg.comm_bytes:
                 row["comm_bytes"] = comm["comm_bytes"]
+                if comm.get("comm_bytes_all_to_all"):  # expert parallelism's and Ulysses' share of them
+                    row["comm_bytes_all_to_all"] = comm["comm_bytes_all_to_all"]
             self._watch_comm(row["comm_fraction"])
         self._write(row)
         if self.bar is not None:

@@ -8,6 +8,7 @@ experts' parameters is the part of the model a token's FLOPs count (flops.flops_
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +38,20 @@ def moe_blocks(model: torch.nn.Module) -> list[MoeBlock]:
     `top_k` (every transformers 5 MoE family: Mixtral, Qwen2/3-MoE, Qwen3.5-MoE, DeepSeek-V2/V3, OLMoE, gpt-oss)."""
     found = []
     for name, module in model.named_modules():
-        experts = getattr(module, "experts", None)
-        gate = getattr(module, "gate", None)
+        experts = _unwrapped(getattr(module, "experts", None))
+        gate = _unwrapped(getattr(module, "gate", None))
         if isinstance(experts, torch.nn.Module) and hasattr(experts, "num_experts") and hasattr(gate, "top_k"):
             found.append(MoeBlock(f"{name}.experts" if name else "experts", int(experts.num_experts),
                                   int(gate.top_k), sum(_numel(p) for p in experts.parameters())))
     return found
+
+
+def _unwrapped(module):
+    """The module under peft's adapter wrappers (LoRA on a router or on the fused experts: ParamWrapper, nested
+    once per adapted tensor), which do not pass num_experts / top_k through."""
+    while module is not None and isinstance(getattr(module, "base_layer", None), torch.nn.Module):
+        module = module.base_layer
+    return module
 
 
 def inactive_parameters(model: torch.nn.Module) -> int:
@@ -83,23 +92,55 @@ def routed_experts(model_config) -> int:
                      if getattr(config, name, None)), 0))
 
 
-def tokens_per_expert(router_logits: tuple[torch.Tensor, ...], top_k: int, mask: torch.Tensor | None) -> torch.Tensor:
-    """[MoE layers, experts]: how many of the micro-batch's tokens each layer's router sent to each expert (a token
-    counts once in each of its top_k), padding left out. The top-k of the logits is the top-k of the softmax that
-    transformers' routers take."""
-    weight = mask.reshape(-1).to(torch.float32) if mask is not None else None
-    rows = []
-    for logits in router_logits:
-        chosen = torch.topk(logits.detach(), top_k, dim=-1).indices  # [tokens, k]
-        counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-        ones = weight.repeat_interleave(top_k) if weight is not None else \
-            torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device)
-        rows.append(counts.scatter_add_(0, chosen.reshape(-1), ones))
-    return torch.stack(rows)
+class RoutingCounter:
+    """The experts each token of a forward was sent to, read where the routing is decided: a forward hook on every
+    MoE block's router. transformers 5's routers return (logits, weights, indices [tokens, k]); AutoEP's
+    TokenChoiceTopKRouter (expert parallelism) returns (scores, selected experts [tokens, k], counts). Exact for
+    every family, with or without the load-balancing loss (DeepSeek-V3 routes by sigmoid scores plus a bias within
+    groups: the top-k of its logits is not its routing), and no router logits kept. A forward's entries are taken
+    right after it (take); activation checkpointing's recomputation in backward adds entries that the next
+    forward's clear() drops. Evaluation (the routers in eval mode) is not counted."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.chosen: list[torch.Tensor] = []
+        self.handles = []
+        routers = [m for m in model.modules() if type(m).__name__ == "TokenChoiceTopKRouter"]  # AutoEP's
+        if not routers:
+            routers = [model.get_submodule(block.name.removesuffix("experts") + "gate") for block in moe_blocks(model)]
+        self.layers = len(routers)
+        for router in routers:
+            index = 1 if type(router).__name__ == "TokenChoiceTopKRouter" else 2
+            self.handles.append(router.register_forward_hook(functools.partial(self._keep, index)))
+
+    def _keep(self, index: int, module, _args, out) -> None:
+        if module.training:  # evaluation's forwards are not counted (nor kept: thousands of them between steps)
+            self.chosen.append(out[index].detach())
+
+    def clear(self) -> None:
+        self.chosen.clear()
+
+    def take(self, experts: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """[MoE layers, experts]: how many of the forward's tokens each layer sent to each expert (a token counts
+        once in each of its k), padding left out."""
+        chosen, self.chosen = self.chosen[:self.layers], []
+        weight = mask.reshape(-1).to(torch.float32) if mask is not None else None
+        rows = []
+        for picked in chosen:
+            k = picked.shape[-1]
+            ones = weight.repeat_interleave(k) if weight is not None else \
+                torch.ones(picked.numel(), dtype=torch.float32, device=picked.device)
+            counts = torch.zeros(experts, dtype=torch.float32, device=picked.device)
+            rows.append(counts.scatter_add_(0, picked.reshape(-1).long(), ones.to(picked.device)))
+        return torch.stack(rows)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def load_figures(load: list[float], experts: int) -> dict[str, float]:
-    """The global batch's routing figures, from tokens_per_expert summed over it: per MoE layer the busiest
+    """The global batch's routing figures, from RoutingCounter's tables summed over it: per MoE layer the busiest
     expert's tokens over the mean (1 when balanced, experts / top_k when every token goes to the same top_k) and
     the coefficient of variation of the experts' tokens (std / mean: 0 when balanced); logged is the worst layer
     of each, and which layer that is."""

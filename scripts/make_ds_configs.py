@@ -71,6 +71,9 @@ TRAFFIC = {
     # Mixture-of-Experts: DeepSpeed's AutoEP splits each MoE block's routed experts over 2 ranks (the preset picked
     # from the model's type; components/expert_parallel.py)
     "ep2_zero2": {"zero_optimization": {"stage": 2, **ZERO12}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
+    # ... over the 8 GPUs of a node (Qwen3-30B-A3B's recipe); ZeRO-2 partitions the dense part's states over all
+    # ranks, the experts' stay whole on the one rank that holds them (8 ranks = 8 EP ranks)
+    "ep8_zero2": {"zero_optimization": {"stage": 2, **ZERO12}, "expert_parallel": {"enabled": True, "autoep_size": 8}},
     "zero3_zeropp": {"zero_optimization": {"stage": 3, **ZERO3, "zero_quantized_weights": True,
                                            "zero_quantized_gradients": True, "zero_hpz_partition_size": "auto"}},
 }

@@ -16,6 +16,8 @@ Outputs (all small enough to ship in git):
                                                prompt/response, Alpaca, OpenAI messages, ShareGPT, TRL's
                                                explicit/implicit/conversational preference and UltraFeedback's)
   recipes/tiny/model/                          config.json + tokenizer files of a tiny Llama
+  recipes/tiny/moe_model/                      config.json of a tiny Mixture-of-Experts model (Mixtral's
+                                               architecture, 8 experts, 2 per token; the tokenizer above)
 """
 from __future__ import annotations
 
@@ -225,10 +227,23 @@ def make_model_config(vocab_size: int, tokenizer):
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
+def make_moe_config(vocab_size: int, tokenizer):
+    """Mixtral's architecture in the tiny Llama's width: 8 routed experts per layer, 2 per token, a load-balancing
+    weight of 0.02 (Mixtral's 0.001 would hardly move the loss of a model this small)."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", type=Path, default=ROOT / "data")
     parser.add_argument("--model_dir", type=Path, default=ROOT / "recipes" / "tiny" / "model")
+    parser.add_argument("--moe_dir", type=Path, default=ROOT / "recipes" / "tiny" / "moe_model")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--vocab_size", type=int, default=1024)
     args = parser.parse_args()
@@ -243,7 +258,8 @@ def main() -> None:
     args.model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(args.model_dir)
     make_model_config(len(tokenizer), tokenizer).save_pretrained(args.model_dir)
-    print(f"wrote {args.data_dir} and {args.model_dir} (vocab {len(tokenizer)})")
+    make_moe_config(len(tokenizer), tokenizer).save_pretrained(args.moe_dir)
+    print(f"wrote {args.data_dir}, {args.model_dir} and {args.moe_dir} (vocab {len(tokenizer)})")
 
 
 if __name__ == "__main__":

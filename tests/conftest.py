@@ -110,6 +110,23 @@ def tiny_deepseek(tmp_path_factory) -> Path:
                  tmp_path_factory.mktemp("models") / "tiny-deepseek")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """Qwen3-MoE in the tiny Llama's shape: 2 layers, each of 4 routed experts (2 per token, normalised top-k
+    weights) of width 64, q/k norms, the load-balancing weight 0.02."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
+                                            "tie_word_embeddings", "max_position_embeddings")}
+    config = AutoConfig.for_model("qwen3_moe", **shape, num_hidden_layers=2, intermediate_size=128,
+                                  moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                  router_aux_loss_coef=0.02, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")
+
+
 # The order `make test`'s two workers take the test files in (pytest-xdist, --dist loadfile
 # --no-loadscope-reorder): the longest files first, so the run does not end with one worker alone on a
 # five-minute file while the other idles. xdist's own order (most tests first) put the one-test Docker file
@@ -125,7 +142,7 @@ LONGEST_FIRST = {
     "e2e/test_errors.py": 100, "e2e/test_elastic.py": 160, "e2e/test_background_save.py": 100,
     "e2e/test_rl_vs_trl.py": 150, "unit/test_preference.py": 90, "unit/test_ds_internals.py": 80,
     "e2e/test_ring_attention.py": 100, "unit/test_ring_attention.py": 40, "e2e/test_health.py": 60,
-    "cluster/test_sweep.py": 150,
+    "cluster/test_sweep.py": 150, "e2e/test_moe.py": 80,
 }
 
 

@@ -6,20 +6,21 @@ component checks the model and the layout first, mends the one transformers inco
 itself only warns and trains densely when it detects nothing.
 
 What AutoEP or this project cannot combine is one line before anything is built: tensor or sequence parallelism and
-pipelines beside it, ZeRO-0 and ZeRO-3 (not yet), a model without routed experts or a preset, an expert count or
-data-parallel size the EP size does not divide, the load-balancing loss where AutoEP hides the router logits.
+pipelines beside it, LoRA, gradient compression and DiLoCo (not yet), a model without routed experts or a preset, an
+expert count or data-parallel size the EP size does not divide, the load-balancing loss where AutoEP hides the router
+logits. Every ZeRO stage trains (tests/e2e/test_moe.py).
 """
 from __future__ import annotations
 
 from ..errors import UserError
-from ..parallel import ds_config, ds_internals
+from ..parallel import ds_internals
 from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
-# the families whose router logits transformers still records once AutoEP replaced their blocks (Mixtral's router
-# module survives inside AutoEP's; DeepSpeed re-points Qwen3.5-MoE's recorder): the others' load-balancing loss got
-# an empty tuple (Qwen3-MoE: IndexError in load_balancing_loss_func at the first step)
-ROUTER_LOGITS_UNDER_AUTOEP = ("mixtral", "qwen3_5_moe_text")
+# the families whose router logits transformers still records once AutoEP replaced their blocks, so that their
+# load-balancing loss is the model's (the e2e checks Mixtral's and Qwen3-MoE's against the single-process loop;
+# DeepSpeed re-points Qwen3.5-MoE's recorder too); for any other family it is refused rather than assumed
+ROUTER_LOGITS_UNDER_AUTOEP = ("mixtral", "qwen3_moe", "qwen3_5_moe_text")
 
 
 class ExpertParallel(Component):
@@ -65,13 +66,15 @@ class ExpertParallel(Component):
             raise UserError(f"the router load-balancing loss cannot be added to {model_type} under expert "
                             f"parallelism yet (DeepSpeed's AutoEP hides its router logits from transformers); set "
                             f"model.router_aux_loss_coef=0 or drop expert_parallel")
-        stage = ds_config.zero_stage(setup.ds_cfg)
-        if stage not in (1, 2):
-            # not tried through train.py yet: ZeRO-3's module states hold partitions (the export reads whole
-            # weights from them), ZeRO-0's gradient all-reduce is replaced here (ds_internals.replace_zero0_allreduce)
-            # and would have to leave the experts' own reduction alone
-            raise UserError(f"expert_parallel with ZeRO-{stage} is not supported here yet; use ZeRO-1 or ZeRO-2 "
-                            f"(e.g. ep2_zero2.json)")
+        recipe = setup.recipe
+        for what, on, why in (
+                ("lora", recipe.lora.r > 0, "peft's all-linear wraps the routers and fused experts, hiding the "
+                 "blocks from AutoEP, and DeepSpeed's ZeRO then wants the frozen experts in an optimizer group"),
+                ("compression", recipe.compression.enabled, "it replaces the gradient all-reduce, experts included"),
+                ("diloco", recipe.diloco.enabled, "its replicas average every weight, each rank's own experts too")):
+            if on:
+                raise UserError(f"expert_parallel with {what} is not supported yet ({why}); drop expert_parallel "
+                                f"from the DeepSpeed JSON or turn {what} off")
         sizes = parallel_sizes(setup.ds_cfg)
         for what, other in (("tensor_parallel.autotp_size", sizes.tensor), ("sequence_parallel_size", sizes.sequence),
                             ("pipeline stages", sizes.pipeline)):

@@ -75,12 +75,15 @@ class CausalLM:
     def __init__(self) -> None:
         self.router_aux = 0.0  # the load-balancing loss's weight (validate: 0 for a dense model)
         self.top_k = 0  # routed experts per token, and per MoE layer (the config's; the first step's logits)
-        self.experts_in_config = self.experts = 0
+        self.experts_in_config = 0
+        self.counter = None  # moe.RoutingCounter on the engine's model: the routing figures of an MoE model
 
     def validate(self, setup) -> None:
         self.router_aux = moe.router_aux_coefficient(setup.recipe.model.router_aux_loss_coef, setup.model_config)
         self.top_k = moe.routed_per_token(setup.model_config)
         self.experts_in_config = moe.routed_experts(setup.model_config)
+        # the routing figures are counted at the routers (with or without the loss): not inside pipeline stages
+        self.routing = bool(self.experts_in_config) and not setup.layout.is_pipeline
         if not self.router_aux:
             return
         off = "or set model.router_aux_loss_coef: 0 to train without it"
@@ -112,26 +115,40 @@ class CausalLM:
         return batch
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor], totals: dict[str, float]):
-        if not (self.router_aux and model.training):
+        # the model's own flag: DeepSpeedEngine.eval() sets its module's, never the engine's (evaluation added
+        # the load-balancing loss to eval_loss, and logged eval_aux_loss, until this read the module's)
+        if not (getattr(model, "module", model).training and (self.router_aux or self.counter)):
             return loss_sum(model, batch), None
-        summed, aux, logits = loss_sum(model, batch, router=True)
-        # the seam divides by totals[primary]: this makes the aux term coef x the micro-batches' mean
-        total = summed + self.router_aux * aux * (totals[self.primary] / totals["micro_batches"])
-        load = moe.tokens_per_expert(logits, self.top_k, batch.get("attention_mask"))
-        self.experts = load.shape[1]
+        if self.counter:
+            self.counter.clear()
+        if self.router_aux:
+            summed, aux, _ = loss_sum(model, batch, router=True)
+            # the seam divides by totals[primary]: this makes the aux term coef x the micro-batches' mean
+            total = summed + self.router_aux * aux * (totals[self.primary] / totals["micro_batches"])
+            parts = [summed.detach().reshape(1), aux.detach().reshape(1)]
+        else:
+            total, parts = loss_sum(model, batch), []
+        if self.counter:
+            parts.append(self.counter.take(self.experts_in_config, batch.get("attention_mask")).reshape(-1))
         # summed over the global batch by the step's one all-reduce, with the loss
-        return total, torch.cat([summed.detach().reshape(1), aux.detach().reshape(1), load.reshape(-1)])
+        return total, torch.cat([p.to(total.device) for p in parts])
 
     def step_hooks(self, say) -> list:
-        return [moe.RouterWatch(self.experts_in_config, self.top_k, say)] if self.router_aux else []
+        return [moe.RouterWatch(self.experts_in_config, self.top_k, say)] if self.counter else []
 
     def metrics(self, stats, totals: dict[str, float]) -> dict[str, float]:
         if not stats:  # a dense model, or evaluation
             return {}
-        return {"lm_loss": stats[0] / totals[self.primary], "aux_loss": stats[1] / totals["micro_batches"],
-                **moe.load_figures(stats[2:], self.experts)}
+        figures = moe.load_figures(stats[2 if self.router_aux else 0:], self.experts_in_config) if self.counter \
+            else {}
+        if not self.router_aux:
+            return figures
+        return {"lm_loss": stats[0] / totals[self.primary], "aux_loss": stats[1] / totals["micro_batches"], **figures}
 
     def before_training(self, engine, datasets: list, setup, data_cache, weights: str) -> list:
+        if self.routing:
+            counter = moe.RoutingCounter(engine.module)
+            self.counter = counter if counter.layers else None
         return datasets
 
     @staticmethod

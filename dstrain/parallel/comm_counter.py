@@ -44,6 +44,7 @@ class CommCounter:
         self.calls = 0
         self.input_bytes = 0
         self.wire_bytes = 0.0
+        self.all_to_all_bytes = 0.0  # of wire_bytes: all_to_all_single's (expert parallelism, Ulysses)
         self._seconds = 0.0
         self._events: list = []  # (start, end) CUDA events not yet read
         self._depth = 0  # a synchronous collective waits on its own work: time the outermost call only
@@ -69,12 +70,13 @@ class CommCounter:
             self._events.clear()
         return self._seconds
 
-    def snapshot(self) -> tuple[float, float]:
-        return self.wire_bytes, self.seconds
+    def snapshot(self) -> tuple[float, float, float]:
+        return self.wire_bytes, self.seconds, self.all_to_all_bytes
 
-    def since(self, snapshot: tuple[float, float]) -> dict:
-        """{comm_bytes, comm_s} since `snapshot` (one optimizer step, in train.py)."""
-        return {"comm_bytes": self.wire_bytes - snapshot[0], "comm_s": self.seconds - snapshot[1]}
+    def since(self, snapshot: tuple[float, float, float]) -> dict:
+        """{comm_bytes, comm_s, comm_bytes_all_to_all} since `snapshot` (one optimizer step, in train.py)."""
+        return {"comm_bytes": self.wire_bytes - snapshot[0], "comm_s": self.seconds - snapshot[1],
+                "comm_bytes_all_to_all": self.all_to_all_bytes - snapshot[2]}
 
     def _record(self, op: str, tensor, group) -> None:
         if tensor is None:
@@ -83,7 +85,10 @@ class CommCounter:
         nbytes = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
         self.calls += 1
         self.input_bytes += nbytes
-        self.wire_bytes += _wire_bytes(op, nbytes, tdist.get_world_size(group))
+        wire = _wire_bytes(op, nbytes, tdist.get_world_size(group))
+        self.wire_bytes += wire
+        if op == "all_to_all_single":
+            self.all_to_all_bytes += wire
 
     def _timed(self, fn: Callable, args, kwargs, cuda: bool):
         if self._depth:

@@ -34,6 +34,9 @@ class ParallelSizes:
     tensor: int = 1  # tensor_parallel.autotp_size (AutoTP)
     sequence: int = 1  # sequence_parallel_size (Ulysses)
     context: int = 1  # context_parallel_size (ring attention)
+    # expert_parallel.autoep_size when expert_parallel.enabled, else 0: routed experts split over that many of the
+    # data-parallel ranks (AutoEP), which still read their own samples: not a model-parallel size
+    expert: int = 0
 
     @property
     def model(self) -> int:
@@ -53,6 +56,12 @@ def parallel_sizes(cfg: dict) -> ParallelSizes:
             where = f"{section}.{key}" if section else key
             raise UserError(f"{where}={value!r} must be a positive integer; use e.g. 2, or 1 for none")
         sizes[name] = value
+    experts = cfg.get("expert_parallel") or {}
+    if experts.get("enabled"):
+        value = experts.get("autoep_size", 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"expert_parallel.autoep_size={value!r} must be a positive integer; use e.g. 2")
+        sizes["expert"] = value
     return ParallelSizes(**sizes)
 
 
@@ -72,6 +81,7 @@ class Layout:
     # how many ranks DeepSpeed divides the summed gradients by, when not data_parallel (ds_internals.bind_groups)
     gradient_divisor: int | None = field(default=None, compare=False)
     context_parallel: int = 1  # ring attention: context_parallel_size (last: positional callers predate it)
+    expert_parallel: int = 0  # AutoEP's autoep_size, 0 when off (components/expert_parallel.py)
 
     def __post_init__(self) -> None:
         if min(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel, self.context_parallel) < 1:
@@ -91,7 +101,7 @@ class Layout:
     def from_ds_config(cls, cfg: dict, world_size: int, rank: int = 0, replicas: int = 1) -> Layout:
         sizes = parallel_sizes(cfg)
         return cls(world_size, sizes.pipeline, sizes.tensor, sizes.sequence, rank, replicas,
-                   context_parallel=sizes.context)
+                   context_parallel=sizes.context, expert_parallel=sizes.expert)
 
     def global_batch(self, micro_batch_size: int, grad_accum_steps: int) -> int:
         """Samples per optimizer step: micro batch x accumulation x data-parallel size (the one place it is

@@ -33,6 +33,11 @@ Activations per micro-batch of b sequences of s tokens, hidden h, MLP width f, v
   train.mlp_chunk_tokens=m (DeepSpeed's TiledMLP) keeps the MLP's 4f intermediates for m tokens only.
   Ulysses sequence parallelism: s is the rank's slice, seq_len/sp (attention's all-to-all buffers are the size of
   q/k/v, already counted).
+A Mixture-of-Experts layer's MLP activations are those of the k routed experts a token runs: f = k x an expert's
+width. Expert parallelism over E ranks (AutoEP): a rank holds psi_d dense parameters and 1/E of the routed
+experts' psi_e, whose gradients and optimizer states ZeRO partitions over the N/E ranks holding the same experts;
+each MoE layer's dispatch and combine all-to-alls hold 4 s*b*k*h elements at a time (send and receive, k experts
+per token).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ from .. import env
 from ..parallel.layout import Layout
 
 GiB = 1024 ** 3
-BACKWARD = ("activations", "buffers")        # alive during forward/backward only
+BACKWARD = ("activations", "buffers", "all_to_all_buffers")  # alive during forward/backward only
 STEP = ("optimizer_step",)                   # alive during the optimizer step only
 OUTER = ("diloco_sync",)                     # alive during DiLoCo's outer step only (after the optimizer step)
 ROLLOUT = ("rollout_kv_cache",)              # alive while RL samples completions, before the step's forwards
@@ -122,6 +127,16 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     stored = w * psi if trained is None else w * (psi - quantized // split + psi_t) + NF4_BYTES * quantized // split
     params = int(stored) // (n if stage == 3 else 1)
     grads = w * psi_t // (n if stage >= 2 else 1)
+    from .. import moe
+    routed = _routed_experts(config) if moe.routed_experts(config) else None
+    if routed is not None and layout.expert_parallel > 1:
+        # AutoEP: a rank holds 1/EP of the routed experts whole; ZeRO partitions their states over the expert
+        # data-parallel group (N / EP ranks), the rest of the model's over all N
+        local, dense, n_e = routed[0] // layout.expert_parallel, psi - routed[0], max(1, n // layout.expert_parallel)
+        psi = psi_t = dense + local
+        params = w * (dense // (n if stage == 3 else 1) + local // (n_e if stage == 3 else 1))
+        grads = w * (dense // (n if stage >= 2 else 1) + local // (n_e if stage >= 2 else 1))
+        opt_elems = dense // n + local // n_e if partitioned else psi
     master = 4 * opt_elems if partitioned else 0       # fp32 copy of the partition
     moments = 8 * opt_elems                            # Adam exp_avg, exp_avg_sq
     if str((ds_cfg.get("optimizer") or {}).get("type", "")).lower() == "muon":  # one momentum per Muon matrix
@@ -157,6 +172,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
         host["parameters"] = device.pop("parameters")
 
     hidden, layers, ffn, vocab = dims(config)
+    if routed is not None:  # a token runs k routed experts of width F (intermediate_size is a dense layer's, if any)
+        ffn = routed[1] * routed[2]
     from ..objectives import sequences_per_sample
     rows = train.micro_batch_size * sequences_per_sample(recipe)  # a preference pair: two rows
     tokens = rows * train.seq_len // layout.sequence_shards  # Ulysses x ring: a 1/(sp x cp) slice per rank
@@ -171,9 +188,28 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w + ring
     est = Estimate(parameters, psi, device, host, checkpointed, full)
     est.device["activations"] = checkpointed if train.activation_checkpointing else full
+    if routed is not None and layout.expert_parallel > 1:  # one MoE layer's dispatch and combine at a time
+        est.device["all_to_all_buffers"] = 4 * tokens * routed[1] * hidden * w
     if recipe.data.format == "prompt":
         est.device.update(_rl(config, recipe, stored // (n if stage == 3 else 1), w, n if stage == 3 else 1))
     return est
+
+
+def _routed_experts(config) -> tuple[int, int, int]:
+    """(the routed experts' parameters, the experts a token runs, an expert's width F) of an MoE model, from the
+    model built on the meta device (dstrain/moe.py reads every family alike; down_proj is [E, H, F] or, in the
+    transposed families, [E, F, H])."""
+    from transformers import AutoModelForCausalLM
+
+    from .. import moe
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    blocks = moe.moe_blocks(model)
+    if not blocks:
+        return 0, 0, 0
+    down = model.get_submodule(blocks[0].name).down_proj.shape
+    width = down[2] if down[1] == dims(config)[0] else down[1]
+    return sum(b.expert_parameters for b in blocks), max(b.top_k for b in blocks), int(width)
 
 
 def _ring(config, tokens: int, w: int) -> int:
@@ -365,6 +401,13 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                  f"{recipe.train.seq_len // layout.sequence_shards:,} tokens of every sequence and sends "
                  f"{sent / 2**20:,.1f} MiB per layer per micro-batch (keys/values forward, and with their gradients "
                  f"backward; with activation checkpointing the forward's again)")
+    if layout.expert_parallel > 1:
+        routed, top_k, _ = _routed_experts(config)
+        text += (f"\nexpert parallelism: the routed experts' {routed / 1e6:,.1f}M parameters split over "
+                 f"{layout.expert_parallel} ranks ({routed / layout.expert_parallel / 1e6:,.1f}M per rank, their "
+                 f"ZeRO states over {max(1, layout.zero_shards // layout.expert_parallel)}); each MoE layer sends "
+                 f"and receives {est.device['all_to_all_buffers'] / 4 / 2**20:,.1f} MiB per micro-batch each way "
+                 f"(the tokens' hidden states for {top_k} experts)")
     if trained is not None:
         text += (f"\nLoRA r={recipe.lora.r}: {trained / 1e6:,.1f}M adapter parameters train (gradients and optimizer "
                  f"states); the {parameters / 1e6:,.1f}M-parameter base is frozen"
@@ -375,7 +418,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                  f"({ranks_per_node} ranks x {per_rank / GiB:,.1f} GiB), besides each process's own")
     from ..run.checkpoint import background_saves, checkpoint_copy_bytes
     if background_saves(recipe.checkpoint, resolved):
-        copy = checkpoint_copy_bytes(resolved, layout, parameters, trained)
+        experts = _routed_experts(config)[0] if layout.expert_parallel > 1 else 0
+        copy = checkpoint_copy_bytes(resolved, layout, parameters, trained, experts)
         locked = ", page-locked" if caps.name == "cuda" else ""
         text += (f"\nhost memory for background checkpoints (checkpoint.background): up to {copy / GiB:,.1f} GiB a "
                  f"rank, {copy * ranks_per_node / GiB:,.1f} GiB per node{locked}, "

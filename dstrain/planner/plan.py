@@ -27,6 +27,9 @@ def run(args, recipe, ds_overrides: dict, argv: list[str]) -> int:
         raise UserError(f"--plan does not model sequence parallelism yet ({key}="
                         f"{max(sizes.sequence, sizes.context) if key[0] == 'c' else sizes.sequence}); plan with a "
                         f"ZeRO config, or use --preflight for memory")
+    if sizes.expert:  # no candidate, probe or cost term for the all-to-alls or the experts' own groups yet
+        raise UserError(f"--plan does not model expert parallelism yet (expert_parallel.autoep_size={sizes.expert});"
+                        f" bench/moe.py measures it against ZeRO-2 and ZeRO-3, and --preflight estimates its memory")
     if ds_config.optimizer_of(raw_ds, recipe.train) == "muon":  # no cost term for Newton-Schulz or its gathers
         raise UserError("--plan does not model Muon yet (its Newton-Schulz time and gathers); plan with "
                         "train.optimizer=adamw, or use --preflight for memory")

@@ -164,6 +164,11 @@ def run(args, recipe, ds_overrides: dict) -> int:
             raise UserError(f"--measurements {path} does not exist; give the plan.json that --plan wrote")
         measured = Measurements.from_dict(json.loads(path.read_text())["measurements"])
     raw_ds = ds_config.load(recipe.ds_config, ds_overrides)
+    from ..parallel.layout import parallel_sizes
+    if parallel_sizes(raw_ds).expert:  # the table would be ZeRO-2's with every expert on every rank
+        raise UserError(f"--simulate does not model expert parallelism yet (expert_parallel.autoep_size="
+                        f"{parallel_sizes(raw_ds).expert}); simulate the config without it, or measure with "
+                        f"bench/moe.py")
     model_config = load_config(recipe.model, recipe.train.seq_len)[1]
     rows = scaling(recipe, raw_ds, model_config, args.device and args.device.lower(),
                    args.interconnect and args.interconnect.lower(), args.gpus_per_node, args.max_gpus,

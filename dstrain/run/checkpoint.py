@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import time
 import zlib
@@ -419,20 +420,28 @@ def _duration(seconds: float) -> str:
 
 # ----------------------------------------------------------------------------- background or not
 
-def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None) -> int:
+def checkpoint_copy_bytes(ds_cfg: dict, layout: Layout, parameters: int, trained: int | None = None,
+                          experts: int = 0) -> int:
     """Host memory a background checkpoint takes on the rank that writes the most (dstrain/run/background_save.py),
     kept from one save to the next for reuse: what the rank writes, its optimizer share's fp32 weights and two
     Adam moments (12 bytes a trained parameter, three flat buffers) and, on data-parallel rank 0 of ZeRO-0/1/2,
     the module's trained weights whole (one flat buffer; ZeRO-3 writes its weights inside the optimizer shares).
     On GPU hosts the buffers are page-locked at their own size (background_save.HostPages), not by PyTorch's
-    pinned allocator, which rounds each up to a power of two (28.0 GiB for gpu-1b's 17.3 GB)."""
+    pinned allocator, which rounds each up to a power of two (28.0 GiB for gpu-1b's 17.3 GB). `experts`: the
+    routed experts' parameters under expert parallelism, of which a rank holds 1/EP with their optimizer states
+    shared by the N/EP ranks holding the same experts only."""
     from ..parallel.ds_config import precision, zero_stage
 
     stage, sixteen_bit = zero_stage(ds_cfg), precision(ds_cfg) != "fp32"
     split = layout.pipeline_stages * layout.tensor_parallel
     share = layout.zero_shards if stage >= 1 or sixteen_bit else 1
     trained = trained or parameters
-    return 3 * (4 * trained // (split * share)) + ((2 if sixteen_bit else 4) * trained // split if stage < 3 else 0)
+    w = 2 if sixteen_bit else 4
+    if experts and layout.expert_parallel > 1:  # no tensor or pipeline split beside it (components/expert_parallel)
+        dense, local = trained - experts, experts // layout.expert_parallel
+        return 3 * 4 * (dense // share + local // max(1, share // layout.expert_parallel)) + \
+            (w * (dense + local) if stage < 3 else 0)
+    return 3 * (4 * trained // (split * share)) + (w * trained // split if stage < 3 else 0)
 
 
 def uses_nvme(ds_cfg: dict) -> bool:
@@ -454,7 +463,7 @@ def check_background(cfg: CheckpointConfig, ds_cfg: dict) -> None:
 
 
 def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, parameters: int,
-                        trained: int | None, ranks_per_node: int) -> tuple[bool, str]:
+                        trained: int | None, ranks_per_node: int, experts: int = 0) -> tuple[bool, str]:
     """Whether saves run in the background, and the line that says so (the host copy's size:
     checkpoint_copy_bytes)."""
     if cfg.background == "false":
@@ -463,7 +472,7 @@ def background_decision(cfg: CheckpointConfig, ds_cfg: dict, layout: Layout, par
         return False, "checkpoints: written before the step goes on (NVMe offload: DeepSpeed copies its swap files)"
     import psutil
 
-    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained)
+    copy = checkpoint_copy_bytes(ds_cfg, layout, parameters, trained, experts)
     free = psutil.virtual_memory().available // max(1, ranks_per_node)
     size = f"a {copy / 2**20:,.0f} MiB host copy per rank"
     if cfg.background == "auto" and copy > free // 2:
@@ -565,3 +574,12 @@ def write_pipeline_names(run_dir: Path, names: dict[int, str], ctx: DistContext)
         write_atomic(run_dir / "model_config" / PIPELINE_NAMES, json.dumps({str(k): v for k, v in names.items()}))
 
 
+def universal_conversion(src: Path, out: Path) -> subprocess.CompletedProcess:
+    """DeepSpeed's ds_to_universal from checkpoint folder `src` into `out`, in a child process. Its merge pass
+    forks workers: after a serial extraction (one worker) the forked children hung for good (seen: the parent's
+    torch threads), so one extraction worker means a serial merge too."""
+    workers = min(4, os.cpu_count() or 1)
+    return subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+                           "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers",
+                           str(workers), "--num_merge_workers", str(min(2, workers))],
+                          capture_output=True, text=True)

@@ -13,7 +13,14 @@ import torch
 
 from ..components.lora import LORA_DIR
 from ..errors import EXIT_USER_ERROR, UserError
-from .checkpoint import COMPLETE, CONSOLIDATED, PIPELINE_NAMES, complete_checkpoints, replica_tag
+from .checkpoint import (
+    COMPLETE,
+    CONSOLIDATED,
+    PIPELINE_NAMES,
+    complete_checkpoints,
+    replica_tag,
+    universal_conversion,
+)
 
 
 def export_dtype(ds_cfg: dict) -> torch.dtype:
@@ -45,45 +52,93 @@ def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
 
 
 def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """An AutoEP checkpoint in transformers' own names and layout. DeepSpeed's zero_to_fp32 cannot read one (it
-    takes the per-expert files for model states) and save_16bit_model writes only rank 0's experts under AutoEP's
-    names, so this is written here: the module states hold every weight but the routed experts (ZeRO-1/2 keep the
-    whole module on every rank, in the training precision: what the export is cast to anyway), and DeepSpeed writes
-    each routed expert of every layer to its own file, `{block}.experts.w1|w2|w3.{expert}` (gate [F, H], down
-    [H, F], up [F, H]: deepspeed/moe/ep_repack.py's grouped form). transformers 5 fuses them as gate_up_proj
-    [E, 2F, H] (gate first) and down_proj [E, H, F], or transposed ([E, H, 2F], [E, F, H]) in a few families:
-    `shapes`, the target model's, says which. AutoEP's router `{block}.router.gate.weight` is the model's
-    `{block}.gate.weight`."""
-    layers = states["ds_autoep_layers"]
-    state = {}
-    for key, value in states["module"].items():
-        block = next((info["module_path"] for info in layers if key.startswith(info["module_path"] + ".")), None)
-        if block is not None and key.startswith(f"{block}.router."):
-            # AutoEP's router holds the model's: router.gate.weight is gate.weight, DeepSeek's
-            # router.e_score_correction_bias its gate.e_score_correction_bias
-            key = f"{block}.gate." + key[len(f"{block}.router."):].removeprefix("gate.")
-        elif block is not None and key.startswith((f"{block}.experts.", f"{block}.gate.gate.")):
-            continue  # the routed experts come from their own files; gate.gate.* is the router's other name
-        if key in state:  # the router's tensors reached under both of AutoEP's names
+    """An AutoEP checkpoint (any ZeRO stage) in transformers' own names and layout. DeepSpeed's zero_to_fp32 cannot
+    read one (ZeRO-1/2: it takes the per-expert files for model states; ZeRO-3: NotImplementedError, the experts
+    are partitioned over expert replica groups) and save_16bit_model writes only rank 0's experts under AutoEP's
+    names, so this is written here, from AutoEP's routed experts as `{block}.experts.w1|w2|w3` [E, F, H] /
+    [E, H, F] / [E, F, H] (gate, down, up; _autoep_weights). transformers 5 fuses them as gate_up_proj [E, 2F, H]
+    (gate first) and down_proj [E, H, F], or transposed ([E, H, 2F], [E, F, H]) in a few families: `shapes`, the
+    target model's, says which (and shapes ZeRO-3's flat tensors). AutoEP's router `{block}.router.gate.weight`
+    is the model's `{block}.gate.weight` (`{block}.gate.gate.weight` is the same tensor's other name)."""
+    blocks = [info["module_path"] for info in states["ds_autoep_layers"]]
+    state, experts = {}, {}
+    for key, value in _autoep_weights(ckpt, states).items():
+        block = next((b for b in blocks if key.startswith(b + ".")), None)
+        if block is not None and key.startswith(f"{block}.gate.gate."):
             continue
-        state[key] = value.float()
-    for info in layers:
-        block, count = info["module_path"], info["num_experts"]
-        parts = {w: [] for w in ("w1", "w2", "w3")}
-        for expert in range(count):
-            name = ckpt / f"layer_{info['moe_layer_id']}_expert_{expert}_mp_rank_00_model_states.pt"
-            if not name.exists():
-                raise UserError(f"{ckpt} lacks {name.name}; the checkpoint is incomplete")
-            saved = torch.load(name, map_location="cpu", weights_only=False)
-            for w in parts:
-                parts[w].append(saved[f"{block}.experts.{w}.{expert}"].float())
-        gate, down, up = (torch.stack(parts[w]) for w in ("w1", "w2", "w3"))
-        fused = torch.cat([gate, up], dim=1)  # [E, 2F, H]
+        if block is not None and key.startswith(f"{block}.experts."):
+            experts.setdefault(block, {})[key.rsplit(".", 1)[1]] = value.float()
+            continue
+        if block is not None and key.startswith(f"{block}.router."):
+            # router.gate.weight is gate.weight, DeepSeek's router.e_score_correction_bias its gate.e_score_...
+            key = f"{block}.gate." + key[len(f"{block}.router."):].removeprefix("gate.")
+        target = shapes.get(key)
+        state[key] = value.float().reshape(target) if target is not None else value.float()
+    for block in blocks:
+        parts = experts.get(block, {})
+        if set(parts) != {"w1", "w2", "w3"}:
+            raise UserError(f"{ckpt} lacks the routed experts of {block} ({sorted(parts)} found); the checkpoint "
+                            f"is incomplete")
+        fused, down = torch.cat([parts["w1"], parts["w3"]], dim=1), parts["w2"]  # [E, 2F, H], [E, H, F]
         target = shapes.get(f"{block}.experts.gate_up_proj")
         if target is not None and tuple(target) != tuple(fused.shape):  # the transposed layout
             fused, down = fused.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
         state[f"{block}.experts.gate_up_proj"], state[f"{block}.experts.down_proj"] = fused, down
     return state
+
+
+def _autoep_weights(ckpt: Path, states: dict) -> dict[str, torch.Tensor]:
+    """Every weight of an AutoEP checkpoint under AutoEP's names, each block's routed experts stacked. ZeRO-0/1/2
+    keep the whole module on every rank (in the training precision: what the export is cast to anyway) and write
+    each routed expert of every layer to its own file, `{block}.experts.w1|w2|w3.{expert}`. ZeRO-3's module states
+    hold only partitions: DeepSpeed's universal conversion gathers them, the experts over the EP group, into fp32
+    masters (zero/<name>/fp32.pt); the buffers (DeepSeek's router bias) are whole in the module states."""
+    layers = states["ds_autoep_layers"]
+    if not list(ckpt.glob("layer_*_expert_*_model_states.pt")):
+        return _universal_weights(ckpt, states)
+    weights = dict(states["module"])
+    for info in layers:
+        block, parts = info["module_path"], {w: [] for w in ("w1", "w2", "w3")}
+        for expert in range(info["num_experts"]):
+            name = ckpt / f"layer_{info['moe_layer_id']}_expert_{expert}_mp_rank_00_model_states.pt"
+            if not name.exists():
+                raise UserError(f"{ckpt} lacks {name.name}; the checkpoint is incomplete")
+            saved = torch.load(name, map_location="cpu", weights_only=False)
+            for w in parts:
+                parts[w].append(saved[f"{block}.experts.{w}.{expert}"])
+        weights = {k: v for k, v in weights.items() if not k.startswith(f"{block}.experts.")}
+        weights.update({f"{block}.experts.{w}": torch.stack(parts[w]) for w in parts})
+    return weights
+
+
+def _universal_weights(ckpt: Path, states: dict) -> dict[str, torch.Tensor]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=ckpt.parent) as tmp:
+        proc = universal_conversion(ckpt, Path(tmp) / "universal")
+        if proc.returncode != 0:
+            raise UserError(f"DeepSpeed's universal conversion of {ckpt} (how a ZeRO-3 expert-parallel checkpoint "
+                            f"is exported) failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        weights = {}
+        for folder in sorted((Path(tmp) / "universal" / "zero").iterdir()):
+            if (folder / "fp32.pt").is_file():
+                value = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)
+                weights[folder.name] = value["param"] if isinstance(value, dict) else value
+    buffers = set(states.get("buffer_names") or ())
+    weights.update({k: v for k, v in states["module"].items() if k in buffers})
+    return weights
+
+
+def _autoep_states(ckpt: Path) -> dict | None:
+    """The model states of an AutoEP checkpoint (ZeRO-0/1/2 write per-expert files beside them; ZeRO-3's are per
+    rank), else None."""
+    for name, sign in (("mp_rank_00_model_states.pt", "layer_*_expert_*_model_states.pt"),
+                       ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")):
+        if list(ckpt.glob(sign)) and (ckpt / name).is_file():
+            states = torch.load(ckpt / name, map_location="cpu", weights_only=False)
+            if states.get("ds_autoep_layers"):
+                return states
+    return None
 
 
 def consolidated_state_dict(ckpt: Path, shapes=None) -> dict[str, torch.Tensor]:
@@ -100,10 +155,9 @@ def consolidated_state_dict(ckpt: Path, shapes=None) -> dict[str, torch.Tensor]:
     names_file = run_dir / "model_config" / PIPELINE_NAMES
     if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
-    if list(ckpt.glob("layer_*_expert_*_model_states.pt")):
-        states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        if states.get("ds_autoep_layers"):
-            return _expert_parallel_state_dict(ckpt, states, shapes() if shapes else {})
+    states = _autoep_states(ckpt)
+    if states is not None:
+        return _expert_parallel_state_dict(ckpt, states, shapes() if shapes else {})
     if list(ckpt.glob("*optim_states.pt")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights

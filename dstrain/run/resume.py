@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +21,7 @@ from ..errors import UserError
 from ..parallel.dist import DistContext, barrier
 from ..parallel.layout import Layout, batch_hint
 from ..paths import local_or_hub
-from .checkpoint import COMPLETE, Resume, complete_checkpoints, verify, write_atomic
+from .checkpoint import COMPLETE, Resume, complete_checkpoints, universal_conversion, verify, write_atomic
 
 
 def resolve_resume(mode: str, root: Path) -> Path | None:
@@ -212,6 +210,16 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     if saved_sp != layout.sequence_parallel:
         raise UserError(f"checkpoint {resume.path} was trained with sequence_parallel_size={saved_sp} and this run has "
                         f"{layout.sequence_parallel}; resume with the same sequence_parallel_size")
+    saved_ep = manifest.get("expert_parallel")  # None: saved before it was recorded
+    if saved_ep is not None and bool(saved_ep) != bool(layout.expert_parallel):
+        # AutoEP's checkpoint holds each block's experts as w1/w2/w3 under its own module names, a dense one the
+        # model's gate_up_proj/down_proj: neither loads into the other (IndexError in the load, seen)
+        raise UserError(f"checkpoint {resume.path} was trained " + (
+            f"with expert parallelism (autoep_size={saved_ep}) and this run has none; resume with an "
+            f"expert_parallel section (autoep_size=1 on one rank), or export it (python -m dstrain.export) and "
+            f"train on from hf/" if saved_ep else
+            f"without expert parallelism and this run has autoep_size={layout.expert_parallel}; resume without the "
+            f"expert_parallel section, or export it and train on from hf/ with it"))
     saved_replicas = manifest.get("replicas", 1)
     if saved_replicas > 1 or layout.replicas > 1:
         return _adapt_replicas(resume, train, layout, saved_replicas, log)
@@ -387,10 +395,7 @@ def to_universal(resume: Resume, ctx: DistContext, log=print) -> None:
         shadow = out.with_name(f".muon-{out.name}")  # Muon's state rewritten for the converter (ds_internals)
         shutil.rmtree(shadow, ignore_errors=True)
         muon = ds_internals.muon_universal_input(resume.path, shadow)
-        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(shadow if muon else resume.path), "--output_folder", str(tmp),
-                               "--inject_missing_state", "--num_extract_workers", str(min(4, os.cpu_count() or 1))],
-                              capture_output=True, text=True)
+        proc = universal_conversion(shadow if muon else resume.path, tmp)
         if muon and proc.returncode == 0:
             ds_internals.muon_universal_output(shadow, tmp, muon)
         shutil.rmtree(shadow, ignore_errors=True)

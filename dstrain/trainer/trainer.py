@@ -55,8 +55,13 @@ class Trainer:
         self._build_engine(model)
         self.peak = flops.device_peak(self.engine.device, r.setup.precision)  # all ranks at once: shared cores
         self._build_data()
+        # AutoEP's experts on this rank (allreduce=False: reduced within their own group), times the EP size
+        experts = self.layout.expert_parallel * sum(getattr(p, "ds_numel", p.numel())
+                                                    for p in self.engine.module.parameters()
+                                                    if not getattr(p, "allreduce", True))
         self.save_in_background, save_mode_note = checkpoint.background_decision(
-            self.recipe.checkpoint, r.ds_cfg, self.layout, self.params_total, self.trained, env.ranks_per_node())
+            self.recipe.checkpoint, r.ds_cfg, self.layout, self.params_total, self.trained, env.ranks_per_node(),
+            experts)
         self.log(save_mode_note)
         self.ckpt = checkpoint.Checkpointer(self.run_dir, self.recipe.checkpoint, self.ctx, self.layout,
                                             components.stateful(r.features), self.save_in_background)
@@ -181,6 +186,7 @@ class Trainer:
                 "samples": step // self.steps_per_batch * self.stream.global_batch + self.stream.offset,
                 "data_parallel": self.layout.data_parallel, "sequence_parallel": self.layout.sequence_parallel,
                 "context_parallel": self.layout.context_parallel, "replicas": self.layout.replicas,
+                "expert_parallel": self.layout.expert_parallel,
                 "run": self.resolved.identity, "zero_stage": ds_config.zero_stage(self.resolved.ds_cfg),
                 **self.hooks.state_dict()}  # the gate's spike window and skip counts ("health")
 

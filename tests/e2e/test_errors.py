@@ -72,6 +72,14 @@ CASES = {
     "muon with clipping": (["--train.optimizer=muon", "--train.max_grad_norm=1.0"], "gradient clipping (1) with "
                            "Muon under ZeRO-2: DeepSpeed 0.19.8 clips Muon's orthogonalised update"),
     "plan with muon": (["--plan", "--train.optimizer=muon"], "--plan does not model Muon yet"),
+    # issue 71: AutoEP on a dense model warned and trained every weight on every rank
+    "expert parallelism on a dense model": (["--ds_config", "ep2_zero2.json"], "expert_parallel.autoep_size=2 but "
+                                            "the model has no routed experts"),
+    "plan with expert parallelism": (["--plan", "--recipe", "tiny/moe"], "--plan does not model expert parallelism "
+                                     "yet (expert_parallel.autoep_size=2)"),
+    "simulate with expert parallelism": (["--plan", "--simulate", "--device", "h100-80gb", "--interconnect",
+                                          "ib-ndr", "--recipe", "tiny/moe"], "--simulate does not model expert "
+                                         "parallelism yet"),
     "missing local model": (["--model.name_or_path=./no/such/model"], "cannot load './no/such/model': no such "
                             "directory"),
     "learning_rate": (["--train.learning_rate=1e-4"], "(here it is 'train.lr')"),

@@ -1,5 +1,6 @@
 """Shipped generated files are exactly what their scripts produce (so they can be trusted and rebuilt)."""
 import hashlib
+import json
 import runpy
 import subprocess
 import sys
@@ -15,7 +16,8 @@ def digest(path):
 
 def test_tiny_assets_regenerate_identically(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts/make_tiny_assets.py"), "--data_dir", str(tmp_path / "data"),
-                    "--model_dir", str(tmp_path / "model")], check=True, capture_output=True)
+                    "--model_dir", str(tmp_path / "model"), "--moe_dir", str(tmp_path / "moe")], check=True,
+                   capture_output=True)
     examples = [f"examples/{p.name}" for p in sorted((ROOT / "data/examples").iterdir())]
     for rel in ("tiny/train.jsonl", "tiny/val.jsonl", "tiny_sft/train.jsonl", "tiny_chat/train.jsonl", "tiny_dpo/train.jsonl",
                 "tiny_grpo/train.jsonl",
@@ -23,6 +25,11 @@ def test_tiny_assets_regenerate_identically(tmp_path):
         assert digest(tmp_path / "data" / rel) == digest(ROOT / "data" / rel), rel
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert digest(tmp_path / "model" / name) == digest(ROOT / "recipes/tiny/model" / name), name
+    # the tiny MoE recipe's model config (transformers writes its own version into it)
+    made, shipped = (json.loads((d / "config.json").read_text())
+                     for d in (tmp_path / "moe", ROOT / "recipes/tiny/moe_model"))
+    assert {k: v for k, v in made.items() if k != "transformers_version"} == \
+        {k: v for k, v in shipped.items() if k != "transformers_version"}
 
 
 def test_ds_configs_match_their_generator():

@@ -99,7 +99,8 @@ def test_the_resume_contract_keeps_the_manifest_keys_checkpoints_already_have():
     trainer.hooks = Hooks([ComponentHooks([]), Recorder("health", [], state={"losses": [1.0]})])
     state = trainer.state_dict(10)
     assert state == {"global_batch": 8, "samples": 10 // 2 * 8 + 3, "data_parallel": 2, "sequence_parallel": 1,
-                     "context_parallel": 1, "replicas": 1, "run": {"recipe": "x"}, "zero_stage": 3,
+                     "context_parallel": 1, "replicas": 1, "expert_parallel": 0, "run": {"recipe": "x"},
+                     "zero_stage": 3,
                      "health": {"losses": [1.0]}}
 
 

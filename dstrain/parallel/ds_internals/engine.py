@@ -42,14 +42,43 @@ def record_fp32_grad_norm(engine) -> None:
     """Without ZeRO and without bf16/fp16, DeepSpeedEngine._take_model_step clips through
     engine.clip_fp32_gradients(), which drops the pre-clip norm that deepspeed.runtime.utils.clip_grad_norm_
     returns, so get_global_grad_norm() stays None. Keep it in engine._global_grad_norm, where every other path
-    leaves its norm (the log compares it with the reference's: a gradient scale bug shows only there)."""
+    leaves its norm (the log compares it with the reference's: a gradient scale bug shows only there).
+
+    With expert-parallel parameters (AutoEP's, `allreduce=False`: each rank holds other experts) clip_grad_norm_
+    averages the ranks' norms, sqrt(dense^2 + own experts^2), which is not the norm of the whole gradient: a tiny
+    Mixtral under EP 2 clipped by a norm 2.1e-3 off the single-process one. There the norm is the dense part
+    (equal on every rank after the all-reduce) plus the experts' squares summed over their expert-parallel group."""
     from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip_fp32_gradients():
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        if not experts:
+            norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                                   mpu=engine.mpu)
+        else:
+            norm = _norm_with_experts(params, experts)
+            coef = min(1.0, engine.gradient_clipping() / (norm + 1e-6))  # clip_grad_norm_'s own rule
+            for p in params:
+                p.grad.mul_(coef)
         engine._global_grad_norm = float(norm)
     engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def _norm_with_experts(params, experts) -> float:
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups
+
+    expert_ids = {id(p) for p in experts}
+    squares = sum(p.grad.detach().float().pow(2).sum() for p in params if id(p) not in expert_ids)
+    by_group = {}
+    for p in experts:
+        by_group.setdefault(p.group_name, []).append(p)
+    for name, members in by_group.items():
+        own = torch.stack([p.grad.detach().float().pow(2).sum() for p in members]).sum()
+        dist.all_reduce(own, group=groups._get_expert_parallel_group(name))
+        squares = squares + own
+    return float(torch.as_tensor(squares).sqrt())
 
 
 def drop_frozen_aliases(engine) -> None:
