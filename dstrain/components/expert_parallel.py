@@ -6,14 +6,15 @@ component checks the model and the layout first, mends the one transformers inco
 itself only warns and trains densely when it detects nothing.
 
 What AutoEP or this project cannot combine is one line before anything is built: tensor or sequence parallelism and
-pipelines beside it, LoRA, gradient compression and DiLoCo (not yet), a model without routed experts or a preset, an
-expert count or data-parallel size the EP size does not divide, the load-balancing loss where AutoEP hides the router
-logits. Every ZeRO stage trains (tests/e2e/test_moe.py).
+pipelines beside it, QLoRA, gradient compression and DiLoCo (not yet), LoRA under ZeRO-0 or ZeRO-3, a model without
+routed experts or a preset, an expert count or data-parallel size the EP size does not divide, the load-balancing loss
+where AutoEP hides the router logits. Every ZeRO stage trains (tests/e2e/test_moe.py). LoRA beside it adapts the
+layers outside the MoE blocks (components/lora.py); the frozen experts are split over the ranks all the same.
 """
 from __future__ import annotations
 
 from ..errors import UserError
-from ..parallel import ds_internals
+from ..parallel import ds_config, ds_internals
 from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
@@ -68,13 +69,20 @@ class ExpertParallel(Component):
                             f"model.router_aux_loss_coef=0 or drop expert_parallel")
         recipe = setup.recipe
         for what, on, why in (
-                ("lora", recipe.lora.r > 0, "peft's all-linear wraps the routers and fused experts, hiding the "
-                 "blocks from AutoEP, and DeepSpeed's ZeRO then wants the frozen experts in an optimizer group"),
+                ("lora.quantize", bool(recipe.lora.r and recipe.lora.quantize), "not tried: a 4-bit base beside "
+                 "AutoEP's expert weights"),
                 ("compression", recipe.compression.enabled, "it replaces the gradient all-reduce, experts included"),
                 ("diloco", recipe.diloco.enabled, "its replicas average every weight, each rank's own experts too")):
             if on:
                 raise UserError(f"expert_parallel with {what} is not supported yet ({why}); drop expert_parallel "
                                 f"from the DeepSpeed JSON or turn {what} off")
+        stage = ds_config.zero_stage(setup.ds_cfg)
+        if recipe.lora.r and stage not in (1, 2):
+            # ZeRO-3: DeepSpeed's AutoEP checkpoint raises on frozen experts ("does not support frozen expert
+            # parameters yet", engine._save_moe_checkpoint); ZeRO-0 not tried
+            raise UserError(f"lora beside expert_parallel trains under ZeRO-1 or ZeRO-2 here, not ZeRO-{stage} "
+                            f"(DeepSpeed's AutoEP checkpoint cannot hold frozen experts under ZeRO-3); use "
+                            f"ep2_zero2.json or set zero_optimization.stage to 2")
         sizes = parallel_sizes(setup.ds_cfg)
         for what, other in (("tensor_parallel.autotp_size", sizes.tensor), ("sequence_parallel_size", sizes.sequence),
                             ("pipeline stages", sizes.pipeline)):
@@ -88,6 +96,17 @@ class ExpertParallel(Component):
 
     def configure(self, ds_cfg: dict, setup: Setup) -> None:
         ds_internals.let_autoep_use_the_output_registry()
+        if setup.recipe.lora.r:
+            # peft's wrapper puts the model under base_model.model.: AutoEP's preset patterns name the bare
+            # model's blocks (model.layers.N.mlp) and match no module of it (AutoEP found 0 MoE layers)
+            section = ds_cfg["expert_parallel"]
+            model_type = getattr(setup.model_config.get_text_config(), "model_type", None)
+            pattern = section.get("moe_layer_pattern") or ds_internals.autoep_preset_pattern(
+                section.get("preset_model") or ds_internals.autoep_preset_for(model_type)[0])
+            section["moe_layer_pattern"] = r"base_model\.model\." + pattern.removeprefix(r"base_model\.model\.")
+            # the experts are frozen base: no optimizer group holds one (components/lora.py keeps the adapters
+            # outside the MoE blocks under expert parallelism)
+            ds_internals.let_zero_train_beside_frozen_experts()
 
     def convert(self, model, setup: Setup):
         from .. import moe
@@ -110,9 +129,10 @@ class ExpertParallel(Component):
                                f"(still dense: {left[:3]}); the run would train without expert parallelism")
         for name in replaced:  # what else the block held (shared experts) is still there
             kept = _beside_experts(engine.module, name)
-            if kept < self.beside.get(name, 0):
+            held = self.beside.get(name.removeprefix("base_model.model."), 0)  # named before peft wrapped it
+            if kept < held:
                 raise RuntimeError(f"AutoEP's replacement of {name} holds {kept} parameters beside its routed "
-                                   f"experts and router where the model's block held {self.beside[name]} (its shared "
+                                   f"experts and router where the model's block held {held} (its shared "
                                    f"experts?); set expert_parallel.has_shared_experts and shared_experts_pattern")
         setup.log(f"expert parallelism: {len(replaced)} MoE blocks, their experts split over {self.size} ranks "
                   f"({ds_internals.autoep_local_experts(next(iter(replaced.values())))} per rank)")

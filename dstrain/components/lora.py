@@ -52,6 +52,8 @@ class Lora(Component):
             raise UserError(f"the tokenizer has {tokens:,} tokens and the base's embeddings {vocab:,} rows: LoRA keeps "
                             f"the embeddings frozen, so the new rows would stay random; use the base's own tokenizer "
                             f"(model.tokenizer), or train in full (lora.r=0)")
+        if (setup.ds_cfg.get("expert_parallel") or {}).get("enabled"):
+            self.section = adapters_beside_experts(setup.model_config, self.section, setup.log)
         self.total, self.trainable, _ = count_parameters(setup.model_config, self.section)
         if self.trainable == 0:  # e.g. a regular expression that matches nothing trainable
             raise UserError(f"lora.target_modules={self.section.target_modules!r} matched no module of the model; "
@@ -115,6 +117,46 @@ def count_parameters(model_config, section: LoraSection) -> tuple[int, int, int]
                             f"{str(e).splitlines()[0][:200]}") from None
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad), linear)
+
+
+def adapters_beside_experts(model_config, section: LoraSection, log=print) -> LoraSection:
+    """The section whose adapters leave every MoE block alone, for expert parallelism: AutoEP replaces each block
+    (router and routed experts) with its own layer, which would drop an adapter on them, and splits the experts
+    over the ranks. peft's all-linear on a transformers-5 MoE model also adapts the router and the fused experts
+    (through target_parameters, peft/utils/transformers_weight_conversion.py); here it becomes the linear layers
+    outside the MoE blocks whose names peft does not map onto the experts (the attention projections; a dense MLP's
+    gate_proj shares its name with the experts' and is left out too). A list or pattern that adapts anything
+    inside an MoE block is refused in one line."""
+    import dataclasses
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from .. import moe
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(model_config)
+    blocks = [b.name.removesuffix("experts") for b in moe.moe_blocks(base)]  # "model.layers.1.mlp."
+    head = base.get_output_embeddings()
+    inside = {name.rsplit(".", 1)[-1] for name, _ in [*base.named_modules(), *base.named_parameters()]
+              if name.startswith(tuple(blocks))} | {"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}
+    if isinstance(section.target_modules, str) and section.target_modules.lower() == "all-linear":
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules()
+                         if isinstance(m, torch.nn.Linear) and m is not head and not name.startswith(tuple(blocks))}
+                        - inside)
+        section = dataclasses.replace(section, target_modules=leaves)
+        log(f"lora: under expert parallelism all-linear adapts {leaves} (the linear layers outside the MoE blocks, "
+            f"whose routers and experts AutoEP replaces)")
+    with torch.device("meta"):
+        wrapped = peft.get_peft_model(base, section.peft_config())
+    adapted = sorted({name.removeprefix("base_model.model.").split(".lora_")[0]
+                      for name, p in wrapped.named_parameters() if p.requires_grad})
+    within = [name for name in adapted if name.startswith(tuple(blocks))]
+    if within:
+        raise UserError(f"lora.target_modules={section.target_modules!r} adapts {within[0]} inside an MoE block, "
+                        f"which expert parallelism replaces (AutoEP); name layers outside the blocks, e.g. "
+                        f"[q_proj, k_proj, v_proj, o_proj], or use all-linear")
+    return section
 
 
 def check_quantize(precision: str) -> None:

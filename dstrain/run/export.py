@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -141,10 +142,12 @@ def _autoep_states(ckpt: Path) -> dict | None:
     return None
 
 
-def consolidated_state_dict(ckpt: Path, shapes=None) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(ckpt: Path, shapes=None, adapters: bool = False) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
     stage), or for pipeline checkpoints the per-layer module states (the engine's own weights); an expert-parallel
-    checkpoint in transformers' layout (`shapes()`: the target model's tensor shapes, asked only for one)."""
+    checkpoint in transformers' layout (`shapes()`: the target model's tensor shapes, asked only for one).
+    `adapters`: a LoRA run's, whose trained weights are all in the ZeRO partitions, also under expert parallelism
+    (its experts are frozen base: AutoEP's per-expert files hold the base's own, reloaded from the base)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if (ckpt / CONSOLIDATED).exists():
@@ -155,11 +158,22 @@ def consolidated_state_dict(ckpt: Path, shapes=None) -> dict[str, torch.Tensor]:
     names_file = run_dir / "model_config" / PIPELINE_NAMES
     if list(ckpt.glob("layer_*-model_states.pt")) and names_file.exists():
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
-    states = _autoep_states(ckpt)
+    states = None if adapters else _autoep_states(ckpt)
     if states is not None:
         return _expert_parallel_state_dict(ckpt, states, shapes() if shapes else {})
     if list(ckpt.glob("*optim_states.pt")):
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        experts = list(ckpt.glob("layer_*_expert_*_model_states.pt"))
+        if not experts:
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        # LoRA under expert parallelism: zero_to_fp32 takes every *model_states.pt for a rank's and refuses
+        # AutoEP's per-expert files (frozen base here); it reads the rest from a folder of links without them
+        with tempfile.TemporaryDirectory() as tmp:
+            view = Path(tmp) / ckpt.name
+            view.mkdir()
+            for f in ckpt.iterdir():
+                if f not in experts:
+                    (view / f.name).symlink_to(f.resolve())
+            return get_fp32_state_dict_from_zero_checkpoint(tmp, tag=ckpt.name)
     # no ZeRO partitions (stage 0 in fp32): the module states hold the full weights
     states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     return {k: v.float() for k, v in states["module"].items()}
@@ -187,8 +201,9 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
     def shapes() -> dict[str, torch.Size]:  # the target model's tensor shapes: an expert-parallel checkpoint's layout
         with torch.device("meta"):
             return {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    state = consolidated_state_dict(ckpt, shapes)
-    if (model_files / LORA_DIR / "adapter_config.json").exists():
+    adapters = (model_files / LORA_DIR / "adapter_config.json").exists()
+    state = consolidated_state_dict(ckpt, shapes, adapters)
+    if adapters:
         model = _lora_model(model_files, config, state, ckpt)
         trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}
         # adapter_model.safetensors (in the training precision) + adapter_config.json; merged below in fp32

@@ -55,10 +55,11 @@ class Trainer:
         self._build_engine(model)
         self.peak = flops.device_peak(self.engine.device, r.setup.precision)  # all ranks at once: shared cores
         self._build_data()
-        # AutoEP's experts on this rank (allreduce=False: reduced within their own group), times the EP size
+        # AutoEP's trained experts on this rank (allreduce=False: reduced within their own group), times the EP
+        # size; LoRA's frozen ones hold no optimizer state
         experts = self.layout.expert_parallel * sum(getattr(p, "ds_numel", p.numel())
                                                     for p in self.engine.module.parameters()
-                                                    if not getattr(p, "allreduce", True))
+                                                    if p.requires_grad and not getattr(p, "allreduce", True))
         self.save_in_background, save_mode_note = checkpoint.background_decision(
             self.recipe.checkpoint, r.ds_cfg, self.layout, self.params_total, self.trained, env.ranks_per_node(),
             experts)

@@ -78,14 +78,13 @@ def test_expert_parallel_run_killed_resumes_exactly_and_finishes_on_one_rank(tmp
     assert worst < 1e-4, f"the export differs from the reference by {worst:.1e}"
 
 
-# every ZeRO stage, three families, activation checkpointing on and off: five launches (Mixtral at ZeRO-1 was
-# measured once too, 5.7e-8 / 2.1e-6 / 3.1e-5 as at ZeRO-2)
+# every ZeRO stage, three families, activation checkpointing on and off: four launches (measured once and left out
+# for the suite's time: Mixtral at ZeRO-1, 5.7e-8 / 2.1e-6 / 3.1e-5 as at ZeRO-2, and at ZeRO-3 with recomputation)
 FIXTURES = {"mixtral": "tiny_mixtral", "deepseek_v3": "tiny_deepseek", "qwen3_moe": "tiny_qwen3_moe"}
 
 
 @pytest.mark.parametrize("family,stage,recompute", [("mixtral", 2, False), ("deepseek_v3", 1, False),
-                                                    ("qwen3_moe", 3, True), ("mixtral", 3, True),
-                                                    ("deepseek_v3", 0, True)])
+                                                    ("qwen3_moe", 3, True), ("deepseek_v3", 0, True)])
 def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp_path, cache, request, family,
                                                                                stage, recompute):
     """DeepSpeed's AutoEP with autoep_size 2 on 2 ranks (ds_configs/ep2_zero2.json at the stage given; each rank
@@ -187,3 +186,33 @@ def test_dpo_on_an_moe_model_under_expert_parallelism_matches_the_loop(tmp_path,
     assert "expert parallelism: 2 MoE blocks, their experts split over 2 ranks" in proc.stderr
     assert "trains this Mixture-of-Experts model without its router's load-balancing loss" in proc.stderr
     compare_with_loop(run_dir, tiny_mixtral)
+
+
+def test_lora_on_attention_under_expert_parallelism_matches_peft(tmp_path, cache, tiny_mixtral):
+    """LoRA (r=8, all-linear) on the tiny Mixtral with EP 2 under ZeRO-2, the load-balancing loss on: under expert
+    parallelism all-linear adapts the attention projections only (peft's own all-linear would also adapt each
+    router and the fused experts, which AutoEP replaces), the frozen experts are split over the 2 ranks, and every
+    step is peft's model with those targets in the single-process loop. The checkpoint holds the adapters only and
+    the merged export equals the reference's merged weights, every expert included. Before this test LoRA beside
+    expert_parallel was refused; without the component's moe_layer_pattern AutoEP found no MoE block under peft's
+    base_model.model. prefix, and without the ZeRO mend DeepSpeed asserted that no parameter group held an expert."""
+    from tests.e2e.test_lora import LORA_ARGS, LR
+
+    attention = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    run_dir, ref = run_and_compare(tmp_path, cache, tiny_mixtral, "ep2_zero2.json", extra=LORA_ARGS,
+                                   lora={"r": 8, "lora_alpha": 12, "target_modules": attention}, lr=LR, learns=0.1,
+                                   router_aux={"coef": 0.02, "micro": 4})
+    said = (run_dir / "launch_stderr.txt").read_text()
+    assert f"under expert parallelism all-linear adapts {attention}" in said, said[-3000:]
+    assert "expert parallelism: 2 MoE blocks, their experts split over 2 ranks (2 per rank)" in said, said[-3000:]
+    trainable = {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert trainable and not any(".mlp." in n for n in trainable)
+    assert json.loads((run_dir / "run_info.json").read_text())["trainable_parameters"] == \
+        sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    from transformers import AutoModelForCausalLM
+    merged = ref.merge_and_unload().state_dict()
+    got = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict()
+    assert got.keys() == merged.keys() and got["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 256, 128)
+    worst = max((got[k] - merged[k]).abs().max().item() for k in got)
+    print(f"LoRA under EP 2 ZeRO-2: merged export within {worst:.1e} of peft's")
+    assert worst < 1e-4, f"the export differs from the reference by {worst:.1e}"

@@ -829,3 +829,31 @@ def test_autoep_reaches_transformers_output_registry_by_class_name(tmp_path):
     assert str(out["before"]).startswith("TypeError") or out["before"] is True, out
     assert out["mended"] and out["installed"] is True, f"AutoEP's registry install still fails {where}: {out}"
     assert out["restored"] and out["by_model"], f"AutoEP left transformers' output registry changed {where}: {out}"
+
+
+def test_zero_trains_beside_frozen_autoep_experts(monkeypatch):
+    """LoRA under AutoEP: ZeRO-1/2's _configure_moe_settings asserts that some parameter group holds the experts;
+    with every expert frozen (no trainable parameter with allreduce=False) the mended method tells the optimizer
+    the model has no MoE layers, and with a trained expert it is DeepSpeed's own (the assertion stays). The preset
+    pattern the LoRA prefix is put before is AutoEP's own."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_configure_moe_settings",
+                        DeepSpeedZeroOptimizer._configure_moe_settings)  # restored after the test
+    assert ds_internals.let_zero_train_beside_frozen_experts() and ds_internals.let_zero_train_beside_frozen_experts()
+    adapter, trained = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    trained.allreduce = False  # an expert (AutoEP's mark) that trains
+
+    def optimizer(*params):
+        return SimpleNamespace(has_moe_layers=True, optimizer=SimpleNamespace(param_groups=[{"params": list(params)}]),
+                               is_moe_group=lambda g: bool(g.get("moe")), contiguous_gradients=True,
+                               partition_gradients=True, reduce_scatter=True)
+
+    beside = optimizer(adapter)  # the frozen experts are in no group (model.param_groups skips frozen parameters)
+    DeepSpeedZeroOptimizer._configure_moe_settings(beside)
+    assert beside.has_moe_layers is False
+    with pytest.raises(AssertionError, match="None of the param groups are marked as MoE"):
+        DeepSpeedZeroOptimizer._configure_moe_settings(optimizer(adapter, trained))
+    assert ds_internals.autoep_preset_pattern("mixtral") == r"model\.layers\.\d+\.mlp"

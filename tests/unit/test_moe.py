@@ -251,7 +251,8 @@ def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | N
     ("odd world", "does not divide the 3 data-parallel ranks; launch a multiple of 2 ranks or choose autoep_size=1"),
     ("no preset", "DeepSpeed's AutoEP has no preset for model type 'gpt_oss'"),
     ("unknown preset", "expert_parallel.preset_model='mixtrall' is not one of DeepSpeed's AutoEP presets"),
-    ("lora", "expert_parallel with lora is not supported yet"),
+    ("qlora", "expert_parallel with lora.quantize is not supported yet"),
+    ("lora under zero3", "lora beside expert_parallel trains under ZeRO-1 or ZeRO-2 here, not ZeRO-3"),
     ("compression", "expert_parallel with compression is not supported yet"),
     ("diloco", "expert_parallel with diloco is not supported yet"),
     ("qwen2_moe with its aux loss", "cannot be added to qwen2_moe under expert parallelism yet"),
@@ -287,8 +288,12 @@ def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built
         config = AutoConfig.for_model("qwen2_moe", **SHAPE, **FAMILIES["qwen3_moe"])
     elif case == "another family's preset":
         ep = {"preset_model": "deepseek_v3"}
+    elif case == "lora under zero3":
+        ds_extra = {"zero_optimization": {"stage": 3}}
     ds, setup = _ep_setup(config, ds_extra, world, ep)
-    if case == "lora":
+    if case == "qlora":
+        setup.recipe.lora.r, setup.recipe.lora.quantize = 8, "4bit"
+    elif case == "lora under zero3":
         setup.recipe.lora.r = 8
     elif case == "compression":
         setup.recipe.compression.method = "powersgd"
@@ -409,3 +414,27 @@ def test_the_moe_recipes_fit_the_hardware_they_name(real_moe_configs, name, expe
                                   memory.target_device("h100-80gb", None))
     assert fits, text
     assert expected in text, text
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_lora_under_expert_parallelism_adapts_only_what_autoep_keeps(family):
+    """Under EP, all-linear is the linear layers outside the MoE blocks (peft's all-linear also adapts each router
+    and the fused experts, which AutoEP replaces: counted here on peft's own model first); a list that reaches
+    into a block (the router `gate`, or the experts through peft's target_parameters) is one line."""
+    import peft
+
+    from dstrain.components.lora import adapters_beside_experts
+    from dstrain.config import LoraSection
+
+    config, model = tiny(family)
+    own = peft.get_peft_model(model, LoraSection(r=4).peft_config())
+    assert any(".mlp." in n for n, p in own.named_parameters() if p.requires_grad)  # what peft alone adapts
+    said = []
+    section = adapters_beside_experts(config, LoraSection(r=4), said.append)
+    attention = {"mixtral": ["k_proj", "o_proj", "q_proj", "v_proj"], "qwen3_moe": ["k_proj", "o_proj", "q_proj",
+                                                                                    "v_proj"],
+                 "deepseek_v3": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"]}[family]
+    assert section.target_modules == attention and str(attention) in said[0]
+    for targets in (["q_proj", "gate"], ["q_proj", "w2" if family == "mixtral" else "down_proj"]):
+        with pytest.raises(UserError, match="inside an MoE block, which expert parallelism replaces"):
+            adapters_beside_experts(config, LoraSection(r=4, target_modules=targets))

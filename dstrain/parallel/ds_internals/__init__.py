@@ -40,7 +40,9 @@ from .experts import (  # noqa: F401
     autoep_local_experts,
     autoep_preset_for,
     autoep_preset_names,
+    autoep_preset_pattern,
     let_autoep_use_the_output_registry,
+    let_zero_train_beside_frozen_experts,
 )
 from .groups import (  # noqa: F401
     ReplicaUnit,

@@ -75,3 +75,34 @@ def autoep_preset_for(model_type: str | None) -> tuple[str | None, str | None]:
 def autoep_preset_names() -> list[str]:
     from deepspeed.module_inject.auto_ep_config import PRESET_MODELS
     return sorted(PRESET_MODELS)
+
+
+def autoep_preset_pattern(preset: str) -> str:
+    """The module-name pattern AutoEP's preset finds a model's MoE blocks by (e.g. `model\\.layers\\.\\d+\\.mlp`)."""
+    from deepspeed.module_inject.auto_ep_config import PRESET_MODELS
+    return PRESET_MODELS[preset].moe_layer_pattern
+
+
+def let_zero_train_beside_frozen_experts() -> bool:
+    """LoRA under AutoEP: every routed expert is frozen base, so no parameter group holds an expert, and ZeRO-1/2's
+    _configure_moe_settings asserts that one does ("The model has moe layers, but None of the param groups are
+    marked as MoE", deepspeed/runtime/zero/stage_1_and_2.py). With no trainable expert there is nothing to reduce
+    over the expert groups: the optimizer is told the model has no MoE layers and reduces what trains (the
+    adapters, all outside the MoE blocks) over the data-parallel group as for a dense model. A model whose experts
+    do train is left to DeepSpeed's own check. Idempotent; True once patched."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    original = DeepSpeedZeroOptimizer._configure_moe_settings
+    if getattr(original, "_dstrain_frozen_experts", False):
+        return True
+
+    def configure_moe_settings(self):
+        if not any(self.is_moe_group(group) for group in self.optimizer.param_groups) and not any(
+                p.requires_grad and not getattr(p, "allreduce", True)
+                for group in self.optimizer.param_groups for p in group["params"]):
+            self.has_moe_layers = False
+            return None
+        return original(self)
+
+    configure_moe_settings._dstrain_frozen_experts = True
+    DeepSpeedZeroOptimizer._configure_moe_settings = configure_moe_settings
+    return True
