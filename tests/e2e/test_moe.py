@@ -192,8 +192,8 @@ def test_lora_on_attention_under_expert_parallelism_matches_peft(tmp_path, cache
     """LoRA (r=8, all-linear) on the tiny Mixtral with EP 2 under ZeRO-2, the load-balancing loss on: under expert
     parallelism all-linear adapts the attention projections only (peft's own all-linear would also adapt each
     router and the fused experts, which AutoEP replaces), the frozen experts are split over the 2 ranks, and every
-    step is peft's model with those targets in the single-process loop. The checkpoint holds the adapters only and
-    the merged export equals the reference's merged weights, every expert included. Before this test LoRA beside
+    step is peft's model with those targets in the single-process loop, also across a stop at step 4 and a resume
+    on the same 2 ranks. The merged export equals the reference's merged weights, every expert included. Before this test LoRA beside
     expert_parallel was refused; without the component's moe_layer_pattern AutoEP found no MoE block under peft's
     base_model.model. prefix, and without the ZeRO mend DeepSpeed asserted that no parameter group held an expert."""
     from tests.e2e.test_lora import LORA_ARGS, LR
@@ -201,9 +201,9 @@ def test_lora_on_attention_under_expert_parallelism_matches_peft(tmp_path, cache
     attention = ["k_proj", "o_proj", "q_proj", "v_proj"]
     run_dir, ref = run_and_compare(tmp_path, cache, tiny_mixtral, "ep2_zero2.json", extra=LORA_ARGS,
                                    lora={"r": 8, "lora_alpha": 12, "target_modules": attention}, lr=LR, learns=0.1,
-                                   router_aux={"coef": 0.02, "micro": 4})
+                                   router_aux={"coef": 0.02, "micro": 4}, resume_on=2)
     said = (run_dir / "launch_stderr.txt").read_text()
-    assert f"under expert parallelism all-linear adapts {attention}" in said, said[-3000:]
+    assert f"under expert parallelism all-linear adapts {attention}" in said and "resumed from" in said, said[-3000:]
     assert "expert parallelism: 2 MoE blocks, their experts split over 2 ranks (2 per rank)" in said, said[-3000:]
     trainable = {n for n, p in ref.named_parameters() if p.requires_grad}
     assert trainable and not any(".mlp." in n for n in trainable)
