@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-fast bench bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-fast bench bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -77,6 +77,11 @@ test:
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
 	@rc=0; $(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
 	$(PY) -m pytest tests -q -m serial $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; exit $$rc
+
+# every MoE family x ZeRO stage x activation checkpointing under expert parallelism (tests/e2e/test_moe.py runs a
+# covering six of them in `make test`; this adds the other 19 cells of the 24, about 5 minutes on 2 cores)
+test-moe-matrix: setup
+	DSTRAIN_TEST_MOE_MATRIX=1 $(PY) -m pytest tests/e2e/test_moe.py -q -s -p no:xdist -k expert_parallel_2 $(PYTEST_ARGS)
 
 test-fast: lint
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)

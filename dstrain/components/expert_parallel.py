@@ -6,10 +6,11 @@ component checks the model and the layout first, mends the one transformers inco
 itself only warns and trains densely when it detects nothing.
 
 What AutoEP or this project cannot combine is one line before anything is built: tensor or sequence parallelism and
-pipelines beside it, QLoRA, gradient compression and DiLoCo (not yet), LoRA under ZeRO-0 or ZeRO-3, a model without
-routed experts or a preset, an expert count or data-parallel size the EP size does not divide, the load-balancing loss
-where AutoEP hides the router logits. Every ZeRO stage trains (tests/e2e/test_moe.py). LoRA beside it adapts the
-layers outside the MoE blocks (components/lora.py); the frozen experts are split over the ranks all the same.
+pipelines beside it, QLoRA, gradient compression, DiLoCo and Muon (not yet), LoRA under ZeRO-0 or ZeRO-3, a model
+without routed experts or a preset, an expert count or data-parallel size the EP size does not divide, the
+load-balancing loss where AutoEP hides the router logits. Every ZeRO stage trains (tests/e2e/test_moe.py). LoRA
+beside it adapts the layers outside the MoE blocks (components/lora.py); the frozen experts are split over the ranks
+all the same.
 """
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ class ExpertParallel(Component):
                 ("lora.quantize", bool(recipe.lora.r and recipe.lora.quantize), "not tried: a 4-bit base beside "
                  "AutoEP's expert weights"),
                 ("compression", recipe.compression.enabled, "it replaces the gradient all-reduce, experts included"),
-                ("diloco", recipe.diloco.enabled, "its replicas average every weight, each rank's own experts too")):
+                ("diloco", recipe.diloco.enabled, "its replicas average every weight, each rank's own experts too"),
+                # tried: every step after the first differed from the plain loop with Muon by up to 2.4e-2 (the
+                # loop orthogonalises each 2-D matrix the model holds, AutoEP's experts and routers are its own)
+                ("train.optimizer=muon", ds_config.optimizer_of(setup.ds_cfg, recipe.train) == "muon",
+                 "DeepSpeed's Muon beside AutoEP's experts trained apart from Muon's definition")):
             if on:
                 raise UserError(f"expert_parallel with {what} is not supported yet ({why}); drop expert_parallel "
                                 f"from the DeepSpeed JSON or turn {what} off")

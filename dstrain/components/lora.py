@@ -152,6 +152,13 @@ def adapters_beside_experts(model_config, section: LoraSection, log=print) -> Lo
     adapted = sorted({name.removeprefix("base_model.model.").split(".lora_")[0]
                       for name, p in wrapped.named_parameters() if p.requires_grad})
     within = [name for name in adapted if name.startswith(tuple(blocks))]
+    if within and "shared_expert" in str(section.target_modules):
+        # peft 0.21 turns every gate_proj/up_proj/down_proj target of these families into the routed experts'
+        # fused parameters (peft/utils/transformers_weight_conversion.py), a shared expert's Linear layers included
+        raise UserError(f"lora.target_modules={section.target_modules!r}: peft maps a shared expert's gate_proj, "
+                        f"up_proj and down_proj onto the routed experts of {model_config.model_type} ({within[0]}), "
+                        f"which expert parallelism replaces; adapt the attention projections (all-linear), or train "
+                        f"without expert_parallel")
     if within:
         raise UserError(f"lora.target_modules={section.target_modules!r} adapts {within[0]} inside an MoE block, "
                         f"which expert parallelism replaces (AutoEP); name layers outside the blocks, e.g. "

@@ -220,13 +220,32 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
             f"train on from hf/" if saved_ep else
             f"without expert parallelism and this run has autoep_size={layout.expert_parallel}; resume without the "
             f"expert_parallel section, or export it and train on from hf/ with it"))
+    # another EP size regroups the experts even on the same ranks: DeepSpeed loads a rank's own expert files by its
+    # new EP rank without a word (an EP 2 checkpoint resumed on the same 2 ranks with autoep_size=1 trained on,
+    # 4.0e-4 off the uninterrupted run), so the checkpoint goes through the universal conversion as for a new world
+    ep_changed = bool(saved_ep) and saved_ep != layout.expert_parallel
+    lora_r = (manifest.get("run") or {}).get("lora.r")
+    if saved_ep and lora_r and (ep_changed or saved_dp != data_parallel):
+        # DeepSpeed's conversion wants every AutoEP expert among the optimizer's parameters ("AutoEP expert
+        # parameter ... is missing from checkpoint parameter shapes", seen): LoRA's experts are frozen base
+        raise UserError(f"checkpoint {resume.path} trained LoRA (r={lora_r}) beside expert parallelism "
+                        f"on {saved_dp} data-parallel ranks with autoep_size={saved_ep}; it resumes only on that "
+                        f"layout (DeepSpeed's universal conversion cannot regroup frozen experts): launch "
+                        f"{manifest.get('world_size')} ranks with autoep_size={saved_ep}, or export it and train on")
+    if saved_ep and manifest.get("zero_stage") == 0 and (ep_changed or saved_dp != data_parallel):
+        # ZeRO-0 under AutoEP keeps each EP rank's optimizer whole (expp_rank_N_mp_rank_00_optim_states.pt), which
+        # DeepSpeed's universal conversion does not read (KeyError 'optimizer_state_dict', seen)
+        raise UserError(f"checkpoint {resume.path} (ZeRO-0 with expert parallelism, autoep_size={saved_ep} on "
+                        f"{saved_dp} ranks) resumes only on that layout: launch {manifest.get('world_size')} ranks "
+                        f"with autoep_size={saved_ep}, or train with ZeRO-1/2/3, whose checkpoints resume on another "
+                        f"world and EP size")
     saved_replicas = manifest.get("replicas", 1)
     if saved_replicas > 1 or layout.replicas > 1:
         return _adapt_replicas(resume, train, layout, saved_replicas, log)
     # DeepSpeed counts a ring's ranks as data-parallel ones: its shards follow data x context parallelism
     saved_cp = manifest.get("context_parallel", 1)
     saved_engine, engine = saved_dp * saved_cp, data_parallel * layout.context_parallel
-    if saved_dp == data_parallel and saved_engine == engine:
+    if saved_dp == data_parallel and saved_engine == engine and not ep_changed:
         _same_global_batch(resume, train, layout)
         return train, resume
     if layout.splits_model:
@@ -243,11 +262,12 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     accum = _accumulation(resume, train, layout)
     ring = (f" and ring attention from {saved_cp} to {layout.context_parallel} ranks"
             if saved_cp != layout.context_parallel else "")
+    ring += f" and expert parallelism from autoep_size={saved_ep} to {layout.expert_parallel}" if ep_changed else ""
     log(f"world changed from {saved_dp} to {data_parallel} data-parallel ranks{ring}: " + (
         f"grad_accum_steps {train.grad_accum_steps} -> {accum} keeps the global batch at {global_batch}"
         if accum != train.grad_accum_steps else f"the global batch stays {global_batch}"))
     # DeepSpeed's shards convert when its own data-parallel size changes (stage 0 fp32 needs no conversion)
-    universal = saved_engine != engine and bool(list(resume.path.glob("*optim_states.pt")))
+    universal = (saved_engine != engine or ep_changed) and bool(list(resume.path.glob("*optim_states.pt")))
     return replace(train, grad_accum_steps=accum), replace(resume, universal=universal)
 
 

@@ -2,6 +2,7 @@
 reference_losses), whose loss adds transformers' own load-balancing loss per micro-batch (consecutive runs of
 micro_batch_size rows of the global batch), averaged over the global batch, at the model config's weight."""
 import json
+import os
 
 import pytest
 
@@ -9,12 +10,13 @@ from tests.e2e.test_vs_reference import STEPS, _step_rows, run_and_compare
 from tests.helpers import ROOT, launch
 
 
-def test_expert_parallel_run_killed_resumes_exactly_and_finishes_on_one_rank(tmp_path, cache, tiny_mixtral):
+def test_expert_parallel_run_killed_resumes_exactly_regroups_and_finishes_on_one_rank(tmp_path, cache, tiny_mixtral):
     """EP 2 under ZeRO-2 (ds_configs/ep2_zero2.json in fp32), the config's load-balancing weight 0.02 (nothing in
     the recipe), a checkpoint every 2 steps: rank 1 is killed with SIGKILL after step 5 (the deepspeed launcher
     then stops the job), the job is started again on the same 2 ranks until step 6 (DeepSpeed's own AutoEP
-    checkpoint loaded), and finished on 1 rank with autoep_size 1 (the universal conversion gathers each layer's
-    experts over the old EP group; accumulation 2 -> 4, the same micro-batches). Every step's loss and grad norm
+    checkpoint loaded), then on the same 2 ranks with autoep_size 1 until step 7 (the universal conversion gathers
+    each layer's experts over the old EP group), and finished on 1 rank (converted again; accumulation 2 -> 4, the
+    same micro-batches). Every step's loss and grad norm
     are the single-process reference's, the logged aux_loss and lm_loss its two parts, the routing figures its
     count's, and the 1-rank export its weights. Without the aux loss (--model.router_aux_loss_coef=0) every step
     differs from this reference, by up to 8.8e-3 relative."""
@@ -41,6 +43,11 @@ def test_expert_parallel_run_killed_resumes_exactly_and_finishes_on_one_rank(tmp
     assert proc.returncode != 0, err[-3000:]
     again = launch(args + ["--train.exit_at_step=6"], cache)
     assert "resumed from" in again.stderr and "universal" not in again.stderr, again.stderr[-3000:]
+    # the same 2 ranks with autoep_size 1 (each rank holds every expert): DeepSpeed loaded the EP 2 checkpoint
+    # without a word and trained on 4.0e-4 off this reference until the regrouping went through the conversion
+    regrouped = launch(args + ["--ds.expert_parallel.autoep_size=1", "--train.exit_at_step=7"], cache)
+    assert "expert parallelism from autoep_size=2 to 1" in regrouped.stderr, regrouped.stderr[-3000:]
+    assert "to a universal checkpoint for the new layout" in regrouped.stderr, regrouped.stderr[-3000:]
     last = launch(args + ["--ds.expert_parallel.autoep_size=1"], cache, nproc=1)
     said = last.stderr
     assert "to a universal checkpoint for the new layout" in said, said[-3000:]
@@ -53,7 +60,7 @@ def test_expert_parallel_run_killed_resumes_exactly_and_finishes_on_one_rank(tmp
     rows = _step_rows(run_dir)
     gap = max(abs(g - w) / w for g, w in zip(got, want))
     norm_gap = max(abs(r["grad_norm"] - w) / w for r, w in zip(rows, record["grad_norm"]))
-    print(f"EP 2 killed at step 5, resumed on 2 ranks, finished on 1: loss within {gap:.1e}, grad norm {norm_gap:.1e}")
+    print(f"EP 2 killed at step 5, resumed on 2 ranks, regrouped to EP 1, finished on 1 rank: loss within {gap:.1e}, grad norm {norm_gap:.1e}")
     assert len(got) == STEPS and got == pytest.approx(want, rel=2e-6)
     assert [r["grad_norm"] for r in rows] == pytest.approx(record["grad_norm"], rel=1e-5)
     assert [r["aux_loss"] for r in rows] == pytest.approx(record["aux_loss"], rel=2e-6)
@@ -78,20 +85,49 @@ def test_expert_parallel_run_killed_resumes_exactly_and_finishes_on_one_rank(tmp
     assert worst < 1e-4, f"the export differs from the reference by {worst:.1e}"
 
 
-# every ZeRO stage, three families, activation checkpointing on and off: four launches (measured once and left out
-# for the suite's time: Mixtral at ZeRO-1, 5.7e-8 / 2.1e-6 / 3.1e-5 as at ZeRO-2, and at ZeRO-3 with recomputation)
 FIXTURES = {"mixtral": "tiny_mixtral", "deepseek_v3": "tiny_deepseek", "qwen3_moe": "tiny_qwen3_moe"}
+# (family, ZeRO stage, activation checkpointing, ranks). The suite's six launches cover every family with
+# recomputation on and off, every ZeRO stage with two families but ZeRO-3 (Qwen3-MoE; Mixtral's and DeepSeek-V3's
+# ZeRO-3 in the whole matrix) and, on 4 ranks, EP 2 beside data parallelism (each expert held by 2 ranks whose
+# gradients are averaged over the expert-data-parallel group). `make test-moe-matrix` runs every family x stage x
+# recomputation on 2 ranks as well (24 more launches, about 5 minutes: docs/moe.md has its table).
+SUITE_CELLS = [("mixtral", 2, False, 2), ("mixtral", 1, True, 4), ("deepseek_v3", 1, False, 2),
+               ("deepseek_v3", 0, True, 2), ("qwen3_moe", 3, True, 2), ("qwen3_moe", 0, False, 2)]
+CELLS = SUITE_CELLS + ([(family, stage, recompute, 2) for family in FIXTURES for stage in range(4)
+                        for recompute in (False, True)] if os.environ.get("DSTRAIN_TEST_MOE_MATRIX") else [])
+# AdamW's eps for the matrix. At 1e-8 a gradient element that is ~0 (its tokens' contributions cancel) steps by
+# up to lr x its rounding noise / eps, and two correct runs that sum in another order end that element up to 1e-5
+# apart (DeepSeek-V3 at ZeRO-3: one element of 6,144 in a kv_a_proj_with_mqa, 1.1e-5 from the one-rank run's, the
+# single-process loop between the two); at 1e-6 that noise steps 100x less, while every gradient that is not
+# rounding noise is far above eps. The export bounds then see the export, not AdamW's noise.
+EPS = 1e-6
+_one_rank_exports: dict[str, dict] = {}
 
 
-@pytest.mark.parametrize("family,stage,recompute", [("mixtral", 2, False), ("deepseek_v3", 1, False),
-                                                    ("qwen3_moe", 3, True), ("deepseek_v3", 0, True)])
-def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp_path, cache, request, family,
-                                                                               stage, recompute):
-    """DeepSpeed's AutoEP with autoep_size 2 on 2 ranks (ds_configs/ep2_zero2.json at the stage given; each rank
-    holds 2 of each layer's 4 routed experts, tokens sent to them by all-to-all), the load-balancing loss on where
-    the family has one, activation checkpointing in some: every step's loss and grad norm are the single-process
-    reference's, and hf/ holds all 4 experts of both layers in transformers' fused layout (gate_up_proj
-    [E, 2F, H], down_proj [E, H, F]) equal to the reference's weights. Before this component the same JSON failed
+def one_rank_export(tmp_path_factory, cache, family: str, model) -> dict:
+    """The same training on one rank without expert parallelism (ZeRO-2 with the 4 micro-batches in a row, every
+    expert in transformers' own block): its export, loaded by from_pretrained. Launched once per family."""
+    if family not in _one_rank_exports:
+        from transformers import AutoModelForCausalLM
+
+        from tests.e2e.test_vs_reference import COMMON
+        out = tmp_path_factory.mktemp(f"one-rank-{family}")
+        launch([*COMMON, f"--model.name_or_path={model}", "--ds_config", "zero2.json", "--output_dir", str(out),
+                "--train.grad_accum_steps=4", f"--train.eps={EPS}"], cache, launcher="python", nproc=1)
+        _one_rank_exports[family] = AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
+    return _one_rank_exports[family]
+
+
+@pytest.mark.parametrize("family,stage,recompute,ranks", list(dict.fromkeys(CELLS)))
+def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp_path, tmp_path_factory, cache,
+                                                                               request, family, stage, recompute,
+                                                                               ranks):
+    """DeepSpeed's AutoEP with autoep_size 2 (ds_configs/ep2_zero2.json at the stage given; each rank holds 2 of
+    each layer's 4 routed experts, tokens sent to them by all-to-all; on 4 ranks two EP groups, each expert on 2
+    ranks), the load-balancing loss on where the family has one, activation checkpointing in some: every step's
+    loss and grad norm are the single-process reference's, and hf/ holds all 4 experts of both layers in
+    transformers' fused layout (gate_up_proj [E, 2F, H], down_proj [E, H, F]) equal to the reference's weights
+    (1e-4) and to a one-rank run's export of the same training (1e-5). Before this component the same JSON failed
     at deepspeed.initialize (TypeError in AutoEP's output-registry code); with the experts left out of the
     replicas' checksum the SDC check stopped it at step 3; the export took AutoEP's per-expert files for model
     states (ZeRO-0/1/2) and zero_to_fp32 refused ZeRO-3's (NotImplementedError)."""
@@ -101,17 +137,20 @@ def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp
     (tmp_path / "ep.json").write_text(_json.dumps(config))
     model = request.getfixturevalue(FIXTURES[family])
     record = {}
-    run_dir, ref_model = run_and_compare(tmp_path, cache, model, str(tmp_path / "ep.json"),
-                                         extra=[f"--train.activation_checkpointing={str(recompute).lower()}"],
+    # 4 ranks keep the global batch of 16: one micro-batch of 4 each
+    extra = [f"--train.activation_checkpointing={str(recompute).lower()}", f"--train.eps={EPS}"] + \
+        (["--train.grad_accum_steps=1"] if ranks == 4 else [])
+    run_dir, ref_model = run_and_compare(tmp_path, cache, model, str(tmp_path / "ep.json"), extra=extra, nproc=ranks,
                                          router_aux={"coef": 0.02, "micro": 4} if family != "deepseek_v3" else None,
-                                         record=record)
+                                         record=record, eps=EPS)
     said = (run_dir / "launch_stderr.txt").read_text()
     assert "expert parallelism: 2 MoE blocks, their experts split over 2 ranks (2 per rank)" in said, said[-3000:]
     # save_pretrained writes Mixtral in its hub names (block_sparse_moe.experts.N.w1, ...): compared as loaded
     from transformers import AutoModelForCausalLM
     got, want = AutoModelForCausalLM.from_pretrained(run_dir / "hf").state_dict(), ref_model.state_dict()
     fused = (4, 256, 128) if family == "mixtral" else (4, 128, 128)  # [E, 2F, H]
-    assert _json.loads((run_dir / "run_info.json").read_text())["activation_checkpointing"] is recompute
+    info = _json.loads((run_dir / "run_info.json").read_text())
+    assert info["activation_checkpointing"] is recompute and info["world_size"] == ranks
     # the tokens' all-to-alls are counted apart from the rest of what a rank sends (bench/moe.py prints both)
     rows = _step_rows(run_dir)
     assert all(0 < r["comm_bytes_all_to_all"] < r["comm_bytes"] for r in rows)
@@ -121,12 +160,17 @@ def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp
         peaks = [(t.max(1) / t.mean(1)).max() for t in record["expert_load"]]
         assert [r["expert_load_max"] for r in rows] == pytest.approx(peaks, rel=1e-3)
     assert got.keys() == want.keys() and got["model.layers.1.mlp.experts.gate_up_proj"].shape == fused
-    # the suite's export bound against the reference (test_vs_reference.py); measured 3.1e-5 at ZeRO-1 (AdamW's
-    # normalised step magnifies a reduction order's rounding where a gradient is near 0); gate and up swapped in
-    # the export, or one layer's experts in the wrong order, miss by the weights' own size (~1e-1)
+    # the export against the plain loop's weights and against a one-rank run's export, both within 1e-5 (measured
+    # up to 1.5e-6 and 1.2e-6 over the whole matrix, EPS above); gate and up swapped in the export, or one layer's
+    # experts in the wrong order, miss by the weights' own size (~1e-1)
+    one_rank = one_rank_export(tmp_path_factory, cache, family, model)
+    assert one_rank.keys() == got.keys()
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
-    print(f"{family} ZeRO-{stage}{' recompute' if recompute else ''} EP 2: export within {worst:.1e} of the reference")
-    assert worst < 1e-4, f"the export differs from the reference by {worst:.1e}"
+    beside = max((got[k] - one_rank[k]).abs().max().item() for k in got)
+    print(f"{family} ZeRO-{stage}{' recompute' if recompute else ''} EP 2 on {ranks} ranks: export within "
+          f"{worst:.1e} of the plain loop's weights, {beside:.1e} of the one-rank run's export")
+    assert worst < 1e-5, f"the export differs from the reference by {worst:.1e}"
+    assert beside < 1e-5, f"the export differs from the one-rank run's by {beside:.1e}"
 
 
 def test_tiny_moe_recipe_learns_and_exports_every_expert(tmp_path, cache):

@@ -26,9 +26,9 @@ COMMON = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_ste
 
 def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=(), rtol=RTOL, nproc=2,
                     norm_rtol=GRAD_NORM_RTOL, lora=None, lr=LR, learns=0.3, resume_on=None, topk=None, muon=None,
-                    max_grad_norm=1.0, router_aux=None, record=None):
+                    max_grad_norm=1.0, router_aux=None, record=None, eps=1e-8):
     """`resume_on`: stop after half the steps and finish on that many ranks (written for `nproc`). `muon`,
-    `max_grad_norm`, `router_aux`: reference_losses'; norm_rtol None leaves the logged grad_norm unchecked;
+    `max_grad_norm`, `router_aux`, `eps` (AdamW's, which the caller sets for the run too): reference_losses'; norm_rtol None leaves the logged grad_norm unchecked;
     `record`, when given, receives the reference's per-step records."""
     run_dir = tmp_path / "run"
     ds_args = ["--ds_config", ds_config] if ds_config else []
@@ -44,7 +44,7 @@ def run_and_compare(tmp_path, cache, model_dir, ds_config, launcher=None, extra=
     ref = record if record is not None else {}
     want, ref_model = reference_losses(model_dir, run_dir, STEPS, lr, WARMUP, MIN_LR, weight_decay=0.1, record=ref,
                                        lora=lora, topk=topk, muon=muon, max_grad_norm=max_grad_norm,
-                                       router_aux=router_aux)
+                                       router_aux=router_aux, eps=eps)
     gaps = [abs(g - w) / w for g, w in zip(got, want)]
     rows = _step_rows(run_dir)
     norms = [r["grad_norm"] for r in rows]

@@ -255,6 +255,7 @@ def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | N
     ("lora under zero3", "lora beside expert_parallel trains under ZeRO-1 or ZeRO-2 here, not ZeRO-3"),
     ("compression", "expert_parallel with compression is not supported yet"),
     ("diloco", "expert_parallel with diloco is not supported yet"),
+    ("muon", "expert_parallel with train.optimizer=muon is not supported yet"),
     ("qwen2_moe with its aux loss", "cannot be added to qwen2_moe under expert parallelism yet"),
     ("another family's preset", "preset_model='deepseek_v3' is DeepSpeed's AutoEP preset for another family; this "
                                 "model is 'mixtral', whose preset is 'mixtral'"),
@@ -299,6 +300,8 @@ def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built
         setup.recipe.compression.method = "powersgd"
     elif case == "diloco":
         setup.recipe.diloco.every = 4
+    elif case == "muon":
+        setup.recipe.train.optimizer = "muon"
     component = expert_parallel.make(ds)
     with pytest.raises(UserError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         component.validate(setup)
@@ -348,6 +351,37 @@ def test_a_checkpoint_resumes_only_with_expert_parallelism_as_it_was_trained(tmp
     from dstrain.parallel.layout import parallel_sizes
     assert parallel_sizes({"expert_parallel": {"enabled": True, "autoep_size": 4}}).expert == 4
     assert parallel_sizes({"expert_parallel": {"enabled": False, "autoep_size": 4}}).expert == 0
+
+
+def test_another_ep_size_on_the_same_ranks_goes_through_the_universal_conversion(tmp_path):
+    """An EP 2 checkpoint resumed on the same 2 ranks with autoep_size=1: DeepSpeed loaded it without a word and
+    the run went on 4.0e-4 off the uninterrupted one (seen; through the conversion 8.1e-8, tests/e2e/test_moe.py).
+    LoRA beside EP (frozen experts, which DeepSpeed's conversion cannot regroup) and ZeRO-0 under EP (each EP rank's
+    optimizer whole, which it does not read) resume only on their own layout: one line each."""
+    from dstrain.config import TrainConfig
+    from dstrain.parallel.layout import Layout
+    from dstrain.run.checkpoint import Resume
+    from dstrain.run.resume import adapt_to_world
+
+    path = tmp_path / "step_00000004"
+    path.mkdir()
+    (path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()
+    train = TrainConfig(micro_batch_size=2, grad_accum_steps=1)
+    manifest = {"global_batch": 4, "data_parallel": 2, "world_size": 2, "sequence_parallel": 1, "expert_parallel": 2,
+                "zero_stage": 2}
+    said = []
+    assert adapt_to_world(Resume(path, manifest), train, Layout(2, expert_parallel=1), said.append)[1].universal
+    assert "expert parallelism from autoep_size=2 to 1" in said[0]
+    assert not adapt_to_world(Resume(path, manifest), train, Layout(2, expert_parallel=2))[1].universal
+    lora = {**manifest, "run": {"lora.r": 8}}
+    assert adapt_to_world(Resume(path, lora), train, Layout(2, expert_parallel=2)) == (train, Resume(path, lora))
+    for layout in (Layout(2, expert_parallel=1), Layout(1, expert_parallel=1)):
+        with pytest.raises(UserError, match="trained LoRA \\(r=8\\) beside expert parallelism on 2 data-parallel "
+                                            "ranks with autoep_size=2; it resumes only on that layout"):
+            adapt_to_world(Resume(path, lora), train, layout)
+        with pytest.raises(UserError, match="ZeRO-0 with expert parallelism, autoep_size=2 on 2 ranks\\) resumes "
+                                            "only on that layout"):
+            adapt_to_world(Resume(path, {**manifest, "zero_stage": 0}), train, layout)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -437,4 +471,18 @@ def test_lora_under_expert_parallelism_adapts_only_what_autoep_keeps(family):
     assert section.target_modules == attention and str(attention) in said[0]
     for targets in (["q_proj", "gate"], ["q_proj", "w2" if family == "mixtral" else "down_proj"]):
         with pytest.raises(UserError, match="inside an MoE block, which expert parallelism replaces"):
+            adapters_beside_experts(config, LoraSection(r=4, target_modules=targets))
+
+
+def test_lora_on_shared_experts_under_expert_parallelism_says_what_peft_does():
+    """DeepSeek-V3's shared expert is Linear layers named as the routed experts were before transformers 5 fused
+    them; peft 0.21 maps those names (a regex too) onto the routed experts' fused parameters, so an adapter meant for
+    the shared expert lands in the block AutoEP replaces: one line that says so, not the generic one."""
+    from dstrain.components.lora import adapters_beside_experts
+    from dstrain.config import LoraSection
+
+    config, _ = tiny("deepseek_v3")
+    for targets in (r".*shared_experts\.(gate_proj|up_proj|down_proj)", ["shared_experts.down_proj"]):
+        with pytest.raises(UserError, match="peft maps a shared expert's gate_proj, up_proj and down_proj onto the "
+                                            "routed experts of deepseek_v3"):
             adapters_beside_experts(config, LoraSection(r=4, target_modules=targets))
