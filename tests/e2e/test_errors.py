@@ -75,6 +75,12 @@ CASES = {
     # issue 71: AutoEP on a dense model warned and trained every weight on every rank
     "expert parallelism on a dense model": (["--ds_config", "ep2_zero2.json"], "expert_parallel.autoep_size=2 but "
                                             "the model has no routed experts"),
+    # gpt-oss has no AutoEP preset: DeepSpeed warned, found 0 MoE layers and trained every expert on every rank
+    "expert parallelism AutoEP would not find": (["--ds_config", "ep2_zero2.json", "--model.name_or_path={gpt_oss}",
+                                                  "--model.tokenizer=recipes/tiny/model"],
+                                                 "DeepSpeed's AutoEP has no preset for model type 'gpt_oss'"),
+    "muon beside expert parallelism": (["--recipe", "tiny/moe", "--train.optimizer=muon", "--train.max_grad_norm=0"],
+                                       "expert_parallel with train.optimizer=muon is not supported yet"),
     "plan with expert parallelism": (["--plan", "--recipe", "tiny/moe"], "--plan does not model expert parallelism "
                                      "yet (expert_parallel.autoep_size=2)"),
     "simulate with expert parallelism": (["--plan", "--simulate", "--device", "h100-80gb", "--interconnect",
@@ -103,6 +109,12 @@ def test_simple_mistakes(name, cache, tmp_path):
         if DeviceCaps.detect().fp16:  # DeepSpeed's CPU accelerator says yes where oneDNN has fp16 (AVX512-FP16/AMX)
             pytest.skip("this CPU runs fp16 (DeepSpeed's accelerator reports it), so fp16 is no mistake here; "
                         "tests/unit/test_ds_config.py checks the refusal on a CPU without it")
+    if "{gpt_oss}" in " ".join(args):  # a config only (from_scratch=auto): what AutoEP is given is the model type
+        from transformers import AutoConfig
+        AutoConfig.for_model("gpt_oss", vocab_size=576, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                             num_experts_per_tok=2).save_pretrained(tmp_path / "gpt_oss")
+        args = [a.replace("{gpt_oss}", str(tmp_path / "gpt_oss")) for a in args]
     fails(args, cache, tmp_path, expected)
 
 
