@@ -79,7 +79,7 @@ test:
 	$(PY) -m pytest tests -q -m serial $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; exit $$rc
 
 # every MoE family x ZeRO stage x activation checkpointing under expert parallelism (tests/e2e/test_moe.py runs a
-# covering six of them in `make test`; this adds the other 19 cells of the 24, about 5 minutes on 2 cores)
+# covering seven of them in `make test`; this adds the other 26 of the 33, about 6 minutes on 2 cores)
 test-moe-matrix: setup
 	DSTRAIN_TEST_MOE_MATRIX=1 $(PY) -m pytest tests/e2e/test_moe.py -q -s -p no:xdist -k expert_parallel_2 $(PYTEST_ARGS)
 

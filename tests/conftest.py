@@ -127,6 +127,26 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
                  tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")
 
 
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory) -> Path:
+    """Qwen2-MoE in the tiny Llama's shape: 2 layers, each of 4 routed experts (2 per token) of width 64 beside a
+    shared expert of width 64 behind its sigmoid gate, the load-balancing weight 0.02."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                            "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+                                            "max_position_embeddings")}
+    config = AutoConfig.for_model("qwen2_moe", **shape, num_hidden_layers=2, intermediate_size=128,
+                                  moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+                                  num_experts_per_tok=2, router_aux_loss_coef=0.02, decoder_sparse_step=1,
+                                  mlp_only_layers=[])
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / "tiny-qwen2-moe")
+
+
 # The order `make test`'s two workers take the test files in (pytest-xdist, --dist loadfile
 # --no-loadscope-reorder): the longest files first, so the run does not end with one worker alone on a
 # five-minute file while the other idles. xdist's own order (most tests first) put the one-test Docker file

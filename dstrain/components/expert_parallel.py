@@ -20,9 +20,10 @@ from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
 # the families whose router logits transformers still records once AutoEP replaced their blocks, so that their
-# load-balancing loss is the model's (the e2e checks Mixtral's and Qwen3-MoE's against the single-process loop;
-# DeepSpeed re-points Qwen3.5-MoE's recorder too); for any other family it is refused rather than assumed
-ROUTER_LOGITS_UNDER_AUTOEP = ("mixtral", "qwen3_moe", "qwen3_5_moe_text")
+# load-balancing loss is the model's (the e2e checks Mixtral's, Qwen3-MoE's and Qwen2-MoE's against the
+# single-process loop; DeepSpeed re-points Qwen3.5-MoE's recorder too); for any other family it is refused rather
+# than assumed
+ROUTER_LOGITS_UNDER_AUTOEP = ("mixtral", "qwen3_moe", "qwen2_moe", "qwen3_5_moe_text")
 
 
 class ExpertParallel(Component):

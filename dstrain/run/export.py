@@ -52,7 +52,8 @@ def at_end(ckpt: Path, out_dir: Path, ds_cfg: dict, ctx, say) -> None:
         say(f"exported {out_dir}" + (f" (merged) and the adapter {adapter}" if adapter.is_dir() else ""))
 
 
-def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torch.Size],
+                                shared: dict[str, str]) -> dict[str, torch.Tensor]:
     """An AutoEP checkpoint (any ZeRO stage) in transformers' own names and layout. DeepSpeed's zero_to_fp32 cannot
     read one (ZeRO-1/2: it takes the per-expert files for model states; ZeRO-3: NotImplementedError, the experts
     are partitioned over expert replica groups) and save_16bit_model writes only rank 0's experts under AutoEP's
@@ -60,7 +61,8 @@ def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torc
     [E, H, F] / [E, F, H] (gate, down, up; _autoep_weights). transformers 5 fuses them as gate_up_proj [E, 2F, H]
     (gate first) and down_proj [E, H, F], or transposed ([E, H, 2F], [E, F, H]) in a few families: `shapes`, the
     target model's, says which (and shapes ZeRO-3's flat tensors). AutoEP's router `{block}.router.gate.weight`
-    is the model's `{block}.gate.weight` (`{block}.gate.gate.weight` is the same tensor's other name)."""
+    is the model's `{block}.gate.weight` (`{block}.gate.gate.weight` is the same tensor's other name); `shared`
+    maps AutoEP's names of the shared experts to the model's (ds_internals.autoep_shared_names)."""
     blocks = [info["module_path"] for info in states["ds_autoep_layers"]]
     state, experts = {}, {}
     for key, value in _autoep_weights(ckpt, states).items():
@@ -73,6 +75,9 @@ def _expert_parallel_state_dict(ckpt: Path, states: dict, shapes: dict[str, torc
         if block is not None and key.startswith(f"{block}.router."):
             # router.gate.weight is gate.weight, DeepSeek's router.e_score_correction_bias its gate.e_score_...
             key = f"{block}.gate." + key[len(f"{block}.router."):].removeprefix("gate.")
+        for ours, theirs in shared.items():  # Qwen2-MoE's shared_expert and shared_expert_gate
+            if block is not None and key.startswith(f"{block}.{ours}."):
+                key = f"{block}.{theirs}." + key[len(f"{block}.{ours}."):]
         target = shapes.get(key)
         state[key] = value.float().reshape(target) if target is not None else value.float()
     for block in blocks:
@@ -142,7 +147,8 @@ def _autoep_states(ckpt: Path) -> dict | None:
     return None
 
 
-def consolidated_state_dict(ckpt: Path, shapes=None, adapters: bool = False) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(ckpt: Path, shapes=None, adapters: bool = False,
+                            model_type: str | None = None) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint without a process group: fp32 masters gathered from ZeRO shards (any
     stage), or for pipeline checkpoints the per-layer module states (the engine's own weights); an expert-parallel
     checkpoint in transformers' layout (`shapes()`: the target model's tensor shapes, asked only for one).
@@ -160,7 +166,9 @@ def consolidated_state_dict(ckpt: Path, shapes=None, adapters: bool = False) -> 
         return _pipeline_state_dict(ckpt, json.loads(names_file.read_text()))
     states = None if adapters else _autoep_states(ckpt)
     if states is not None:
-        return _expert_parallel_state_dict(ckpt, states, shapes() if shapes else {})
+        from ..parallel import ds_internals
+        return _expert_parallel_state_dict(ckpt, states, shapes() if shapes else {},
+                                           ds_internals.autoep_shared_names(model_type))
     if list(ckpt.glob("*optim_states.pt")):
         experts = list(ckpt.glob("layer_*_expert_*_model_states.pt"))
         if not experts:
@@ -202,7 +210,8 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         with torch.device("meta"):
             return {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
     adapters = (model_files / LORA_DIR / "adapter_config.json").exists()
-    state = consolidated_state_dict(ckpt, shapes, adapters)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    state = consolidated_state_dict(ckpt, shapes, adapters, getattr(text, "model_type", None))
     if adapters:
         model = _lora_model(model_files, config, state, ckpt)
         trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}

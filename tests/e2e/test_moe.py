@@ -85,14 +85,17 @@ def test_expert_parallel_run_killed_resumes_exactly_regroups_and_finishes_on_one
     assert worst < 1e-4, f"the export differs from the reference by {worst:.1e}"
 
 
-FIXTURES = {"mixtral": "tiny_mixtral", "deepseek_v3": "tiny_deepseek", "qwen3_moe": "tiny_qwen3_moe"}
-# (family, ZeRO stage, activation checkpointing, ranks). The suite's six launches cover every family with
-# recomputation on and off, every ZeRO stage with two families but ZeRO-3 (Qwen3-MoE; Mixtral's and DeepSeek-V3's
-# ZeRO-3 in the whole matrix) and, on 4 ranks, EP 2 beside data parallelism (each expert held by 2 ranks whose
-# gradients are averaged over the expert-data-parallel group). `make test-moe-matrix` runs every family x stage x
-# recomputation on 2 ranks as well (24 more launches, about 5 minutes: docs/moe.md has its table).
+FIXTURES = {"mixtral": "tiny_mixtral", "deepseek_v3": "tiny_deepseek", "qwen3_moe": "tiny_qwen3_moe",
+            "qwen2_moe": "tiny_qwen2_moe"}
+# (family, ZeRO stage, activation checkpointing, ranks). The suite's seven launches cover every family of the three
+# the issue names with recomputation on and off, every ZeRO stage with two families, Qwen2-MoE's shared expert and
+# its gate (AutoEP names them its own way: the export maps them back) and, on 4 ranks, EP 2 beside data parallelism
+# (each expert held by 2 ranks whose gradients are averaged over the expert-data-parallel group). `make
+# test-moe-matrix` runs every family x stage x recomputation on 2 ranks as well (26 more launches, about 6 minutes:
+# docs/moe.md has its table).
 SUITE_CELLS = [("mixtral", 2, False, 2), ("mixtral", 1, True, 4), ("deepseek_v3", 1, False, 2),
-               ("deepseek_v3", 0, True, 2), ("qwen3_moe", 3, True, 2), ("qwen3_moe", 0, False, 2)]
+               ("deepseek_v3", 0, True, 2), ("qwen3_moe", 3, True, 2), ("qwen3_moe", 0, False, 2),
+               ("qwen2_moe", 3, False, 2)]
 CELLS = SUITE_CELLS + ([(family, stage, recompute, 2) for family in FIXTURES for stage in range(4)
                         for recompute in (False, True)] if os.environ.get("DSTRAIN_TEST_MOE_MATRIX") else [])
 # AdamW's eps for the matrix. At 1e-8 a gradient element that is ~0 (its tokens' contributions cancel) steps by
@@ -102,6 +105,9 @@ CELLS = SUITE_CELLS + ([(family, stage, recompute, 2) for family in FIXTURES for
 # rounding noise is far above eps. The export bounds then see the export, not AdamW's noise.
 EPS = 1e-6
 _one_rank_exports: dict[str, dict] = {}
+# the one-rank run to compare exports with costs a launch per family: the suite's is Mixtral's (its two cells), the
+# matrix compares every family's
+ONE_RANK_FAMILIES = FIXTURES if os.environ.get("DSTRAIN_TEST_MOE_MATRIX") else ("mixtral",)
 
 
 def one_rank_export(tmp_path_factory, cache, family: str, model) -> dict:
@@ -127,7 +133,7 @@ def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp
     ranks), the load-balancing loss on where the family has one, activation checkpointing in some: every step's
     loss and grad norm are the single-process reference's, and hf/ holds all 4 experts of both layers in
     transformers' fused layout (gate_up_proj [E, 2F, H], down_proj [E, H, F]) equal to the reference's weights
-    (1e-4) and to a one-rank run's export of the same training (1e-5). Before this component the same JSON failed
+    and to a one-rank run's export of the same training (1e-5; ONE_RANK_FAMILIES). Before this component the same JSON failed
     at deepspeed.initialize (TypeError in AutoEP's output-registry code); with the experts left out of the
     replicas' checksum the SDC check stopped it at step 3; the export took AutoEP's per-expert files for model
     states (ZeRO-0/1/2) and zero_to_fp32 refused ZeRO-3's (NotImplementedError)."""
@@ -163,14 +169,16 @@ def test_expert_parallel_2_trains_as_the_plain_loop_and_exports_every_expert(tmp
     # the export against the plain loop's weights and against a one-rank run's export, both within 1e-5 (measured
     # up to 1.5e-6 and 1.2e-6 over the whole matrix, EPS above); gate and up swapped in the export, or one layer's
     # experts in the wrong order, miss by the weights' own size (~1e-1)
-    one_rank = one_rank_export(tmp_path_factory, cache, family, model)
-    assert one_rank.keys() == got.keys()
     worst = max((got[k] - want[k]).abs().max().item() for k in got)
-    beside = max((got[k] - one_rank[k]).abs().max().item() for k in got)
     print(f"{family} ZeRO-{stage}{' recompute' if recompute else ''} EP 2 on {ranks} ranks: export within "
-          f"{worst:.1e} of the plain loop's weights, {beside:.1e} of the one-rank run's export")
+          f"{worst:.1e} of the plain loop's weights")
     assert worst < 1e-5, f"the export differs from the reference by {worst:.1e}"
-    assert beside < 1e-5, f"the export differs from the one-rank run's by {beside:.1e}"
+    if family in ONE_RANK_FAMILIES:
+        one_rank = one_rank_export(tmp_path_factory, cache, family, model)
+        assert one_rank.keys() == got.keys()
+        beside = max((got[k] - one_rank[k]).abs().max().item() for k in got)
+        print(f"  and within {beside:.1e} of the one-rank run's export")
+        assert beside < 1e-5, f"the export differs from the one-rank run's by {beside:.1e}"
 
 
 def test_tiny_moe_recipe_learns_and_exports_every_expert(tmp_path, cache):

@@ -256,7 +256,7 @@ def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | N
     ("compression", "expert_parallel with compression is not supported yet"),
     ("diloco", "expert_parallel with diloco is not supported yet"),
     ("muon", "expert_parallel with train.optimizer=muon is not supported yet"),
-    ("qwen2_moe with its aux loss", "cannot be added to qwen2_moe under expert parallelism yet"),
+    ("olmoe with its aux loss", "cannot be added to olmoe under expert parallelism yet"),
     ("another family's preset", "preset_model='deepseek_v3' is DeepSpeed's AutoEP preset for another family; this "
                                 "model is 'mixtral', whose preset is 'mixtral'"),
 ])
@@ -285,8 +285,9 @@ def test_expert_parallelism_autoep_cannot_do_is_refused_before_anything_is_built
                                       head_dim=8, num_local_experts=4, num_experts_per_tok=2)
     elif case == "unknown preset":
         ep = {"preset_model": "mixtrall"}
-    elif case == "qwen2_moe with its aux loss":  # not checked against the reference: refused, not assumed
-        config = AutoConfig.for_model("qwen2_moe", **SHAPE, **FAMILIES["qwen3_moe"])
+    elif case == "olmoe with its aux loss":  # not checked against the reference: refused, not assumed
+        config = AutoConfig.for_model("olmoe", **SHAPE, num_experts=4, router_aux_loss_coef=0.01)
+        ep = {"moe_layer_pattern": r"model\.layers\.\d+\.mlp"}  # no preset: a pattern of the user's
     elif case == "another family's preset":
         ep = {"preset_model": "deepseek_v3"}
     elif case == "lora under zero3":
@@ -486,3 +487,15 @@ def test_lora_on_shared_experts_under_expert_parallelism_says_what_peft_does():
         with pytest.raises(UserError, match="peft maps a shared expert's gate_proj, up_proj and down_proj onto the "
                                             "routed experts of deepseek_v3"):
             adapters_beside_experts(config, LoraSection(r=4, target_modules=targets))
+
+
+def test_autoep_names_the_shared_experts_its_own_way_and_the_export_maps_them_back():
+    """AutoEP's layer holds a block's shared experts as `shared_experts` and their gate as `shared_experts_gate`;
+    Qwen2-MoE names them `shared_expert` and `shared_expert_gate` (its preset's patterns), so an EP export of it
+    failed to load ("does not match the model: missing ...shared_expert.gate_proj.weight"); DeepSeek's are its own."""
+    from dstrain.parallel import ds_internals
+
+    assert ds_internals.autoep_shared_names("qwen2_moe") == {"shared_experts": "shared_expert",
+                                                             "shared_experts_gate": "shared_expert_gate"}
+    assert ds_internals.autoep_shared_names("deepseek_v3") == {} == ds_internals.autoep_shared_names("mixtral")
+    assert ds_internals.autoep_shared_names("gpt_oss") == {}

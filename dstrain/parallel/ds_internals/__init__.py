@@ -41,6 +41,7 @@ from .experts import (  # noqa: F401
     autoep_preset_for,
     autoep_preset_names,
     autoep_preset_pattern,
+    autoep_shared_names,
     let_autoep_use_the_output_registry,
     let_zero_train_beside_frozen_experts,
 )
@@ -133,4 +134,5 @@ __all__ = [
     "autoep_local_experts",
     "autoep_preset_for",
     "autoep_preset_names",
+    "autoep_shared_names",
 ]

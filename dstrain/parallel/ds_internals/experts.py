@@ -83,6 +83,19 @@ def autoep_preset_pattern(preset: str) -> str:
     return PRESET_MODELS[preset].moe_layer_pattern
 
 
+def autoep_shared_names(model_type: str | None) -> dict[str, str]:
+    """AutoEP's layer keeps a block's shared experts and their gate under its own attribute names (`shared_experts`,
+    `shared_experts_gate`, deepspeed/module_inject/auto_ep_layer.py), so its checkpoint names them so; the model's
+    names are its preset's patterns (Qwen2/3.5-MoE: `shared_expert`, `shared_expert_gate`). AutoEP's name -> the
+    model's, for the names that differ."""
+    from deepspeed.module_inject.auto_ep_config import PRESET_MODELS
+    preset = PRESET_MODELS.get(autoep_preset_for(model_type)[0] or "")
+    if preset is None or not preset.has_shared_experts:
+        return {}
+    names = {"shared_experts": preset.shared_experts_pattern, "shared_experts_gate": preset.shared_experts_gate_pattern}
+    return {ours: theirs for ours, theirs in names.items() if theirs and theirs != ours}
+
+
 def let_zero_train_beside_frozen_experts() -> bool:
     """LoRA under AutoEP: every routed expert is frozen base, so no parameter group holds an expert, and ZeRO-1/2's
     _configure_moe_settings asserts that one does ("The model has moe layers, but None of the param groups are
