@@ -76,75 +76,54 @@ def tiny_llama_mha(tmp_path_factory) -> Path:
                  tmp_path_factory.mktemp("models") / "tiny-llama-mha")
 
 
+def _tiny_moe(tmp_path_factory, family: str, folder: str, head_dim: bool, **config) -> Path:
+    """A tiny Mixture-of-Experts model of `family` in the tiny Llama's shape and tokenizer (its head_dim too where
+    the family takes one), 2 layers with an intermediate size of 128, seeded as every tiny model is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    keys = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "bos_token_id",
+            "eos_token_id", "pad_token_id", "tie_word_embeddings", "max_position_embeddings") + \
+        (("head_dim",) if head_dim else ())
+    model_config = AutoConfig.for_model(family, **{k: getattr(llama, k) for k in keys}, num_hidden_layers=2,
+                                        intermediate_size=128, **config)
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(model_config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory) -> Path:
     """A Mixture-of-Experts model in the tiny Llama's shape (the same tokenizer): 2 layers of 4 routed experts,
     2 per token, with a load-balancing weight of 0.02 (Mixtral's default, 0.001, would hardly move the loss)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                            "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
-                                            "tie_word_embeddings", "max_position_embeddings")}
-    config = AutoConfig.for_model("mixtral", **shape, num_hidden_layers=2, intermediate_size=128,
-                                  num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
-    torch.manual_seed(0)
-    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
-                 tmp_path_factory.mktemp("models") / "tiny-mixtral")
+    return _tiny_moe(tmp_path_factory, "mixtral", "tiny-mixtral", True, num_local_experts=4, num_experts_per_tok=2,
+                     router_aux_loss_coef=0.02)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek(tmp_path_factory) -> Path:
     """DeepSeek-V3's architecture in the tiny Llama's width: 2 layers, each of 4 routed experts (2 per token) beside
     1 shared expert, multi-head latent attention; its router balances with a bias, not a loss."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                            "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
-                                            "max_position_embeddings")}
-    config = AutoConfig.for_model("deepseek_v3", **shape, num_hidden_layers=2, intermediate_size=128,
-                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                  n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=None,
-                                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)
-    torch.manual_seed(0)
-    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
-                 tmp_path_factory.mktemp("models") / "tiny-deepseek")
+    return _tiny_moe(tmp_path_factory, "deepseek_v3", "tiny-deepseek", False, n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=0,
+                     kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                     n_group=1, topk_group=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Qwen3-MoE in the tiny Llama's shape: 2 layers, each of 4 routed experts (2 per token, normalised top-k
     weights) of width 64, q/k norms, the load-balancing weight 0.02."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                            "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
-                                            "tie_word_embeddings", "max_position_embeddings")}
-    config = AutoConfig.for_model("qwen3_moe", **shape, num_hidden_layers=2, intermediate_size=128,
-                                  moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                                  router_aux_loss_coef=0.02, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
-                 tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")
-
-
+    return _tiny_moe(tmp_path_factory, "qwen3_moe", "tiny-qwen3-moe", True, moe_intermediate_size=64, num_experts=4,
+                     num_experts_per_tok=2, router_aux_loss_coef=0.02, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_moe(tmp_path_factory) -> Path:
     """Qwen2-MoE in the tiny Llama's shape: 2 layers, each of 4 routed experts (2 per token) of width 64 beside a
     shared expert of width 64 behind its sigmoid gate, the load-balancing weight 0.02."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-    shape = {k: getattr(llama, k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                            "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
-                                            "max_position_embeddings")}
-    config = AutoConfig.for_model("qwen2_moe", **shape, num_hidden_layers=2, intermediate_size=128,
-                                  moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
-                                  num_experts_per_tok=2, router_aux_loss_coef=0.02, decoder_sparse_step=1,
-                                  mlp_only_layers=[])
-    torch.manual_seed(0)
-    return _save(AutoModelForCausalLM.from_config(config), ROOT / "recipes/tiny/model",
-                 tmp_path_factory.mktemp("models") / "tiny-qwen2-moe")
+    return _tiny_moe(tmp_path_factory, "qwen2_moe", "tiny-qwen2-moe", False, moe_intermediate_size=64,
+                     shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                     router_aux_loss_coef=0.02, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 # The order `make test`'s two workers take the test files in (pytest-xdist, --dist loadfile

@@ -224,15 +224,16 @@ def adapt_to_world(resume: Resume, train: TrainConfig, layout: Layout, log=print
     # new EP rank without a word (an EP 2 checkpoint resumed on the same 2 ranks with autoep_size=1 trained on,
     # 4.0e-4 off the uninterrupted run), so the checkpoint goes through the universal conversion as for a new world
     ep_changed = bool(saved_ep) and saved_ep != layout.expert_parallel
+    regrouped = bool(saved_ep) and (ep_changed or saved_dp != data_parallel)  # the experts need the conversion
     lora_r = (manifest.get("run") or {}).get("lora.r")
-    if saved_ep and lora_r and (ep_changed or saved_dp != data_parallel):
+    if regrouped and lora_r:
         # DeepSpeed's conversion wants every AutoEP expert among the optimizer's parameters ("AutoEP expert
         # parameter ... is missing from checkpoint parameter shapes", seen): LoRA's experts are frozen base
         raise UserError(f"checkpoint {resume.path} trained LoRA (r={lora_r}) beside expert parallelism "
                         f"on {saved_dp} data-parallel ranks with autoep_size={saved_ep}; it resumes only on that "
                         f"layout (DeepSpeed's universal conversion cannot regroup frozen experts): launch "
                         f"{manifest.get('world_size')} ranks with autoep_size={saved_ep}, or export it and train on")
-    if saved_ep and manifest.get("zero_stage") == 0 and (ep_changed or saved_dp != data_parallel):
+    if regrouped and manifest.get("zero_stage") == 0:
         # ZeRO-0 under AutoEP keeps each EP rank's optimizer whole (expp_rank_N_mp_rank_00_optim_states.pt), which
         # DeepSpeed's universal conversion does not read (KeyError 'optimizer_state_dict', seen)
         raise UserError(f"checkpoint {resume.path} (ZeRO-0 with expert parallelism, autoep_size={saved_ep} on "
