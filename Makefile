@@ -69,14 +69,19 @@ packages:
 	$(call apt_install,$(SYSTEM_PACKAGES) $(TEST_PACKAGES))
 
 # lint first: a style slip fails in seconds, not after the suite (pyproject.toml prints the 20 slowest tests)
+# at its end: the wall time of each part, the ten slowest tests and this machine's speed (scripts/suite_report.py)
 test:
+	@rm -rf .suite && mkdir -p .suite && date +%s.%N > .suite/started.at
 	@$(MAKE) --no-print-directory -j2 packages $(VENV)/.installed
 	@$(MAKE) --no-print-directory prebuild-ops
 	@$(MAKE) --no-print-directory lint docs
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
-	@rc=0; $(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
-	$(PY) -m pytest tests -q -m serial $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; exit $$rc
+	@date +%s.%N > .suite/parallel.at; rc=0; export DSTRAIN_TEST_LAUNCH_LOG=$(CURDIR)/.suite/launches.log; \
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --junitxml=.suite/parallel.xml $(PYTEST_ARGS) || rc=$$?; \
+	date +%s.%N > .suite/serial.at; \
+	$(PY) -m pytest tests -q -m serial --junitxml=.suite/serial.xml $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
+	date +%s.%N > .suite/ended.at; $(PY) scripts/suite_report.py .suite || true; exit $$rc
 
 # every MoE family x ZeRO stage x activation checkpointing under expert parallelism (tests/e2e/test_moe.py runs a
 # covering seven of them in `make test`; this adds the other 26 of the 33, about 6 minutes on 2 cores)

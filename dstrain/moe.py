@@ -167,14 +167,20 @@ def without_router_loss(setup, objective: str) -> None:
 
 class RouterWatch:
     """A step hook (trainer/hooks.py) over the routing figures the objective logs (load_figures): says once when a
-    layer's busiest expert has taken at least half of the tokens (a token counted once per expert it runs) for
-    `patience` steps in a row, which is a router collapsing onto a few experts, and gives summary.json the figures'
-    first, last and worst values. No collective: the figures are the step's, already summed over the ranks."""
+    layer's busiest expert has taken more than halfway from its balanced share (top_k / experts) to every token (a
+    token counted once per expert it runs) for `patience` steps in a row, which is a router collapsing onto a few
+    experts, and gives summary.json the figures' first, last and worst values. No collective: the figures are the
+    step's, already summed over the ranks."""
     name = "router"
     stopping = False
 
-    def __init__(self, experts: int, top_k: int, say, patience: int = 20, share: float = 0.5):
-        self.experts, self.top_k, self.say, self.patience, self.share = experts, top_k, say, patience, share
+    def __init__(self, experts: int, top_k: int, say, patience: int = 20):
+        self.experts, self.top_k, self.say, self.patience = experts, top_k, say, patience
+        # Balanced routing gives the busiest expert top_k / experts of the tokens, total collapse all of them. A
+        # fixed share cannot serve every shape: 50% is perfectly balanced for 4 experts and top-2 (20 balanced
+        # steps warned "collapsed"), so the line is halfway between the two, and with top_k == experts never met.
+        balanced = min(1.0, top_k / experts)
+        self.collapsed_above = balanced + (1 - balanced) / 2
         self.streak, self.said_at, self.first, self.last, self.worst = 0, None, None, None, None
 
     def before_step(self, step: int) -> None:
@@ -190,7 +196,7 @@ class RouterWatch:
         self.first = self.first if self.first is not None else cv
         self.last, self.worst = cv, max(cv, self.worst if self.worst is not None else cv)
         busiest = peak * self.top_k / self.experts  # the busiest expert's tokens over the layer's tokens
-        self.streak = self.streak + 1 if busiest >= self.share else 0
+        self.streak = self.streak + 1 if busiest > self.collapsed_above else 0
         if self.streak >= self.patience and self.said_at is None:
             self.said_at = result.step
             layer = result.columns.get("expert_load_worst_layer")

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tests import warm
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -161,13 +163,32 @@ def env(cache: Path, **extra) -> dict:
 
 def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int = 2, check: bool = True,
            timeout: int = 600, **extra_env) -> subprocess.CompletedProcess:
-    """One training job, as a user starts it. Without a `launcher`, a run expected to succeed goes through
-    torchrun and one that may fail (check=False) through the deepspeed runner: both are launchers the README
-    gives; the runner passes a rank's own exit code (75, 2, ...) on, where torchrun reports any failure as 1
-    with a traceback of its own, and torchrun starts ranks 4 s sooner (the runner and its launch.py each
-    import deepspeed first: measured 14.0 s against 9.9 s for a 2-step run here), over a hundred launches of
-    the suite. Tests of what a person does to a run (signals, kills, bad input) name their launcher."""
-    launcher = launcher or ("torchrun" if check else "deepspeed")
+    """One training job. Without a `launcher`, a run expected to succeed runs on warm ranks (tests/warm.py: forks
+    of a process that imported torch, DeepSpeed and transformers once, with torchrun's rank variables) and one
+    that may fail (check=False) under the deepspeed runner, as a user starts it: the runner passes a rank's own
+    exit code (75, 2, ...) on, where torchrun reports any failure as 1 with a traceback of its own. "warm-python"
+    is one warm process without rank variables, as `python train.py`. The real launchers: "deepspeed", "torchrun"
+    (4 s sooner than the runner, which and then its launch.py import deepspeed first), "python", "accelerate".
+    Tests of what a person does to a run (signals, kills, bad input, a launcher's own behaviour) name theirs.
+    DSTRAIN_TEST_LAUNCH=real runs the warm launches with torchrun / python instead (the suite as it was before
+    issue 83, to compare); so does an environment a fork cannot give (warm.can_fork)."""
+    launcher = launcher or ("warm" if check else "deepspeed")
+    environ = env(cache, **extra_env)
+    real = {"warm": "torchrun", "warm-python": "python"}.get(launcher, launcher)  # what ran here before issue 83
+    if launcher in ("warm", "warm-python") and (os.environ.get("DSTRAIN_TEST_LAUNCH") == "real" or
+                                                not warm.can_fork(environ)):
+        launcher = real
+    if os.environ.get("DSTRAIN_TEST_LAUNCH_LOG"):  # make test counts the launches of each kind (suite_report.py)
+        with open(os.environ["DSTRAIN_TEST_LAUNCH_LOG"], "a") as log:
+            log.write(f"{launcher}\t{real}\n")
+    if launcher in ("warm", "warm-python"):
+        port = free_port()
+        try:
+            proc = warm.launch(args, environ, nproc if launcher == "warm" else 1, port, timeout,
+                               distributed=launcher == "warm")
+        except TimeoutError as error:
+            raise AssertionError(f"warm train.py {' '.join(args)} {error}") from None
+        return _checked(proc, check, port)
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, "train.py"]
@@ -182,7 +203,7 @@ def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int
     else:
         raise ValueError(launcher)
     # own session, so a timeout kills the launcher's ranks too, not only the launcher
-    with subprocess.Popen(cmd + args, cwd=ROOT, env=env(cache, **extra_env), stdout=subprocess.PIPE,
+    with subprocess.Popen(cmd + args, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as popen:
         try:
             out, err = popen.communicate(timeout=timeout)
@@ -190,7 +211,10 @@ def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int
             kill_tree(popen.pid)
             out, err = popen.communicate()
             raise AssertionError(f"{' '.join(cmd + args)} ran past {timeout}s\n--- stderr\n{err[-6000:]}") from None
-    proc = subprocess.CompletedProcess(cmd + args, popen.returncode, out, err)
+    return _checked(subprocess.CompletedProcess(cmd + args, popen.returncode, out, err), check, port)
+
+
+def _checked(proc: subprocess.CompletedProcess, check: bool, port) -> subprocess.CompletedProcess:
     # DeepSpeed's CPU shm allreduce leaves a 64 MiB /dev/shm file per rank unless train.py removes it;
     # left there, a suite's worth of runs filled RAM and got CI OOM-killed.
     leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
@@ -198,7 +222,7 @@ def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int
         os.unlink(path)
     assert not leaked, f"run left shared memory behind: {leaked}"
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
 

@@ -35,8 +35,6 @@ from collections.abc import Callable
 
 from .. import env
 
-_SPEC = env.fault_spec()
-
 
 def _parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:
     rules = []
@@ -54,13 +52,22 @@ def _parse(spec: str) -> list[tuple[str, str, dict[str, int]]]:
     return rules
 
 
-_RULES = _parse(_SPEC)
+# Parsed when first asked, not at import: the suite's warm ranks (tests/warm.py) are forks of a process that imported
+# this module before their own DSTRAIN_FAULT was set (read at import, no fault fired in them).
+_RULES: list | None = None
 _RELEASED: dict[str, threading.Event] = {}
+
+
+def _rules() -> list[tuple[str, str, dict[str, int]]]:
+    global _RULES
+    if _RULES is None:
+        _RULES = _parse(env.fault_spec())
+    return _RULES
 
 
 def release(event: str) -> None:
     """The code reached `event` (e.g. "compiled"): a `slow ... until=event` fault stops slowing."""
-    if _RULES:
+    if _rules():
         _RELEASED.setdefault(event, threading.Event()).set()
 
 
@@ -92,10 +99,10 @@ def arm(model, rank: int, step: int) -> Callable[[], None]:
     """Hooks for the `forward`/`backward` rules of this rank and step on `model`'s named modules (nothing when
     DSTRAIN_FAULT is unset); returns their removal. Applied inside the module: its own output is changed, so a
     hook registered after it (run/health.py's search) sees the module as the origin."""
-    if not _RULES:
+    if not _rules():
         return _nothing
     handles = []
-    for where, action, cond in _RULES:
+    for where, action, cond in _rules():
         if where not in ("forward", "backward", "params") or cond.get("rank", rank) != rank \
                 or cond.get("step", step) != step:
             continue
@@ -136,7 +143,7 @@ def _flip(model, cond: dict) -> None:
 
 def active(name: str, action: str) -> bool:
     """Whether DSTRAIN_FAULT holds a `<name>:<action>` rule (a condition of the run, not of a rank or step)."""
-    return any(where == name and what == action for where, what, _ in _RULES)
+    return any(where == name and what == action for where, what, _ in _rules())
 
 
 def _nothing() -> None:
@@ -147,7 +154,7 @@ def stretch(rank: int, step: int, seconds: float) -> None:
     """A `compute:slower:factor=F` rule (any step, or `step=S`) makes this rank's micro-batch take F times as long:
     it sleeps (F - 1) x the `seconds` the micro-batch's forward and backward took (a slow device, not a slow
     network: the other ranks wait for it in their collectives)."""
-    for where, action, cond in _RULES:
+    for where, action, cond in _rules():
         if where == "compute" and action == "slower" and cond.get("rank", rank) == rank \
                 and cond.get("step", step) == step:
             time.sleep((float(cond.get("factor", 2)) - 1) * seconds)
@@ -155,7 +162,7 @@ def stretch(rank: int, step: int, seconds: float) -> None:
 
 def point(name: str, rank: int, step: int) -> None:
     """Fail here when DSTRAIN_FAULT asks for it at this point, rank and step."""
-    for where, action, cond in _RULES:
+    for where, action, cond in _rules():
         if where != name or cond.get("rank", rank) != rank or cond.get("step", step) != step:
             continue
         if action == "kill":

@@ -76,8 +76,7 @@ class Trainer:
         self.setup_peak = memory.peak_bytes()  # building, loading and partitioning, before any step
         memory.reset_peak()  # from here on, the training phase's peak (what the preflight models)
         self._build_metrics()
-        self.hooks = self._hooks()
-        self.hooks.load_state_dict(r.start_from.manifest if r.start_from else None)
+        self.hooks = self._hooks(r.start_from.manifest if r.start_from else None)
         self._say_start()
 
     def _convert_checkpoint(self) -> None:
@@ -159,15 +158,17 @@ class Trainer:
                                self.flops_per_token, self.peak.flops * world,
                                lambda achieved: flops.record_achieved(engine.device, precision, achieved / world))
 
-    def _hooks(self) -> Hooks:
+    def _hooks(self, manifest: dict | None) -> Hooks:
         """The step hooks in the order they run (hooks.py): the components' part of a step, the objective's own,
-        then the checks."""
+        then the checks; each with its state from the resumed checkpoint's `manifest` (None: a new run)."""
         r = self.resolved
         checks, in_step = health.for_run(self.recipe.fault, r.setup.precision, ds_config.zero_stage(r.ds_cfg),
                                          self.layout, self.run_dir, self.engine, self.metrics.message,
                                          self.locate_nonfinite)
         own = optional_part(self.objective, "step_hooks", lambda say: [])(self.metrics.message)
-        return Hooks([ComponentHooks(r.features), *own, *checks], in_step)
+        hooks = Hooks([ComponentHooks(r.features), *own, *checks], in_step)
+        hooks.load_state_dict(manifest)  # the gate's spike window and skip counts, the router watch's streak, ...
+        return hooks
 
     def _say_start(self) -> None:
         r, cfg = self.resolved, self.cfg

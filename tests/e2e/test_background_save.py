@@ -83,7 +83,7 @@ def test_every_auto_says_the_interval_it_chose(tmp_path, cache, tiny_llama):
     run = tmp_path / "run"
     proc = launch(ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--checkpoint.every=auto",
                           "--fault.mtbf_hours=0.0005", "--checkpoint.keep_last=20", "--train.max_steps=20"], cache,
-                  launcher="python")
+                  launcher="warm-python")
     chose = re.search(r"checkpoint.every=auto: every ([\d,]+) steps .* a failure costs about", proc.stderr)
     assert chose, proc.stderr[-3000:]
     every = int(chose.group(1).replace(",", ""))

@@ -26,7 +26,7 @@ def test_templates_are_chosen_said_and_exported(tmp_path, cache, tiny_llama):
 
     defaulted = tmp_path / "defaulted"
     proc = launch(COMMON + [f"--model.name_or_path={bare}", "--data.path=data/tiny_chat", "--output_dir",
-                            str(defaulted)], cache, launcher="python")
+                            str(defaulted)], cache, launcher="warm-python")
     assert "the tokenizer has no chat template; training on dstrain's plain format" in proc.stderr
     exported = AutoTokenizer.from_pretrained(defaulted / "hf")
     assert exported.apply_chat_template(MESSAGES, tokenize=False) == \
@@ -36,7 +36,7 @@ def test_templates_are_chosen_said_and_exported(tmp_path, cache, tiny_llama):
     proc = launch(COMMON + [f"--model.name_or_path={bare}", f"--data.path={sharegpt}",
                             "--data.messages_field=conversations", "--data.chat_template=chatml",
                             "--train.seq_len=256", "--output_dir",
-                            str(chosen)], cache, launcher="python")
+                            str(chosen)], cache, launcher="warm-python")
     assert "has no chat template" not in proc.stderr
     exported = AutoTokenizer.from_pretrained(chosen / "hf")
     assert exported.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False) == \

@@ -36,7 +36,7 @@ def runs(tmp_path_factory, cache, tiny_llama):
     for name, argv in COMMANDS.items():
         run = tmp_path_factory.mktemp("layouts") / name.split(".")[0]
         extra = [f"--model.name_or_path={tiny_llama}"] if "tiny/dpo" in argv or "tiny/grpo" in argv else []
-        proc = launch([*argv, *QUICK, *extra, "--output_dir", str(run)], cache, launcher="python")
+        proc = launch([*argv, *QUICK, *extra, "--output_dir", str(run)], cache, launcher="warm-python")
         out[name] = (run, proc.stderr)
     return out
 

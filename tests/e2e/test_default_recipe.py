@@ -213,9 +213,12 @@ def test_tiny_distill_recipe_brings_the_student_to_its_teacher(tmp_path, cache, 
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
     print(f"tiny distill: reverse KL to the teacher {first:.3f} -> {last:.3f}")
     assert len(rows) == 30 and last <= first / 5, kl
-    quoted = re.search(r"tiny/distill .*# reverse KL to the teacher ([\d.]+) -> ([\d.]+)",
+    # the README's ranges: what two machines measured (their CPUs' rounding samples other completions from the same
+    # export: 0.63 on the first, 0.545 on a second, bit for bit the same under torchrun and warm ranks)
+    quoted = re.search(r"tiny/distill .*# reverse KL to the teacher ([\d.]+)-([\d.]+) -> ([\d.]+)-([\d.]+)",
                        (ROOT / "README.md").read_text())
-    assert first == pytest.approx(float(quoted[1]), abs=0.02) and last == pytest.approx(float(quoted[2]), abs=0.002)
+    low, high, last_low, last_high = map(float, quoted.groups())
+    assert low - 0.02 <= first <= high + 0.02 and last_low - 0.002 <= last <= last_high + 0.002, (first, last)
     assert all(r["loss"] == r["distill_loss"] for r in rows)  # alone: the loss is the distillation loss
 
 
@@ -266,7 +269,7 @@ def test_grpo_killed_with_sigkill_resumes_on_one_rank_as_if_never_stopped(tmp_pa
     args = _grpo_args(default_run, run) + ["--world_size=2"]
     killed = kill_rank_after_checkpoint(args, run, cache, step=2, rank=1)
     assert killed.returncode != 0, killed.stdout[-3000:]
-    launch(args, cache, launcher="python")
+    launch(args, cache, launcher="warm-python")
     got, want = _rl_rows(run), _rl_rows(grpo_runs[2])
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["reward"] for r in got] == [r["reward"] for r in want]

@@ -104,7 +104,9 @@ def test_streaming_fragments_overlapped_zero3_stopped_with_a_sync_in_flight_and_
     streaming = dict(fragments=3, overlap=1, mix=0.5)
     want = reference(tiny_llama, run, 4, 2, 4, 0.7, 0.9, "int4", final=final, evals=evals, **streaming)
     assert len(got) == STEPS and got[-1] < got[0] - 0.3
-    assert got == pytest.approx(want, rel=RTOL)
+    # 2.2e-6 at step 7 on an AMD EPYC without AVX-512 (2026-12-06; the same under torchrun and warm ranks), within
+    # 2e-6 on the machines before: 5e-6 keeps 200x below what the simulation without int4's rounding misses by
+    assert got == pytest.approx(want, rel=5e-6)
     # the replicas' own weights (each evaluated on its ranks' share, the mean: what was measured before the
     # shared weights were swapped in) read 8.2% below at step 3 and 0.7% above at 6
     assert {e["step"]: e["eval_loss"] for e in got_evals if e["step"]} == pytest.approx(evals, rel=1e-5)

@@ -132,7 +132,10 @@ def test_a_node_lost_and_back_the_job_goes_on_with_the_uninterrupted_losses(tmp_
     assert ended < 20, f"{ended:.0f} s from the last step to the summary"
 
     got = metrics(run)[0]
-    assert len(got) == 70 and got == pytest.approx(uninterrupted(run, tiny_llama, 70), rel=5e-5, abs=0)
+    # the lone world accumulates 2 micro-batches where the loop takes the batch in one pass: a rounding difference
+    # from step 12 that 70 AdamW steps amplify, to 1.0e-4 on an AMD EPYC without AVX-512 (2026-12-06, real torchrun
+    # agents as ever; within 5e-5 on the machines before); one step skipped in the loop moves it by 3.4e-2
+    assert len(got) == 70 and got == pytest.approx(uninterrupted(run, tiny_llama, 70), rel=2e-4, abs=0)
 
 
 def test_a_world_the_checkpoint_cannot_use_trains_on_its_largest_usable_part(tmp_path, cache, tiny_llama):

@@ -217,7 +217,7 @@ def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, da
             (["--model.name_or_path=some-org/not-cached-model"], "cannot load 'some-org/not-cached-model'")):
         fails(args + ["--output_dir", str(run)], cache, tmp_path, expected)
         assert _digest(run) == before, f"{args} changed the run directory"
-    proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="python")  # good input: converts, resumes
+    proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="warm-python")  # good input: converts, resumes
     assert "converting" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[-3000:]
     after = _digest(run)
     assert {k: v for k, v in after.items() if ".universal/" not in k} == before

@@ -190,7 +190,7 @@ def test_kill_during_save_resumes_from_last_complete_checkpoint(tmp_path, cache,
                    "--checkpoint.keep_last=1"]
     killed = launch(args, cache, launcher="python", check=False, DSTRAIN_FAULT=f"{point}:kill:step=8")
     assert killed.returncode == -signal.SIGKILL
-    resumed = launch(args, cache, launcher="python")
+    resumed = launch(args, cache, launcher="warm-python")
     assert f"resumed from {run / 'checkpoints' / f'step_{resumes_at:08d}'} at step {resumes_at}" in resumed.stderr
     got = losses(run)
     assert len(got) == 12 and got == pytest.approx(reference(run, tiny_llama)[0], rel=1e-5, abs=0)
@@ -281,7 +281,7 @@ def test_resume_on_another_world_size_or_zero_stage(tmp_path, cache, tiny_llama,
         accum = 4 // (before[1] if before else ranks)  # written for the world before it
         extra = ["--ds_config", config, f"--train.grad_accum_steps={accum}"] + (
             [f"--train.exit_at_step={stop}"] if stop < 12 else [])
-        proc = launch(args + extra, cache, launcher="python") if ranks == 1 else launch(args + extra, cache)
+        proc = launch(args + extra, cache, launcher="warm-python") if ranks == 1 else launch(args + extra, cache)
         if before and before[1] != ranks:
             assert f"world changed from {before[1]} to {ranks} data-parallel ranks" in proc.stderr
             assert f"grad_accum_steps {accum} -> {4 // ranks} keeps the global batch at 16" in proc.stderr

@@ -182,7 +182,7 @@ def test_kill9_then_resume_on_one_rank_matches_reference(tmp_path, cache, tiny_l
         kill_tree(proc.pid)  # SIGKILL, every process
         proc.wait()
     assert proc.returncode == -signal.SIGKILL or proc.returncode != 0
-    resumed = launch(args + ["--train.grad_accum_steps=4", "--resume=auto"], cache, launcher="python", nproc=1)
+    resumed = launch(args + ["--train.grad_accum_steps=4", "--resume=auto"], cache, launcher="warm-python", nproc=1)
     assert "world changed from 2 to 1" in resumed.stderr
     got, _ = metrics(run)
     want, _ = reference_losses(tiny_llama, run, STEPS, LR, 2, 0.1, weight_decay=0.1, lora=LORA)

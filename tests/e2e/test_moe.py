@@ -119,7 +119,7 @@ def one_rank_export(tmp_path_factory, cache, family: str, model) -> dict:
         from tests.e2e.test_vs_reference import COMMON
         out = tmp_path_factory.mktemp(f"one-rank-{family}")
         launch([*COMMON, f"--model.name_or_path={model}", "--ds_config", "zero2.json", "--output_dir", str(out),
-                "--train.grad_accum_steps=4", f"--train.eps={EPS}"], cache, launcher="python", nproc=1)
+                "--train.grad_accum_steps=4", f"--train.eps={EPS}"], cache, launcher="warm-python", nproc=1)
         _one_rank_exports[family] = AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
     return _one_rank_exports[family]
 

@@ -97,7 +97,7 @@ def test_kill9_then_resume_on_one_rank(tmp_path, cache, tiny_llama):
     bound = bounds()
     killed = kill_rank_after_checkpoint(args, run_dir, cache, step=4, rank=1)
     assert killed.returncode != 0, killed.stdout[-3000:]
-    resumed = launch(args, cache, launcher="python")
+    resumed = launch(args, cache, launcher="warm-python")
     assert "universal checkpoint" in resumed.stderr, resumed.stderr[-3000:]
     import torch
     saved = torch.load(run_dir / "checkpoints/step_00000004/zero_pp_rank_0_mp_rank_00_optim_states.pt",

@@ -151,7 +151,7 @@ def test_kill9_mid_run_then_resume_on_one_rank_matches_uninterrupted(tmp_path, c
     args = args_for(tiny_llama, "zero2.json", run_dir, ["--checkpoint.every=3", "--world_size=2"])
     killed = kill_rank_after_checkpoint(args, run_dir, cache, step=3, rank=1)
     assert killed.returncode != 0, killed.stdout[-3000:]
-    resumed = launch(args, cache, launcher="python")
+    resumed = launch(args, cache, launcher="warm-python")
     assert "reference log-probs of" in resumed.stderr and "read from" in resumed.stderr
     got, want = metrics(run_dir)[0], metrics(whole)[0]
     assert len(got) == STEPS and got == pytest.approx(want, rel=1e-5, abs=0)

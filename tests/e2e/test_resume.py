@@ -64,10 +64,10 @@ def test_resume_is_exact_with_dropout(tmp_path, cache, tiny_gpt2_dropout):
 def test_finished_run_does_not_train_again(tmp_path, cache, tiny_llama):
     run = tmp_path / "run"
     args = ARGS + [f"--model.name_or_path={tiny_llama}", "--output_dir", str(run), "--train.max_steps=3"]
-    launch(args, cache, launcher="python")
+    launch(args, cache, launcher="warm-python")
     before = (run / "metrics.jsonl").read_text()
     hf_mtime = (run / "hf" / "model.safetensors").stat().st_mtime_ns
-    proc = launch(args, cache, launcher="python")
+    proc = launch(args, cache, launcher="warm-python")
     assert "resumed from" in proc.stderr and "at step 3" in proc.stderr
     assert (run / "metrics.jsonl").read_text() == before
     assert (run / "hf" / "model.safetensors").stat().st_mtime_ns == hf_mtime

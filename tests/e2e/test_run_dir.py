@@ -18,7 +18,7 @@ def test_another_run_in_the_same_directory_is_refused_and_init_from_starts_from_
                                                                                             tiny_llama):
     pretrain = tmp_path / "pt"
     launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--train.max_steps=3", "--train.lr=1e-2",
-                     "--output_dir", str(pretrain)], cache, launcher="python")
+                     "--output_dir", str(pretrain)], cache, launcher="warm-python")
     before = _snapshot(pretrain)
 
     # what the user did: the SFT recipe pointed at the pretraining run's directory
@@ -70,13 +70,13 @@ def test_a_recipe_written_for_more_ranks_keeps_its_global_batch(tmp_path, cache,
                       "train:\n  micro_batch_size: 2\n  grad_accum_steps: 1\n  max_steps: 1\n")
     run = tmp_path / "run"
     proc = launch(COMMON + ["--recipe", str(recipe), "--train.micro_batch_size=2", "--output_dir", str(run)], cache,
-                  launcher="python")
+                  launcher="warm-python")
     assert "written for world_size 4; on 1 grad_accum_steps 1 -> 4 keeps its global batch of 8" in proc.stderr
     assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 8
     accepted = tmp_path / "accepted"
     proc = launch(COMMON + ["--recipe", str(recipe), "--train.micro_batch_size=2", "--world_size", "1",
                             "--output_dir", str(accepted)], cache,
-                  launcher="python")
+                  launcher="warm-python")
     assert "written for world_size" not in proc.stderr
     assert json.loads((accepted / "ds_config.json").read_text())["train_batch_size"] == 2
 
@@ -128,7 +128,7 @@ def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, t
     assert steps == list(range(1, len(losses) + 1)), "one writer: every step once, in order"
     # the holder is gone: the same directory resumes (a lock a dead run cannot keep)
     proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", f"--train.max_steps={len(losses) + 1}",
-                            "--checkpoint.every=0", "--output_dir", str(run)], cache, launcher="python")
+                            "--checkpoint.every=0", "--output_dir", str(run)], cache, launcher="warm-python")
     assert f"resumed from {run / 'checkpoints'}" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -140,14 +140,14 @@ def test_lora_on_the_weights_of_another_run_trains_and_resumes_on_them(tmp_path,
             "--log.plot=false", "--train.seq_len=32"]
     pretrain = tmp_path / "pt"
     launch(base + ["--train.max_steps=6", "--train.lr=1e-2", "--output_dir", str(pretrain)], cache,
-           launcher="python")
+           launcher="warm-python")
     pretrained = metrics(pretrain)[0]
     lora = base + ["--lora.r=4", "--lora.alpha=16", "--init_from", str(pretrain), "--train.max_steps=3",
                    "--train.lr=1e-2", "--train.warmup_steps=0"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    launch(lora + ["--output_dir", str(whole)], cache, launcher="python")
-    launch(lora + ["--output_dir", str(parts), "--train.exit_at_step=1"], cache, launcher="python")
-    proc = launch(lora + ["--output_dir", str(parts)], cache, launcher="python")
+    launch(lora + ["--output_dir", str(whole)], cache, launcher="warm-python")
+    launch(lora + ["--output_dir", str(parts), "--train.exit_at_step=1"], cache, launcher="warm-python")
+    proc = launch(lora + ["--output_dir", str(parts)], cache, launcher="warm-python")
     assert "resumed from" in proc.stderr, proc.stderr[-3000:]
     reference = metrics(whole)[0]
     # the adapters start at zero: the first LoRA step is the pretrained model's loss level, not a random model's

@@ -127,8 +127,9 @@ def test_gpt2_family_under_zero3(tmp_path, cache, tiny_gpt2):
     run_and_compare(tmp_path, cache, tiny_gpt2, "zero3.json")
 
 
-# the other tests launch with torchrun (tests/helpers.py: launch): the deepspeed runner's numbers here
-@pytest.mark.parametrize("launcher,nproc", [("deepspeed", 2), ("accelerate", 2), ("python", 1)])
+# the other tests' successful runs launch on warm ranks (tests/helpers.py: launch, tests/warm.py): every real
+# launcher's numbers here, and torchrun's against the warm ranks' bit for bit
+@pytest.mark.parametrize("launcher,nproc", [("deepspeed", 2), ("torchrun", 2), ("accelerate", 2), ("python", 1)])
 def test_other_launchers(tmp_path, cache, tiny_llama, launcher, nproc):
     # accelerate passes its --deepspeed_config_file (zero1.json, see helpers) through the environment
     ds = None if launcher == "accelerate" else "zero2.json"
@@ -137,6 +138,12 @@ def test_other_launchers(tmp_path, cache, tiny_llama, launcher, nproc):
     if launcher == "accelerate":  # the recipe says zero2.json: stage 1 proves accelerate's file was used
         import json
         assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
+    if launcher == "torchrun":  # a warm fork computes what a fresh process does: the same losses and norms exactly
+        warm_dir = tmp_path / "warm"
+        launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", ds, "--output_dir", str(warm_dir)],
+               cache, launcher="warm")
+        assert [(r["loss"], r["grad_norm"]) for r in _step_rows(warm_dir)] == \
+            [(r["loss"], r["grad_norm"]) for r in _step_rows(run_dir)]
 
 
 def test_sft_loss_weighs_every_response_token_equally(tmp_path, cache, tiny_llama):

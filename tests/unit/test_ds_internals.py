@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import deepspeed
@@ -752,6 +753,51 @@ def test_universal_loaders_each_stage_reads_what_universal_for_any_stage_complet
     assert "if not self.load_universal_checkpoint():\n            self.load_module_state_dict" in load_source and \
         "optim_checkpoint = checkpoint" in load_source, \
         moved("ZeRO-0's load path (no weights from a universal folder; the model-states file handed to the optimizer)")
+
+
+def test_a_universal_checkpoint_loaded_into_zero0_trains_on_at_the_schedules_learning_rate(tmp_path):
+    """A ZeRO-N checkpoint resumed under ZeRO-0 (load_universal_into_plain_optimizer, on a universal folder written
+    here as ds_to_universal writes one): the weights, Adam's moments and step, the engine's counters, and the
+    learning rate the schedule had reached. DeepSpeed steps the schedule after the optimizer, so the first resumed
+    step uses what each group holds: issue 83 planted the restored rate not applied (the groups kept the fresh
+    schedule's warm-up rate) and only a launched resume noticed."""
+    from dstrain.config import TrainConfig
+    from dstrain.trainer import schedule
+
+    train = TrainConfig(lr=1e-3, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(saved.parameters(), lr=train.lr)
+    sched = schedule.make(opt, train)
+    for _ in range(5):
+        saved(torch.randn(2, 4)).sum().backward()
+        opt.step(), sched.step(), opt.zero_grad()
+    folder = tmp_path / "step_00000005.universal"
+    for name, param in saved.named_parameters():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save({"param": param.detach().clone()}, folder / "zero" / name / "fp32.pt")
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.save({"param": opt.state[param][key].clone()}, folder / "zero" / name / f"{key}.pt")
+        torch.save(int(opt.state[param]["step"]), folder / "zero" / name / "step.pt")
+    torch.save({"global_steps": 5, "global_samples": 40, "skipped_steps": 0, "lr_scheduler": sched.state_dict()},
+               folder / "mp_rank_00_model_states.pt")
+
+    torch.manual_seed(1)
+    module = torch.nn.Linear(4, 3)
+    fresh = torch.optim.AdamW(module.parameters(), lr=train.lr)
+    engine = SimpleNamespace(module=module, optimizer=fresh, lr_scheduler=schedule.make(fresh, train),
+                             train_batch_size=lambda: 8)
+    assert fresh.param_groups[0]["lr"] != pytest.approx(sched.get_last_lr()[0])  # the fresh schedule's warm-up
+    ds_internals.load_universal_into_plain_optimizer(engine, folder)
+    assert [g["lr"] for g in fresh.param_groups] == pytest.approx(sched.get_last_lr(), rel=1e-12)
+    assert engine.lr_scheduler.get_last_lr() == pytest.approx(sched.get_last_lr(), rel=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), saved.parameters()))
+    assert (engine.global_steps, engine.global_samples) == (5, 40)
+    x = torch.randn(2, 4)  # the next step is the one the uninterrupted optimizer takes
+    for m, o in ((module, fresh), (saved, opt)):
+        m(x).sum().backward()
+        o.step()
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(module.parameters(), saved.parameters()))
 
 
 def test_nothing_outside_ds_internals_reaches_a_private_deepspeed_name():

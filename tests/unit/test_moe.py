@@ -218,18 +218,38 @@ def test_a_collapsing_router_is_said_once_and_the_watch_resumes_where_it_was():
     watch = moe.RouterWatch(experts=4, top_k=2, say=said.append, patience=3)
     assert isinstance(watch, StepHook)
 
-    def step(n, peak, cv):  # peak 1.5: the busiest expert has 1.5 x 2 / 4 = 75% of the tokens
+    def step(n, peak, cv):  # peak 1.8: the busiest expert has 1.8 x 2 / 4 = 90% of the tokens
         watch.after_step(StepResult(n, 1.0, 1.0, 0.1, 0.0, {"expert_load_max": peak, "expert_load_cv": cv,
                                                              "expert_load_worst_layer": 1}))
 
-    step(1, 1.5, 0.5), step(2, 1.5, 0.5), step(3, 0.9, 0.1)  # not 3 in a row: nothing said
-    step(4, 1.5, 0.6), step(5, 1.5, 0.6)
+    step(1, 1.8, 0.5), step(2, 1.8, 0.5), step(3, 0.9, 0.1)  # not 3 in a row: nothing said
+    step(4, 1.8, 0.6), step(5, 1.8, 0.6)
     again = moe.RouterWatch(experts=4, top_k=2, say=said.append, patience=3)
     again.load_state_dict(watch.state_dict())  # a resume in the middle of the streak keeps it
     watch = again
-    step(6, 1.5, 0.7), step(7, 1.5, 0.7)
-    assert len(said) == 1 and "MoE layer 1 one expert has taken 75% of the tokens for 3 steps" in said[0], said
+    step(6, 1.8, 0.7), step(7, 1.8, 0.7)
+    assert len(said) == 1 and "MoE layer 1 one expert has taken 90% of the tokens for 3 steps" in said[0], said
     assert watch.summary() == {"expert_load_cv": {"first": 0.5, "last": 0.7, "worst": 0.7}, "routing_collapsed_at": 6}
+
+
+@pytest.mark.parametrize("experts,top_k,peak", [(4, 2, 1.0), (4, 2, 1.5), (8, 2, 2.0), (64, 8, 1.0), (2, 2, 1.0)])
+def test_balanced_or_half_way_routing_never_warns(experts, top_k, peak):
+    """Perfectly balanced routing (peak 1.0) never reads as collapsed, whatever the shape: with 4 experts and top-2
+    the busiest expert's balanced share is 50%, which a fixed 50% line called collapsed after 20 steps (issue 83).
+    Up to halfway from the balanced share to every token (4 experts top-2: 75%; 8 top-2: 62.5%) stays quiet too."""
+    from dstrain.trainer.hooks import StepResult
+
+    said = []
+    watch = moe.RouterWatch(experts=experts, top_k=top_k, say=said.append, patience=3)
+    for n in range(1, 31):
+        watch.after_step(StepResult(n, 1.0, 1.0, 0.1, 0.0, {"expert_load_max": peak, "expert_load_cv": 0.0,
+                                                             "expert_load_worst_layer": 0}))
+    assert said == [] and watch.summary()["routing_collapsed_at"] is None
+    over = moe.RouterWatch(experts=8, top_k=2, say=said.append, patience=3)  # 8 x 0.66 / 2 = 2.64 -> 66% > 62.5%
+    for n in range(1, 4):
+        over.after_step(StepResult(n, 1.0, 1.0, 0.1, 0.0, {"expert_load_max": 2.64, "expert_load_cv": 1.0,
+                                                            "expert_load_worst_layer": 0}))
+    assert len(said) == 1 and "66% of the tokens" in said[0]
 
 
 def _ep_setup(config, ds_extra: dict | None = None, world: int = 2, ep: dict | None = None):
@@ -376,7 +396,8 @@ def test_another_ep_size_on_the_same_ranks_goes_through_the_universal_conversion
     assert not adapt_to_world(Resume(path, manifest), train, Layout(2, expert_parallel=2))[1].universal
     lora = {**manifest, "run": {"lora.r": 8}}
     assert adapt_to_world(Resume(path, lora), train, Layout(2, expert_parallel=2)) == (train, Resume(path, lora))
-    for layout in (Layout(2, expert_parallel=1), Layout(1, expert_parallel=1)):
+    # another EP size, and (issue 83: only a launch caught it before) the same EP size on another rank count
+    for layout in (Layout(2, expert_parallel=1), Layout(1, expert_parallel=1), Layout(4, expert_parallel=2)):
         with pytest.raises(UserError, match="trained LoRA \\(r=8\\) beside expert parallelism on 2 data-parallel "
                                             "ranks with autoep_size=2; it resumes only on that layout"):
             adapt_to_world(Resume(path, lora), train, layout)
@@ -499,3 +520,157 @@ def test_autoep_names_the_shared_experts_its_own_way_and_the_export_maps_them_ba
                                                              "shared_experts_gate": "shared_expert_gate"}
     assert ds_internals.autoep_shared_names("deepseek_v3") == {} == ds_internals.autoep_shared_names("mixtral")
     assert ds_internals.autoep_shared_names("gpt_oss") == {}
+
+
+@pytest.mark.parametrize("shared_kept", [True, False])
+def test_a_replaced_block_that_lost_its_shared_experts_ends_the_run(monkeypatch, shared_kept):
+    """After deepspeed.initialize each AutoEP layer must hold what the block held beside its routed experts and
+    router. A DeepSeek-V3 whose AutoEP section says has_shared_experts=false trains without its shared experts
+    (issue 83: with the comparison inverted no test noticed); here each block is taken as replaced, once with its
+    shared expert and once without it (as AutoEP leaves it then)."""
+    from types import SimpleNamespace
+
+    from dstrain.components import expert_parallel
+    from dstrain.parallel import ds_internals
+
+    config, model = tiny("deepseek_v3")
+    ds, setup = _ep_setup(config)
+    component = expert_parallel.make(ds)
+    component.validate(setup)
+    component.convert(model, setup)
+    blocks = {name.removesuffix(".experts"): model.get_submodule(name.removesuffix(".experts"))
+              for name in component.blocks}
+    assert len(blocks) == 2 and all(sum(p.numel() for p in b.shared_experts.parameters()) for b in blocks.values())
+    if not shared_kept:
+        for block in blocks.values():
+            del block.shared_experts
+    monkeypatch.setattr(ds_internals, "autoep_layers", lambda module: blocks)
+    monkeypatch.setattr(ds_internals, "autoep_local_experts", lambda layer: 2)
+    said = []
+    setup.log = said.append
+    if shared_kept:
+        component.attach(SimpleNamespace(module=model), setup)
+        assert said == ["expert parallelism: 2 MoE blocks, their experts split over 2 ranks (2 per rank)"]
+    else:
+        with pytest.raises(RuntimeError, match=r"holds 0 parameters beside its routed experts and router where the "
+                                               r"model's block held \d+ \(its shared experts\?\)"):
+            component.attach(SimpleNamespace(module=model), setup)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_load_balancing_loss_over_several_micro_batches_is_their_mean(family):
+    """A global batch of 3 micro-batches with different numbers of label tokens, summed as the train step sums them
+    (each loss_sum over totals of the whole batch): the loss minimised is the token mean of the cross-entropy plus
+    coef x the MEAN of the micro-batches' aux losses, written here from transformers' per-micro-batch outputs. Issue
+    83: with the aux term not divided by the micro-batches every unit test passed (one micro-batch each) and only a
+    launched run noticed; here it is 3x the aux term."""
+    from types import SimpleNamespace
+
+    from dstrain.config import Recipe
+    from dstrain.objectives.causal_lm import CausalLM
+    from dstrain.parallel.layout import Layout
+
+    config, model = tiny(family, router_aux_loss_coef=0.05)
+    objective = CausalLM()
+    objective.validate(SimpleNamespace(recipe=Recipe(), model_config=config, layout=Layout(world_size=1),
+                                       log=lambda line: None))
+    objective.before_training(SimpleNamespace(module=model), [], None, None, "")
+    torch.manual_seed(1)
+    batches = []
+    for masked in (0, 5, 11):  # the label tokens differ per micro-batch
+        ids = torch.randint(0, 64, (2, TOKENS))
+        labels = ids.clone()
+        labels[0, :masked] = -100
+        batches.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
+    totals = {}
+    for batch in batches:
+        for key, value in objective.counts(batch).items():
+            totals[key] = totals.get(key, 0) + value
+    assert totals["micro_batches"] == 3
+    model.train()
+    summed = sum(objective.loss_sum(model, batch, totals)[0] for batch in batches)
+    ce_sum, aux = 0.0, []
+    for batch in batches:
+        out = model(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_router_logits=True)
+        ce_sum += torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 64), batch["labels"][:, 1:].reshape(-1),
+                                                    ignore_index=-100, reduction="sum")
+        aux.append(out.aux_loss)
+    want = ce_sum / totals["label_tokens"] + 0.05 * sum(aux) / 3
+    assert len({round(float(a), 6) for a in aux}) == 3  # the three aux losses differ: a mean is not any one of them
+    assert float(summed) / totals["label_tokens"] == pytest.approx(float(want), rel=1e-6)
+
+
+def test_moe_flops_count_partitioned_experts_by_their_whole_size():
+    """Under ZeRO-3 (zero.Init) each parameter's data is this rank's partition, here none of it (numel() 0), and
+    its whole size is ds_numel: the routed experts a token skips must be counted whole, or MFU is too high (issue 83:
+    a Qwen3-MoE ZeRO-3 cell read 32% too high with numel(), and every test passed). The partitioning is imitated as
+    ZeRO-3 leaves a parameter of another rank's share: empty data, and the attributes DeepSpeed's
+    partition_parameters.py gives every zero.Init parameter (ds_numel, the whole size; ds_tensor, the partition)."""
+    config, model = tiny("qwen3_moe")
+    whole = moe.inactive_parameters(model)
+    assert whole > 0
+    for block in moe.moe_blocks(model):
+        for param in model.get_submodule(block.name).parameters():
+            param.ds_numel, param.ds_tensor = param.numel(), torch.empty(0)
+            param.data = torch.empty(0)
+    assert all(p.numel() == 0 for b in moe.moe_blocks(model) for p in model.get_submodule(b.name).parameters())
+    assert moe.inactive_parameters(model) == whole
+
+
+def _autoep_checkpoint(folder: Path, model, block: str, experts_module, layer_id: int = 0) -> None:
+    """A ZeRO-1/2 AutoEP checkpoint of one MoE block as DeepSpeed writes it: the module states without the routed
+    experts (the router under AutoEP's `router.gate` name) and one file per expert holding its w1/w2/w3, the
+    experts cut by DeepSpeed's own repacker (deepspeed.moe.ep_repack.repack_expert_weights: w1 the gate, w3 the up
+    projection, from either fused layout), so the layout is DeepSpeed's and not the export's idea of it."""
+    from types import SimpleNamespace
+
+    from deepspeed.moe.ep_repack import repack_expert_weights
+
+    experts = experts_module.gate_up_proj.shape[0]
+    spec = SimpleNamespace(expert_storage="fused_3d", expert_w1_name="gate_up_proj", expert_w2_name="down_proj",
+                           expert_w3_name=None, num_experts=experts)
+    w1, w2, w3 = repack_expert_weights(experts_module, spec, ep_rank=0, ep_size=1)
+    module = {}
+    for key, value in model.state_dict().items():
+        if key.startswith(f"{block}.experts."):
+            continue
+        module[key.replace(f"{block}.gate.", f"{block}.router.gate.")] = value.clone()
+    folder.mkdir(parents=True)
+    torch.save({"module": module, "ds_autoep_layers": [{"module_path": block, "moe_layer_id": layer_id,
+                                                        "num_experts": experts}]},
+               folder / "mp_rank_00_model_states.pt")
+    for e in range(experts):
+        torch.save({f"{block}.experts.{w}.{e}": t[e].clone() for w, t in (("w1", w1), ("w2", w2), ("w3", w3))},
+                   folder / f"layer_{layer_id}_expert_{e}_mp_rank_00_model_states.pt")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_expert_parallel_export_restores_transformers_fused_layout(tmp_path, transposed):
+    """An AutoEP checkpoint (synthetic: tiny Mixtral of one MoE layer, experts repacked by DeepSpeed) exported back to
+    the model's names and fused layout, gate before up in gate_up_proj [E, 2F, H] and down_proj [E, H, F], or the
+    transposed layout ([E, H, 2F], [E, F, H]) some families keep: every tensor equal to the model's. Issue 83: gate
+    and up swapped in the export was caught only by a launched EP run."""
+    from dstrain.run.export import consolidated_state_dict
+
+    config, model = tiny("mixtral")
+    model.model.layers = model.model.layers[:1]  # one MoE layer is enough
+    block = "model.layers.0.mlp"
+    experts = model.get_submodule(f"{block}.experts")
+    torch.manual_seed(3)  # gate and up differ everywhere (a swap must show)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn_like(p))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    source = experts
+    if transposed:  # the other fused layout: the same weights stored [E, H, 2F] and [E, F, H]
+        source = torch.nn.Module()
+        source.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().transpose(1, 2).contiguous())
+        source.down_proj = torch.nn.Parameter(experts.down_proj.detach().transpose(1, 2).contiguous())
+        want[f"{block}.experts.gate_up_proj"] = source.gate_up_proj.detach().clone()
+        want[f"{block}.experts.down_proj"] = source.down_proj.detach().clone()
+    ckpt = tmp_path / "checkpoints" / "step_00000001"
+    _autoep_checkpoint(ckpt, model, block, source)
+    got = consolidated_state_dict(ckpt, shapes=lambda: {k: v.shape for k, v in want.items()}, model_type="mixtral")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value.float()), key

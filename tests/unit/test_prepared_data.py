@@ -101,6 +101,19 @@ def test_killed_run_keeps_finished_shards_and_completes_identically(reference, c
     assert _digests(out) == _digests(reference)
 
 
+def test_the_old_command_name_still_prepares_the_same_corpus(reference, corpus, tmp_path):
+    """`python -m dstrain.prepare_data`, the corpus command of earlier releases and of people's SLURM scripts, was
+    gone without a word once it moved to dstrain/data/prepare_corpus.py (issue 83): it is an alias again, with a
+    one-line note, writing the same bytes as the new command."""
+    out = tmp_path / "old-name"
+    proc = subprocess.run([sys.executable, "-m", "dstrain.prepare_data", f"--data.path={corpus}", f"--output={out}",
+                           "--shard_documents=100"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.startswith("note: `python -m dstrain.prepare_data` is now `python -m dstrain.data."
+                                  "prepare_corpus` (same arguments); the old name keeps working\n")
+    assert _digests(out) == _digests(reference)
+
+
 def test_rerun_with_other_inputs_or_a_foreign_directory_is_refused(reference, corpus, tmp_path):
     before = _digests(reference)
     with pytest.raises(UserError, match="prepared from other inputs .shard_count, shard_documents differ."):

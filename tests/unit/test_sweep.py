@@ -3,6 +3,7 @@ overrides a trial gets, parameters drawn by trial number, pruning judged in tria
 The launched studies (uninterrupted, killed and restarted, a SLURM array) are in tests/cluster/test_sweep.py."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -224,6 +225,23 @@ def test_a_second_study_in_an_old_output_directory_is_refused_and_touches_nothin
                                       f"it its own directory (--output_dir={tmp_path / name})"), proc.stderr
         assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert study.open_study(spec.load(first.path, [f"--output_dir={out}"]))  # the first continues as before
+
+
+def test_a_second_study_in_a_shared_storage_is_refused_by_the_directorys_study_file(tmp_path):
+    """With an outside --storage (the docs' PostgreSQL across nodes; an SQLite file outside the directory here) the
+    database holds many studies and cannot say whose trial directories these are: study.json, written by the first
+    study to open the directory, does. Issue 83: with it never written a second study was accepted into the first's
+    directory (its trial_000 the first's) and no test noticed."""
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    out = tmp_path / "out"
+    first = spec.load(write(tmp_path, GOOD), [f"--output_dir={out}", f"--storage={storage}"])
+    study.open_study(first)
+    assert json.loads((out / study.STUDY_FILE).read_text())["study_name"] == first.study_name
+    other = spec.load(first.path, [f"--output_dir={out}", f"--storage={storage}", "--study_name=other"])
+    with pytest.raises(UserError, match=f"{out} holds the trials of study 's', and this is study 'other'"):
+        study.open_study(other)
+    assert study.open_study(spec.load(first.path, [f"--output_dir={tmp_path / 'other'}", f"--storage={storage}",
+                                                   "--study_name=other"]))  # its own directory: fine
 
 
 def test_the_best_command_runs_from_a_shell_without_the_virtualenv(tmp_path):

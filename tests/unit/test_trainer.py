@@ -158,3 +158,110 @@ def test_a_stop_is_agreed_by_every_rank_when_any_one_was_signalled(tmp_path, mon
     assert stop.agreed(12, torch.device("cpu")) is True
     assert stop.stopped_at == 12
     assert stop.reason == ("SIGTERM" if signalled else "another rank was signalled")
+
+
+def test_a_resumed_run_gives_every_step_hook_the_state_its_checkpoint_kept(tmp_path, monkeypatch):
+    """The resume contract end to end in-process: the hooks a run builds (the trainer's own _hooks: the components,
+    the objective's router watch, the slow-rank check, the NaN/spike gate) write their state into the manifest
+    (Trainer.state_dict), and a second trainer built from that manifest starts with the same state. Issue 83: with
+    the restore left out only a launched resume noticed (a spike window and a collapse streak that began again)."""
+    from dstrain import moe
+    from dstrain.config import FaultConfig
+    from dstrain.parallel.layout import Layout
+    from dstrain.run import health
+    from dstrain.trainer.trainer import Trainer
+
+    monkeypatch.setattr(health, "all_gather_objects", lambda value: [value])
+    monkeypatch.setattr(health.ds_internals, "gate_optimizer_step", lambda engine, decide: lambda: None)
+
+    def trainer() -> Trainer:
+        t = Trainer.__new__(Trainer)
+        said = []
+        t.resolved = SimpleNamespace(setup=SimpleNamespace(precision="fp32"), features=[], identity={"recipe": "x"},
+                                     ds_cfg={"zero_optimization": {"stage": 2}})
+        t.recipe = SimpleNamespace(fault=FaultConfig())
+        t.layout, t.run_dir, t.steps_per_batch = Layout(1), tmp_path, 1
+        t.engine = SimpleNamespace(skipped_steps=0, device=torch.device("cpu"), optimizer=None)
+        t.metrics = SimpleNamespace(message=said.append)
+        t.locate_nonfinite = lambda step: None
+        t.objective = SimpleNamespace(step_hooks=lambda say: [moe.RouterWatch(4, 2, say, patience=20)])
+        t.stream = SimpleNamespace(global_batch=4, offset=0)
+        return t
+
+    first = trainer()
+    first.hooks = first._hooks(None)
+    router, gate = first.hooks.hooks[1], first.hooks.hooks[-1]
+    assert isinstance(router, moe.RouterWatch) and gate.name == "health"
+    for step in range(1, 6):  # a routing streak under way and a spike window being filled
+        result = StepResult(step, 5.0 - 0.1 * step, 1.0 + 0.01 * step, 0.1, 0.0,
+                            {"expert_load_max": 1.9, "expert_load_cv": 0.4, "expert_load_worst_layer": 0})
+        router.after_step(result)
+        gate.after_step(result)
+    saved = first.hooks.state_dict()
+    assert saved["router"]["streak"] == 5 and len(saved["health"]["losses"]) == 5
+    manifest = first.state_dict(5)
+    resumed = trainer()
+    resumed.hooks = resumed._hooks(manifest)
+    assert resumed.hooks.state_dict() == saved
+    assert trainer()._hooks(None).state_dict() != saved  # a new run starts empty: the comparison can fail
+
+
+def _tiny_causal_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+
+
+def _eval_batches(rank: int) -> list[dict]:
+    """Each rank's validation batches: different row counts and masked tokens, so a rank's own mean is not the
+    global one."""
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = []
+    for rows, masked in ((2, 3 * rank), (1 + rank, 7)):
+        ids = torch.randint(0, 64, (rows, 12), generator=g)
+        labels = ids.clone()
+        labels[:, :masked] = -100
+        batches.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
+    return batches
+
+
+class _Engine(torch.nn.Module):
+    """What evaluate() asks of DeepSpeed's engine: the module, eval()/train(), the device, a forward."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.device = module, torch.device("cpu")
+
+    def forward(self, **kwargs):
+        return self.module(**kwargs)
+
+
+def _evaluate_rank(rank: int):
+    from dstrain.objectives.causal_lm import CausalLM
+    from dstrain.parallel.layout import Layout
+    from dstrain.trainer.steps import evaluate
+
+    objective = CausalLM()
+    objective.router_aux, objective.counter = 0.0, None
+    return evaluate(_Engine(_tiny_causal_lm()), _eval_batches(rank), Layout(2), objective)
+
+
+def test_evaluation_is_the_token_mean_over_every_data_parallel_ranks_batches():
+    """evaluate() on two gloo ranks (warm processes) holding different validation batches: both report the loss
+    over all the label tokens of both ranks, computed here in one process from the same model. Issue 83: without
+    its all-reduce each rank reported its own share and only a launched run's eval_loss noticed."""
+    from tests import warm
+
+    results = warm.run_ranks(_evaluate_rank, 2)
+    model = _tiny_causal_lm().eval()
+    total, tokens = 0.0, 0
+    for rank in range(2):
+        for batch in _eval_batches(rank):
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1),
+                                                             ignore_index=-100, reduction="sum"))
+            tokens += int((labels != -100).sum())
+    assert [r[0] for r in results] == pytest.approx([total / tokens] * 2, rel=1e-6)

@@ -1,0 +1,94 @@
+"""The warm rank processes launched tests run on (tests/warm.py): the forkserver a rank is forked from holds no
+thread a fork would lose and no state a run would inherit, an environment a fork cannot give launches for real, and
+a failing rank is reported with its own traceback."""
+from __future__ import annotations
+
+import multiprocessing.forkserver as forkserver
+import os
+
+import pytest
+
+from tests import warm
+
+# the forkserver's threads: its own, and pyarrow's jemalloc background thread (imported by datasets), which jemalloc
+# itself re-creates after a fork (its pthread_atfork handlers); a thread pool of torch, gloo or tokenizers would be
+# lost in every fork and is not allowed
+ALLOWED_THREADS = {"python", "jemalloc_bg_thd"}
+
+
+def _state(rank: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from deepspeed import comm
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "threads": torch.get_num_threads(),
+            "deepspeed_comm": comm.is_initialized(), "pid": os.getpid()}
+
+
+def _fails(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 says no")
+
+
+def test_the_forkserver_holds_only_threads_a_fork_keeps_and_each_fork_starts_fresh():
+    first = warm.run_ranks(_state, 2)
+    pid = forkserver._forkserver._forkserver_pid
+    names = [open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")]
+    assert set(names) <= ALLOWED_THREADS and names.count("python") == 1, names
+    second = warm.run_ranks(_state, 2)
+    for run in (first, second):  # each launch its own group; DeepSpeed's comm never initialised in the forkserver
+        assert [(r["rank"], r["world"], r["threads"], r["deepspeed_comm"]) for r in run] == \
+            [(0, 2, 1, False), (1, 2, 1, False)]
+    assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in second)
+
+
+def test_an_environment_a_fork_cannot_give_launches_for_real():
+    base = dict(os.environ)
+    assert warm.can_fork(base)
+    assert warm.can_fork({**base, "DSTRAIN_FAULT": "step:stall:rank=1:step=5", "WANDB_MODE": "offline",
+                          "OMP_NUM_THREADS": "2", "PYTEST_CURRENT_TEST": "another"})  # read when train.py asks
+    for name, value in (("MALLOC_MMAP_THRESHOLD_", "131072"), ("HF_HUB_OFFLINE", "1"), ("LD_PRELOAD", "x.so"),
+                        ("HF_DATASETS_CACHE", "/tmp/elsewhere"), ("TORCH_LOGS", "+dynamo")):
+        assert not warm.can_fork({**base, name: value}), name  # read at import or at a process's start
+
+
+def test_a_failing_rank_is_reported_with_its_traceback():
+    with pytest.raises(AssertionError, match=r"rank 1: Traceback[\s\S]*ValueError: rank 1 says no"):
+        warm.run_ranks(_fails, 2)
+
+
+def _import_time_nodes(tree):
+    """The nodes of a module that run when it is imported: its statements outside function bodies (class bodies
+    included) and every function's default values and decorators."""
+    import ast
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            stack += [*node.args.defaults, *[d for d in node.args.kw_defaults if d], *node.decorator_list]
+            continue
+        if isinstance(node, ast.ClassDef):
+            stack += [*node.body, *node.decorator_list, *node.bases]
+            continue
+        yield node
+        stack += [child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.Lambda)]
+
+
+def test_dstrain_reads_no_environment_variable_when_imported():
+    """A warm rank is a fork of a process that imported dstrain before the rank's environment was set: a variable
+    read at import is the forkserver's, not the launch's. dstrain/run/faults.py read DSTRAIN_FAULT at import, and in
+    warm ranks no injected fault fired (seen: the background-save and health tests failed). Every variable is read
+    when asked (dstrain/env.py's functions, os.environ) and nothing at import."""
+    import ast
+
+    found = []
+    for path in sorted((warm.ROOT / "dstrain").rglob("*.py")):
+        if path.name == "env.py":
+            continue
+        for node in _import_time_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "env":
+                found.append(f"{path.relative_to(warm.ROOT)}:{node.lineno}: env.{node.func.attr}()")
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                found.append(f"{path.relative_to(warm.ROOT)}:{node.lineno}: os.{node.attr}")
+    assert not found, found

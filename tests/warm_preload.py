@@ -1,0 +1,19 @@
+"""What tests/warm.py's forkserver imports once, before it forks any rank: every module a train.py rank imports
+before its first step in the suite's runs. Importing starts no thread and initialises no device or process group
+(tests/unit/test_warm.py checks the forkserver holds one thread), so each fork begins as a fresh process would after
+its imports."""
+import datasets  # noqa: F401
+import deepspeed  # noqa: F401
+import peft  # noqa: F401
+import torch  # noqa: F401
+import torch.distributed  # noqa: F401
+import transformers  # noqa: F401
+from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401
+from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
+from transformers.models.llama import modeling_llama  # noqa: F401
+from transformers.models.mixtral import modeling_mixtral  # noqa: F401
+
+import dstrain.cli  # noqa: F401
+import dstrain.parallel.dist  # noqa: F401
+import dstrain.run.watchdog  # noqa: F401
+import dstrain.trainer  # noqa: F401
