@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-fast bench bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -107,6 +107,10 @@ bench: setup
 # where train.py's step time goes against the plain loop's (torch.profiler traces of the same steps, side by side)
 bench-profile: setup
 	$(PY) bench/profile_steps.py $(BENCH_ARGS)
+
+# where a launched test's time goes: the deepspeed runner, torchrun and warm ranks on one short job (a few minutes)
+bench-launches: setup
+	PYTHONPATH=$(CURDIR) $(PY) bench/launches.py --write $(BENCH_ARGS)
 
 # the final-loss gap to the Trainer, its four settings aligned with train.py's one at a time
 bench-loss-gap: setup

@@ -7,16 +7,15 @@ process that imported torch, DeepSpeed, transformers and dstrain once).
 The split of one launch, from the medians: the launcher's own start (torchrun's or the runner's total less the warm
 launch's, less the imports), a rank's imports (a fresh interpreter importing what tests/warm_preload.py imports),
 train.py's set-up up to its first step (from the warm launch's start to the run's `start` event in events.jsonl,
-which train.py writes once the engine is built and any checkpoint loaded), the steps with their evaluations (the
-run's own wall_s in summary.json), and the rest (the final checkpoint, the export, the ranks' exit).
+which train.py writes once the engine is built and any checkpoint loaded), the steps with their evaluations, the
+last checkpoint and the export (from that event to summary.json, written last), and the ranks' exit.
 
-    python bench/launches.py [--repeats 5] [--write]
+    PYTHONPATH=. python bench/launches.py [--repeats 5] [--write]    # (make bench-launches) tests/ importable
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,6 @@ from pathlib import Path
 
 from common import ROOT, write_section
 
-sys.path.insert(0, str(ROOT))
 ARGS = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.micro_batch_size=2", "--train.seq_len=32",
         "--eval.max_batches=1", "--log.wandb=false", "--log.progress_bar=false"]
 LAUNCHERS = ("deepspeed", "torchrun", "warm")
@@ -39,8 +37,8 @@ def one(launcher: str, cache: Path, scratch: Path) -> dict:
     launch([*ARGS, "--output_dir", str(run)], cache, launcher=launcher)
     total = time.time() - began
     start = json.loads((run / "events.jsonl").read_text().splitlines()[0])["time"]
-    steps = json.loads((run / "summary.json").read_text())["wall_s"]
-    return {"total": total, "to_start": start - began, "steps": steps}
+    summary = (run / "summary.json").stat().st_mtime  # written last, after the final checkpoint and the export
+    return {"total": total, "to_start": start - began, "steps": summary - start}
 
 
 def imports() -> float:
@@ -74,9 +72,11 @@ def main() -> None:
               for name in LAUNCHERS]
     split = {"launcher (torchrun)": med["torchrun"]["total"] - warm["total"] - imp,
              "launcher (deepspeed runner)": med["deepspeed"]["total"] - warm["total"] - imp,
-             "a rank's imports": imp, "set-up to the first step": warm["to_start"], "steps and evaluations":
-             warm["steps"], "final checkpoint, export, exit": warm["total"] - warm["to_start"] - warm["steps"]}
-    body = (f"{platform.processor() or platform.machine()}, {len(import_s)} repeats interleaved, medians; the job: "
+             "a rank's imports": imp, "set-up to the first step": warm["to_start"],
+             "steps, evaluations, the last checkpoint and the export": warm["steps"],
+             "the ranks' exit": warm["total"] - warm["to_start"] - warm["steps"]}
+    from dstrain.flops import cpu_name
+    body = (f"{cpu_name()}, 2 cores, {len(import_s)} repeats interleaved, medians; the job: "
             f"the tiny recipe's Llama on 2 CPU ranks, 2 steps, 1 evaluation batch, a checkpoint and the export "
             f"(`{' '.join(ARGS)}`).\n\n" + "\n".join(lines) + "\n\n| part of one launch | s |\n|---|---|\n" +
             "".join(f"| {k} | {v:.1f} |\n" for k, v in split.items()) + "\n")

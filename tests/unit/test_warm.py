@@ -42,7 +42,9 @@ def test_the_forkserver_holds_only_threads_a_fork_keeps_and_each_fork_starts_fre
 
 
 def test_an_environment_a_fork_cannot_give_launches_for_real():
-    base = dict(os.environ)
+    # the forkserver's own environment: this worker's may have changed since it started (an in-process test may have
+    # set a variable, as dstrain.hub sets HF_HUB_OFFLINE; seen in a fresh clone), and launches then run for real
+    base = dict(warm._started_with) if warm._started_with is not None else dict(os.environ)
     assert warm.can_fork(base)
     assert warm.can_fork({**base, "DSTRAIN_FAULT": "step:stall:rank=1:step=5", "WANDB_MODE": "offline",
                           "OMP_NUM_THREADS": "2", "PYTEST_CURRENT_TEST": "another"})  # read when train.py asks
