@@ -182,4 +182,4 @@ assets: setup
 	$(PY) scripts/make_ds_configs.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .suite
