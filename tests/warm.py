@@ -49,6 +49,18 @@ _PRELOAD = "tests.warm_preload"
 _READ_AT_START = ("MALLOC_", "GLIBC_", "LD_", "HF_")
 _RUNTIME_PREFIXES = ("WANDB_", "PYTEST_")
 _RUNTIME_NAMES = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS"}
+# Set by the preload's imports when unset, as a fresh process's imports set them: deepspeed/__init__.py's
+# PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch then asks NVML whether CUDA is there, at call time) and torch._dynamo's
+# TORCHINDUCTOR_CACHE_DIR (its default). A launch whose environment lacks them or holds the import's value (a worker
+# that imported deepspeed itself, as the refusal tests' in-process checks do) forks; each fork sets them again.
+# tests/unit/test_warm.py checks the preload's imports set these and no others.
+def _set_by_import() -> dict:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+
+
+# read at import, but set again in each fork from the launch's environment as the import would have (_offline)
+_RESET_IN_FORK = {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}
 
 
 def can_fork(environ: dict) -> bool:
@@ -57,10 +69,15 @@ def can_fork(environ: dict) -> bool:
     started = _started_with if _started_with is not None else dict(os.environ)
 
     def runtime(name: str) -> bool:
-        return not name.startswith(_READ_AT_START) and (name in DOCUMENTED or name in _RUNTIME_NAMES or
-                                                        name.startswith(_RUNTIME_PREFIXES))
+        return name in _RESET_IN_FORK or not name.startswith(_READ_AT_START) and (
+            name in DOCUMENTED or name in _RUNTIME_NAMES or name.startswith(_RUNTIME_PREFIXES))
 
-    return all(runtime(name) for name in set(environ) | set(started) if environ.get(name) != started.get(name))
+    imported = _set_by_import()
+
+    def same(name: str) -> bool:
+        return environ.get(name, imported.get(name)) == started.get(name, imported.get(name))
+
+    return all(runtime(name) for name in set(environ) | set(started) if not same(name))
 
 
 _started_with: dict | None = None  # the forkserver's environment
@@ -85,17 +102,34 @@ def _rank(argv: list[str], environ: dict, out: str, err: str) -> None:
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(environ)
+    for name, value in _set_by_import().items():
+        os.environ.setdefault(name, value)
     for path, fd in ((out, 1), (err, 2)):  # every rank appends to the same two files, as to a launcher's pipes
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    _offline(environ)
     import torch
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS") or 1))
     sys.argv = [str(ROOT / "train.py"), *argv]
     import runpy
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+def _offline(environ: dict) -> None:
+    """huggingface_hub and datasets read the offline switches once, at import (in the forkserver, with its
+    environment): give their constants the values their import would have read from this launch's (the same
+    expressions as huggingface_hub/constants.py and datasets/config.py). The refusals that name a missing Hub
+    model run with HF_HUB_OFFLINE=1, and an in-process test that switched offline left it in the worker's
+    environment: without this, each of those launched for real."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+    hub.HF_HUB_OFFLINE = hub._is_true(environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE"))
+    own = environ.get("HF_DATASETS_OFFLINE")
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE if own is None else own.upper() in datasets.config.ENV_VARS_TRUE_VALUES
+    datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE
 
 
 def launch(args: list[str], environ: dict, nproc: int, port: int | None, timeout: float,

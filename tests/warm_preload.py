@@ -2,18 +2,25 @@
 before its first step in the suite's runs. Importing starts no thread and initialises no device or process group
 (tests/unit/test_warm.py checks the forkserver holds one thread), so each fork begins as a fresh process would after
 its imports."""
-import datasets  # noqa: F401
-import deepspeed  # noqa: F401
-import peft  # noqa: F401
-import torch  # noqa: F401
-import torch.distributed  # noqa: F401
-import transformers  # noqa: F401
-from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401
-from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
-from transformers.models.llama import modeling_llama  # noqa: F401
-from transformers.models.mixtral import modeling_mixtral  # noqa: F401
+import os
 
-import dstrain.cli  # noqa: F401
-import dstrain.parallel.dist  # noqa: F401
-import dstrain.run.watchdog  # noqa: F401
-import dstrain.trainer  # noqa: F401
+_BEFORE = dict(os.environ)
+
+import datasets  # noqa: F401, E402
+import deepspeed  # noqa: F401, E402
+import peft  # noqa: F401, E402
+import torch  # noqa: F401, E402
+import torch.distributed  # noqa: F401, E402
+import transformers  # noqa: F401, E402
+from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401, E402
+from transformers.models.gpt2 import modeling_gpt2  # noqa: F401, E402
+from transformers.models.llama import modeling_llama  # noqa: F401, E402
+from transformers.models.mixtral import modeling_mixtral  # noqa: F401, E402
+
+import dstrain.cli  # noqa: F401, E402
+import dstrain.parallel.dist  # noqa: F401, E402
+import dstrain.run.watchdog  # noqa: F401, E402
+import dstrain.trainer  # noqa: F401, E402
+
+# what the imports set in the environment (tests/unit/test_warm.py compares it with warm._set_by_import)
+ADDED = {name: value for name, value in os.environ.items() if _BEFORE.get(name) != value}

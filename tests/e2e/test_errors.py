@@ -12,7 +12,7 @@ QUICK = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.micro_batch_s
          "--eval.max_batches=1", "--log.wandb=false", "--log.progress_bar=false"]
 
 
-def fails(args, cache, tmp_path, expected: str, launcher: str = "python", **env):
+def fails(args, cache, tmp_path, expected: str, launcher: str = "warm-python", **env):
     fresh = not (tmp_path / "run").exists()
     proc = launch(QUICK + ["--output_dir", str(tmp_path / "run")] + args, cache, launcher=launcher, check=False,
                   HF_HUB_OFFLINE="1", **env)
@@ -124,7 +124,7 @@ def _everything(run: Path) -> dict:
             for p in sorted(run.rglob("*")) if p.name != ".lock"}
 
 
-@pytest.mark.parametrize("launcher", ["python", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["warm-python", "deepspeed"])
 def test_a_bad_deepspeed_value_leaves_an_existing_run_untouched(cache, tmp_path, two_rank_run, launcher):
     """Issue 29 item 4: --ds.zero_optimization.stage=4 on an existing 2-rank run rewrote recipe.yaml,
     ds_config.json and run_info.json, made step_N.universal/ and stacks/, printed pydantic's traceback and exited

@@ -65,7 +65,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_the_last_good_weights_checkp
     faults = ";".join(f"forward:nan:step={s}:module=model.layers.1.self_attn" for s in (3, 4))
     proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "ds_configs/zero0.json",
                             "--output_dir", str(run_dir), "--fault.max_skipped_steps=2"],
-                  cache, check=False, DSTRAIN_FAULT=faults)
+                  cache, launcher="warm", check=False, DSTRAIN_FAULT=faults)
     assert proc.returncode == 65, proc.stderr[-3000:]
     assert "first non-finite module: rank 0: model.layers.1.self_attn (output)" in proc.stderr
     assert "stopping: 2 steps in a row (3-4) were not finite" in proc.stderr
@@ -90,7 +90,7 @@ def test_a_flipped_bit_in_one_ranks_weights_is_found_named_and_never_checkpointe
     run_dir = tmp_path / "run"
     proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "ds_configs/zero0.json",
                             "--output_dir", str(run_dir), "--fault.sdc_check_every=2", "--checkpoint.every=2"],
-                  cache, nproc=3, check=False, DSTRAIN_FAULT="params:flip:rank=2:step=3")
+                  cache, launcher="warm", nproc=3, check=False, DSTRAIN_FAULT="params:flip:rank=2:step=3")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "silent data corruption: the weights of rank 2 (" in proc.stderr
     assert "differ from the other ranks' at the start of step 4" in proc.stderr
@@ -109,7 +109,7 @@ def test_a_step_one_rank_computes_wrongly_is_found_by_its_replay(tmp_path, cache
     run_dir = tmp_path / "run"
     proc = launch(COMMON + [f"--model.name_or_path={tiny_llama}", "--ds_config", "ds_configs/zero2.json",
                             "--output_dir", str(run_dir), "--fault.sdc_check_every=2", "--checkpoint.every=2",
-                            "--train.precision=bf16"], cache, check=False,
+                            "--train.precision=bf16"], cache, launcher="warm", check=False,
                   DSTRAIN_FAULT="forward:scale:rank=1:step=4:factor=1.05:times=1:module=model.layers.0.mlp")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "silent data corruption: step 4 replayed on the same weights gave other numbers on rank 1 (" \

@@ -115,7 +115,7 @@ def test_muon_silently_off_stops_the_run(tmp_path, cache, tiny_llama):
     run_dir = tmp_path / "run"
     proc = launch([f"--model.name_or_path={tiny_llama}", "--ds_config", "zero2.json", "--output_dir", str(run_dir),
                    "--train.max_steps=4", "--train.micro_batch_size=2", "--train.seq_len=64", "--log.wandb=false",
-                   "--log.progress_bar=false", "--eval.every=0", *ARGS], cache, check=False,
+                   "--log.progress_bar=false", "--eval.every=0", *ARGS], cache, launcher="warm", check=False,
                   DSTRAIN_FAULT="muon:untag")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]

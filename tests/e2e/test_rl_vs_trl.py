@@ -224,7 +224,7 @@ def test_a_reward_function_that_fails_mid_run_is_one_line_and_keeps_the_last_goo
                    f"--rl.num_generations={G}", f"--rl.max_completion_length={fed_rollouts.MAX_LEN}",
                    "--train.max_steps=4", "--train.micro_batch_size=2", "--train.seq_len=48", "--eval.every=0",
                    "--log.wandb=false", "--log.progress_bar=true", "--checkpoint.every=2",
-                   "--checkpoint.export_hf=false"], cache, check=False)
+                   "--checkpoint.export_hf=false"], cache, launcher="warm", check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and "reward function flaky raised ValueError: no score for this on completion" in \

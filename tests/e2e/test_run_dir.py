@@ -25,7 +25,7 @@ def test_another_run_in_the_same_directory_is_refused_and_init_from_starts_from_
     for other in (["--recipe", "tiny/chat_sft", f"--model.name_or_path={tiny_llama}"],
                   ["--model.name_or_path=recipes/tiny/model"]):
         proc = launch(COMMON + other + ["--train.max_steps=5", "--output_dir", str(pretrain)], cache,
-                      launcher="python", check=False)
+                      launcher="warm-python", check=False)
         assert proc.returncode == 2, proc.stderr[-3000:]
         error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(error) == 1 and "holds another run" in error[0] and "--init_from" in error[0], proc.stderr[-3000:]
@@ -37,7 +37,7 @@ def test_another_run_in_the_same_directory_is_refused_and_init_from_starts_from_
     # suggested --init_from <the new directory>
     ckpt = pretrain / "checkpoints" / "step_00000003"
     proc = launch(COMMON + ["--model.name_or_path=recipes/tiny/model", "--train.max_steps=5", "--resume", str(ckpt),
-                            "--output_dir", str(tmp_path / "new")], cache, launcher="python", check=False)
+                            "--output_dir", str(tmp_path / "new")], cache, launcher="warm-python", check=False)
     error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(error) == 1, proc.stderr[-3000:]
     assert f"--resume {ckpt} is a checkpoint of another run" in error[0], error[0]
@@ -110,7 +110,8 @@ def test_a_second_launch_into_a_live_run_directory_is_refused(tmp_path, cache, t
             assert first.poll() is None and time.time() < deadline, first.communicate()
             time.sleep(0.2)
         holder = json.loads((run / ".lock").read_text())
-        second = launch(args, cache, check=False)  # another master port: nothing else would stop it
+        # another master port: nothing else would stop it (2 warm ranks: the subject is the lock, not a launcher)
+        second = launch(args, cache, launcher="warm", check=False)
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
         assert f"is in use by another run (pid {holder['pid']} on {holder['host']}" in errors[0], errors[0]

@@ -41,6 +41,23 @@ def test_the_forkserver_holds_only_threads_a_fork_keeps_and_each_fork_starts_fre
     assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in second)
 
 
+def _added(rank: int) -> dict:
+    from tests import warm_preload
+    return warm_preload.ADDED
+
+
+def test_the_variables_the_imports_set_are_set_in_every_fork():
+    """What the forkserver's imports add to its environment is warm._set_by_import (a library that starts setting
+    another variable at import is caught here); a launch holding those values, or lacking them, still forks: a
+    worker that imported deepspeed itself (test_errors' in-process checks) made every later launch a real one."""
+    added = warm.run_ranks(_added, 1)[0]
+    started = warm._started_with
+    assert added == {k: v for k, v in warm._set_by_import().items() if started.get(k) != v}, added
+    assert warm.can_fork({**started, **warm._set_by_import()})
+    assert warm.can_fork({k: v for k, v in started.items() if k not in warm._set_by_import()})
+    assert not warm.can_fork({**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/another-inductor-cache"})
+
+
 def test_an_environment_a_fork_cannot_give_launches_for_real():
     # the forkserver's own environment: this worker's may have changed since it started (an in-process test may have
     # set a variable, as dstrain.hub sets HF_HUB_OFFLINE; seen in a fresh clone), and launches then run for real
@@ -48,10 +65,36 @@ def test_an_environment_a_fork_cannot_give_launches_for_real():
     assert warm.can_fork(base)
     assert warm.can_fork({**base, "DSTRAIN_FAULT": "step:stall:rank=1:step=5", "WANDB_MODE": "offline",
                           "OMP_NUM_THREADS": "2", "PYTEST_CURRENT_TEST": "another"})  # read when train.py asks
-    for name, value in (("MALLOC_MMAP_THRESHOLD_", "131072"), ("HF_HUB_OFFLINE", "1"), ("LD_PRELOAD", "x.so"),
+    assert warm.can_fork({**base, "HF_HUB_OFFLINE": "1" if base.get("HF_HUB_OFFLINE") != "1" else "0"})  # _offline
+    for name, value in (("MALLOC_MMAP_THRESHOLD_", "131072"), ("LD_PRELOAD", "x.so"),
                         ("HF_DATASETS_CACHE", "/tmp/elsewhere"), ("TORCH_LOGS", "+dynamo")):
         value = value if base.get(name) != value else value + "0"  # a change, whatever the forkserver started with
         assert not warm.can_fork({**base, name: value}), name  # read at import or at a process's start
+
+
+@pytest.mark.parametrize("switches", [{}, {"HF_HUB_OFFLINE": "1"}, {"TRANSFORMERS_OFFLINE": "yes",
+                                                                     "HF_DATASETS_OFFLINE": "0"}])
+def test_a_fork_is_offline_exactly_when_a_fresh_process_would_be(switches):
+    """huggingface_hub and datasets read their offline switches at import: a fork sets their constants from the
+    launch's environment (warm._offline) to what a fresh interpreter's import gives, the reference here."""
+    import subprocess
+    import sys
+
+    import datasets.config
+    import huggingface_hub.constants as hub
+    clean = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                               "HF_DATASETS_OFFLINE")}
+    fresh = subprocess.run([sys.executable, "-c", "import huggingface_hub.constants as h, datasets.config as d; "
+                            "print(h.HF_HUB_OFFLINE, d.HF_HUB_OFFLINE, d.HF_DATASETS_OFFLINE)"],
+                           env={**clean, **switches}, capture_output=True, text=True, check=True).stdout.split()
+    saved = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    try:
+        warm._offline({**clean, **switches})
+        got = [str(v) for v in (hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE,
+                                datasets.config.HF_DATASETS_OFFLINE)]
+    finally:
+        hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
+    assert got == fresh, (switches, got, fresh)
 
 
 def test_a_failing_rank_is_reported_with_its_traceback():
