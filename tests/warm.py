@@ -48,7 +48,9 @@ _PRELOAD = "tests.warm_preload"
 # pytest's own.
 _READ_AT_START = ("MALLOC_", "GLIBC_", "LD_", "HF_")
 _RUNTIME_PREFIXES = ("WANDB_", "PYTEST_")
-_RUNTIME_NAMES = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS"}
+# inductor reads its cache folder each time it compiles (torch/_inductor/runtime/cache_dir_utils.py; only dynamo's
+# opt-in precompile cache keeps the import's): the compiled tests' own folders, checked to hold their kernels
+_RUNTIME_NAMES = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"}
 # Set by the preload's imports when unset, as a fresh process's imports set them: deepspeed/__init__.py's
 # PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch then asks NVML whether CUDA is there, at call time) and torch._dynamo's
 # TORCHINDUCTOR_CACHE_DIR (its default). A launch whose environment lacks them or holds the import's value (a worker

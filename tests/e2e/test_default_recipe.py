@@ -238,8 +238,7 @@ def grpo_runs(tmp_path_factory, cache, default_run):
     root = tmp_path_factory.mktemp("grpo")
     runs = {1: root / "one", 2: root / "two"}
     for ranks, run in runs.items():
-        launch(_grpo_args(default_run, run) + [f"--train.grad_accum_steps={3 - ranks}"], cache,
-               launcher="deepspeed", nproc=ranks)
+        launch(_grpo_args(default_run, run) + [f"--train.grad_accum_steps={3 - ranks}"], cache, nproc=ranks)
     return runs
 
 

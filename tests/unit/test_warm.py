@@ -55,7 +55,7 @@ def test_the_variables_the_imports_set_are_set_in_every_fork():
     assert added == {k: v for k, v in warm._set_by_import().items() if started.get(k) != v}, added
     assert warm.can_fork({**started, **warm._set_by_import()})
     assert warm.can_fork({k: v for k, v in started.items() if k not in warm._set_by_import()})
-    assert not warm.can_fork({**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/another-inductor-cache"})
+    assert warm.can_fork({**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/another-inductor-cache"})  # read when used
 
 
 def test_an_environment_a_fork_cannot_give_launches_for_real():
