@@ -16,9 +16,24 @@ from .errors import UserError, closest
 from .paths import local_or_hub
 
 TEMPLATES = {
-    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-               "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-               "{% endif %}"),
+    # ChatML as Qwen2.5 renders it: tool schemas in the system turn, calls in <tool_call> tags, tool results in
+    # <tool_response> tags of a user turn, reasoning before the reply in <think> tags (on every turn: prefix by
+    # prefix); a conversation with none of them renders as plain ChatML
+    "chatml": ("{% if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}"
+               "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}{{ '# Tools\\n\\n<tools>' }}"
+               "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}"
+               "{% endif %}{% for message in messages %}{% if not (tools and loop.first and message['role'] == "
+               "'system') %}{% if message['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + "
+               "message['content'] + '\\n</tool_response><|im_end|>\\n' }}{% else %}"
+               "{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message.get('reasoning_content') %}"
+               "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}{% endif %}"
+               "{{ message['content'] }}{% for call in message.get('tool_calls') or [] %}"
+               "{% set call = call['function'] if call.get('function') else call %}"
+               "{{ ('\\n' if message['content'] or not loop.first else '') + "
+               "'<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' + "
+               "(call['arguments'] if call['arguments'] is string else call['arguments'] | tojson) + "
+               "'}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
     "llama3": ("{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}"
                "{{ '<|start_header_id|>' + message['role'] + "
                "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
@@ -61,8 +76,33 @@ def apply(choice: str | None, tokenizer, say) -> str:
     return choice
 
 
+# what a message may carry besides its role and content, as transformers' chat templates read it: the assistant's
+# calls (OpenAI's {type, function: {name, arguments}}), a tool reply's function name and call id, the reasoning
+# (reasoning_content for most templates, thinking for gpt-oss's)
+KEPT = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")
+
+
+def _content(content) -> str:
+    """A message's text: a string, or OpenAI's content parts with their text parts joined (an image part refused:
+    vision models are not trained yet)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type", "text" if "text" in part else None) for part in content}
+        if kinds - {"text"}:
+            other = sorted(str(k) for k in kinds - {"text"})
+            raise UserError(f"a chat message holds content parts of type {', '.join(other)}; only text parts are "
+                            f"trained (vision-language models are not yet): remove those parts")
+        return "".join(str(part.get("text", "")) for part in content)
+    if content is None:
+        return ""
+    return str(content)
+
+
 def normalize(messages, role_map: dict) -> list[dict]:
-    """role/content messages from role/content or ShareGPT's from/value, roles mapped (data.role_map first)."""
+    """role/content messages from role/content or ShareGPT's from/value, roles mapped (data.role_map first), the
+    content as text (content parts joined), and everything a template renders kept (KEPT: tool calls, a tool reply's
+    name and call id, the reasoning). An assistant turn may have no content when it holds tool calls."""
     if not isinstance(messages, list):
         raise UserError(f"a chat example is {type(messages).__name__}, not a list of messages; check "
                         f"data.messages_field")
@@ -72,11 +112,74 @@ def normalize(messages, role_map: dict) -> list[dict]:
             raise UserError(f"a chat message is {type(message).__name__}, not a mapping with role and content")
         role = message.get("role", message.get("from"))
         content = message.get("content", message.get("value"))
-        if content is None:
+        if content is None and not message.get("tool_calls"):
             raise UserError(f"a chat message has no 'content' (or ShareGPT 'value'); keys: {', '.join(message)}")
         mapped = role_map.get(role, SHAREGPT_ROLES.get(role, role))
         if mapped not in ROLES:
             raise UserError(f"chat role {role!r} is not one of {', '.join(ROLES)}; map it, e.g. "
                             f"--data.role_map.{role}=user")
-        out.append({"role": mapped, "content": str(content)})
+        kept = {"role": mapped, "content": _content(content)}
+        kept.update({key: message[key] for key in KEPT if message.get(key) is not None})
+        out.append(kept)
     return out
+
+
+def tools_of(row: dict, field: str):
+    """A row's function schemas (TRL's `tools` column: a list, or its JSON text), or None."""
+    import json
+    tools = row.get(field)
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError as error:
+            raise UserError(f"'{field}' is text that is not JSON ({error}); give the function schemas as a list or "
+                            f"its JSON") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserError(f"'{field}' is a {type(tools).__name__}, not a list of function schemas")
+    return tools or None
+
+
+# what a row holds that a template must render, each with a probe: a conversation carrying a marker in that field
+_PROBES = {
+    "tool_calls": ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "dstrain_probe_call", "arguments": {"x": 1}}}]}], None,
+        "dstrain_probe_call"),
+    "tools": ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+              [{"type": "function", "function": {"name": "dstrain_probe_tool", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}],
+              "dstrain_probe_tool"),
+    "reasoning_content": ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a",
+                                                              "reasoning_content": "dstrain_probe_reasoning"}],
+                          None, "dstrain_probe_reasoning"),
+    "thinking": ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a",
+                                                     "thinking": "dstrain_probe_thinking"}],
+                 None, "dstrain_probe_thinking"),
+}
+PROBED = set(_PROBES)
+WHAT = {"tool_calls": "assistant tool calls", "tools": "function schemas (tools)",
+        "reasoning_content": "reasoning (reasoning_content)", "thinking": "reasoning (thinking)"}
+
+
+def present(messages: list[dict], tools) -> set[str]:
+    """The fields of one normalized conversation that a template must render (the keys of _PROBES)."""
+    found = {key for m in messages for key in ("tool_calls", "reasoning_content", "thinking") if m.get(key)}
+    return found | ({"tools"} if tools else set())
+
+
+def check_rendered(fields: set[str], tokenizer, described: str) -> None:
+    """Nothing a user gave is dropped silently: each field the rows hold must appear when the run's template renders
+    a conversation carrying it, or the run stops here, before anything is tokenized."""
+    missing = []
+    for key in sorted(fields & PROBED):
+        messages, tools, marker = _PROBES[key]
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        except Exception as error:  # noqa: BLE001 - a template that raises on the field renders nothing of it
+            text = f"{type(error).__name__}"
+        if marker not in text:
+            missing.append(WHAT[key])
+    if missing:
+        them = "those fields" if len(missing) > 1 else "that field"
+        raise UserError(f"the rows hold {' and '.join(missing)}, which the chat template ({described}) never renders: "
+                        f"the model would be trained without them; set data.chat_template to one that renders them "
+                        f"(chatml does; or a .jinja file, docs/data.md) or remove {them} from the data")

@@ -29,7 +29,7 @@ STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequenc
 def cache_key(cfg: DataConfig, seq_len: int, seed: int, tokenizer, raw_fingerprints: list[str]) -> str:
     payload = json.dumps({"data": asdict(cfg) | {"cache_dir": None, "num_proc": None}, "seq_len": seq_len,
                           "seed": seed, "tokenizer": tokenizer_fingerprint(tokenizer), "raw": raw_fingerprints,
-                          "version": 3}, sort_keys=True, default=str)
+                          "version": 4}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 

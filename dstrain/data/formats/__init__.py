@@ -44,7 +44,7 @@ def looks_like(dataset) -> tuple[str, str] | None:
             return "chat", "" if name == "messages" else f" --data.messages_field={name}"
     for asked, response in (("prompt", "response"), ("prompt", "completion"), ("question", "answer"),
                             ("query", "response"), ("input", "output")):
-        if {asked, response} <= columns and isinstance(first.get(asked), str):
+        if {asked, response} <= columns and isinstance(first.get(asked), (str, list)):
             fields = (f" --data.prompt_field={asked}" if asked != "prompt" else "") + \
                      (f" --data.response_field={response}" if response != "response" else "")
             return "prompt_response", fields

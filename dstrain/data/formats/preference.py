@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ...chat_templates import normalize
+from ... import chat_templates
+from ...chat_templates import normalize, tools_of
 from ...config import DataConfig
 from ...errors import UserError
 from .sft import IGNORE_INDEX, _pad_id
@@ -30,7 +31,7 @@ def fields(cfg: DataConfig) -> list[tuple[str, str]]:
 
 
 def reads(cfg: DataConfig) -> list[str]:
-    return [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    return [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field, cfg.tools_field]
 
 
 def _conversational(value) -> bool:
@@ -81,9 +82,9 @@ def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def _ids(tokenizer, content, generation_prompt: bool = False) -> list[int]:
+def _ids(tokenizer, content, generation_prompt: bool = False, tools=None) -> list[int]:
     if isinstance(content, list):
-        return list(tokenizer.apply_chat_template(content, tokenize=True, return_dict=True,
+        return list(tokenizer.apply_chat_template(content, tools=tools, tokenize=True, return_dict=True,
                                                   add_generation_prompt=generation_prompt)["input_ids"])
     return list(tokenizer(text=content)["input_ids"])
 
@@ -107,10 +108,10 @@ def pair_tokens(row: dict, cfg: DataConfig, tokenizer) -> tuple[list[int], list[
             prompt = _messages(prompt, cfg) if _conversational(prompt) else None  # text: TRL extracts it
     if prompt is None:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
-    if _conversational(chosen):
-        messages = list(prompt)
-        prompt_ids = _ids(tokenizer, messages, generation_prompt=True)
-        full = [_ids(tokenizer, messages + list(side)) for side in (chosen, rejected)]
+    if _conversational(chosen):  # the row's function schemas reach the template (TRL's `tools` column)
+        messages, tools = list(prompt), tools_of(row, cfg.tools_field)
+        prompt_ids = _ids(tokenizer, messages, generation_prompt=True, tools=tools)
+        full = [_ids(tokenizer, messages + list(side), tools=tools) for side in (chosen, rejected)]
     else:
         eos = tokenizer.eos_token or ""
         prompt_ids = _ids(tokenizer, str(prompt))
@@ -118,6 +119,22 @@ def pair_tokens(row: dict, cfg: DataConfig, tokenizer) -> tuple[list[int], list[
                 for s in map(str, (chosen, rejected))]
     start = min(_common_prefix(prompt_ids, f) for f in full)
     return prompt_ids[:start], full[0][start:], full[1][start:]
+
+
+def check_rendered(dataset, cfg: DataConfig, tokenizer) -> None:
+    """Tool calls, schemas or reasoning in the pairs' messages that the template never renders: one line, before
+    anything is tokenized (chat_templates.check_rendered)."""
+    found: set[str] = set()
+    for row in dataset:
+        for name in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field):
+            if _conversational(row.get(name)):
+                found |= chat_templates.present(_messages(row[name], cfg), None)
+        found |= chat_templates.present([], tools_of(row, cfg.tools_field))
+        if found >= chat_templates.PROBED:
+            break
+    if found:
+        described = "the tokenizer's own" if cfg.chat_template is None else f"data.chat_template={cfg.chat_template}"
+        chat_templates.check_rendered(found, tokenizer, described)
 
 
 def fit(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt: int
@@ -143,6 +160,7 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
     (the row's place in the split: the stored reference log-probs are looked up by it)."""
     max_prompt = cfg.max_prompt_length or seq_len // 2
     pad = _pad_id(tokenizer)
+    check_rendered(dataset, cfg, tokenizer)
 
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]

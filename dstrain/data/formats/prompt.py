@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import chat_templates
+from ...chat_templates import normalize, tools_of
 from ...config import DataConfig
 from ...errors import UserError
 
@@ -18,7 +20,7 @@ def fields(cfg: DataConfig) -> list[tuple[str, str]]:
 
 
 def _conversational(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
 def row_problem(row: dict, cfg: DataConfig) -> str | None:
@@ -26,27 +28,47 @@ def row_problem(row: dict, cfg: DataConfig) -> str | None:
     if isinstance(value, str) and value:
         return None
     if _conversational(value):
+        try:
+            normalize(value, cfg.role_map)
+            tools_of(row, cfg.tools_field)
+        except UserError as error:
+            return str(error)
         return None
     kind = "missing (null)" if value is None else "empty" if value in ("", []) else f"a {type(value).__name__}"
     return (f"'{cfg.prompt_field}' is {kind}; a prompt is text or a list of {{role, content}} messages: give every "
             f"row one or remove the row")
 
 
-def prompt_ids(prompt, tokenizer) -> list[int]:
+def prompt_ids(prompt, tokenizer, tools=None, role_map: dict | None = None) -> list[int]:
+    """A prompt's tokens: text as TRL tokenizes it, messages (tool calls, tool replies, reasoning and content parts
+    kept: chat_templates.normalize) rendered with the row's function schemas and the generation prompt."""
     if isinstance(prompt, str):
         return tokenizer(prompt)["input_ids"]
     if not tokenizer.chat_template:
         raise UserError("the prompts are messages but the tokenizer has no chat template; set data.chat_template "
                         "(docs/data.md) or give text prompts")
-    return tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)[
-        "input_ids"]
+    return tokenizer.apply_chat_template(normalize(prompt, role_map or {}), tools=tools, tokenize=True,
+                                         add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
     """Raw split -> the same rows with `prompt_ids` and `prompt_index` added (nothing dropped: a prompt longer than
     the room train.seq_len leaves beside rl.max_completion_length keeps its end, cut when it is sampled)."""
+    found: set[str] = set()  # what the template must render, checked before anything is tokenized
+    for row in dataset:
+        if _conversational(row[cfg.prompt_field]):
+            found |= chat_templates.present(normalize(row[cfg.prompt_field], cfg.role_map),
+                                            tools_of(row, cfg.tools_field))
+        if found >= chat_templates.PROBED:
+            break
+    if found:
+        described = "the tokenizer's own" if cfg.chat_template is None else f"data.chat_template={cfg.chat_template}"
+        chat_templates.check_rendered(found, tokenizer, described)
+
     def fn(batch):
-        return {"prompt_ids": [prompt_ids(p, tokenizer) for p in batch[cfg.prompt_field]]}
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        return {"prompt_ids": [prompt_ids(row[cfg.prompt_field], tokenizer, tools_of(row, cfg.tools_field),
+                                          cfg.role_map) for row in rows]}
     out = dataset.map(fn, batched=True, batch_size=1000, num_proc=num_proc, desc="tokenizing prompts")
     out = out.add_column("prompt_index", list(range(len(out))))
     lengths = [len(ids) for ids in out["prompt_ids"]]

@@ -1,9 +1,14 @@
-"""`data.format: prompt_response`: SFT on prompt/response pairs (one user turn, one assistant turn)."""
+"""`data.format: prompt_response`: SFT on prompt/response pairs: text (one user turn, one assistant turn), or TRL's
+conversational prompt-completion (`prompt` and `completion` lists of messages, with `--data.response_field=
+completion`): the whole conversation rendered once, the loss on what the assistant writes in the completion only
+(TRL's completion_only_loss)."""
 from __future__ import annotations
 
 from typing import Any
 
+from ...chat_templates import normalize, tools_of
 from ...config import DataConfig
+from ...errors import UserError
 from . import sft
 
 
@@ -11,9 +16,29 @@ def fields(cfg: DataConfig) -> list[tuple[str, str]]:
     return [(cfg.prompt_field, "data.prompt_field"), (cfg.response_field, "data.response_field")]
 
 
+def reads(cfg: DataConfig) -> list[str]:
+    return [cfg.prompt_field, cfg.response_field, cfg.tools_field]
+
+
+def _messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
 def row_problem(row: dict, cfg: DataConfig) -> str | None:
-    for name in (cfg.prompt_field, cfg.response_field):
-        value = row.get(name)
+    prompt, response = row.get(cfg.prompt_field), row.get(cfg.response_field)
+    if _messages(prompt) and _messages(response):
+        try:
+            for value in (prompt, response):
+                normalize(value, cfg.role_map)
+            tools_of(row, cfg.tools_field)
+        except UserError as error:
+            return str(error)
+        return None
+    for name, value in ((cfg.prompt_field, prompt), (cfg.response_field, response)):
+        if _messages(value):
+            other = cfg.response_field if name == cfg.prompt_field else cfg.prompt_field
+            return (f"'{name}' is a list of messages but '{other}' is not; give both as text, or both as lists of "
+                    f"messages (TRL's conversational prompt-completion)")
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             return (f"'{name}' is {'missing (null)' if value is None else 'a ' + type(value).__name__}, not text; "
                     f"give every row a prompt and a response (a list of messages is data.format=chat)")
@@ -21,9 +46,17 @@ def row_problem(row: dict, cfg: DataConfig) -> str | None:
 
 
 def to_messages(row: dict, cfg: DataConfig) -> list[dict]:
-    return [{"role": "user", "content": str(row[cfg.prompt_field])},
-            {"role": "assistant", "content": str(row[cfg.response_field])}]
+    prompt, response = row[cfg.prompt_field], row[cfg.response_field]
+    if _messages(prompt):
+        messages = sft.Conversation(normalize(prompt, cfg.role_map) + normalize(response, cfg.role_map))
+        messages.prompt_turns = len(prompt)
+        return messages
+    return [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": str(response)}]
+
+
+def to_tools(row: dict, cfg: DataConfig) -> list | None:
+    return tools_of(row, cfg.tools_field)
 
 
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
-    return sft.tokenize(dataset, cfg, tokenizer, seq_len, num_proc, to_messages)
+    return sft.tokenize(dataset, cfg, tokenizer, seq_len, num_proc, to_messages, to_tools)

@@ -3,13 +3,14 @@ with the run's chat template, loss only on the assistant's tokens (labels IGNORE
 `seq_len` (the end cut; an example left with no reply token dropped), padded, or packed several to a row."""
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ... import chat_templates
 from ...config import DataConfig
-from ...errors import UserError
 
 IGNORE_INDEX = -100
 SFT_COLUMNS = ("input_ids", "labels", "attention_mask")
@@ -48,39 +49,130 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
     return out
 
 
-def _segments_with_template(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
-    """Split a templated conversation into (text, trainable) pieces: only assistant replies train."""
-    def render(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
-    pieces, previous = [], ""
+
+def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+class Conversation(list):
+    """Messages whose first `prompt_turns` are a prompt (TRL's conversational prompt-completion): only what the
+    assistant writes after them trains."""
+    prompt_turns = 0
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _turn_end(tokenizer, tools) -> str:
+    """What the template writes after an assistant reply (ChatML's `<|im_end|>\\n`, Llama 3's `<|eot_id|>`, an EOS):
+    the end of turn the model must learn to emit, found by rendering a reply with a marker."""
+    marker = "dstrain-reply-marker"
+    text = _render(tokenizer, [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}], tools)
+    return text[text.rfind(marker) + len(marker):] if marker in text else ""
+
+
+_MARKER = "dstrainturnmarker"
+
+
+def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered once by the run's template, and the character spans the assistant writes in it.
+
+    Each assistant turn's span is found in that one rendering, so templates that render earlier turns differently
+    (reasoning kept for the last turn only, a date in the system turn) train on the text the model sees. The same
+    conversation rendered with that turn's content replaced by a marker (no reasoning, no tool calls) gives the text
+    before and after the turn's own part; between them in the whole rendering lies what the turn's content,
+    reasoning and tool calls became. The span then reaches back to where the generation prompt leaves off (what the
+    model writes after `<|im_start|>assistant\\n`, e.g. a `<think>` the template opens itself) and on through the end
+    of turn (_turn_end). Written by hand: transformers gives assistant masks only for templates marked with
+    `{% generation %}` (used as they are, in _sft_tokens), and TRL only for those or the templates it ships
+    rewritten; this needs no change to the template."""
+    text = _render(tokenizer, messages, tools)
+    end_of_turn = _turn_end(tokenizer, tools)
+    closing = end_of_turn.rstrip()
+    spans, cursor = [], 0
     for i, message in enumerate(messages):
-        if message.get("role") == "assistant":
-            prompt = render(messages[:i], True) if i else render([], True)
-            full = render(messages[:i + 1], False)
-            if not (prompt.startswith(previous) and full.startswith(prompt)):
-                raise UserError("the tokenizer's chat template does not render conversations prefix by prefix; "
-                                "set data.format=prompt_response or fix the template")
-            pieces += [(prompt[len(previous):], False), (full[len(prompt):], True)]
-        else:
-            full = render(messages[:i + 1], False)
-            pieces.append((full[len(previous):], False))
-        previous = full
-    return pieces
+        if message["role"] != "assistant":
+            continue
+        marked = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": _MARKER}] + messages[i + 1:],
+                         tools)
+        at = marked.find(_MARKER)
+        before, after = (marked[:at], marked[at + len(_MARKER):]) if at >= 0 else (marked, "")
+        # the text after the turn's part is the same whatever the turn holds; the text before it may not be (a
+        # template that opens an empty <think> block for a turn without reasoning): then up to where they differ
+        end = len(text) - len(after) if at >= 0 and text.endswith(after) else \
+            len(text) - _common_prefix(text[::-1], marked[::-1])
+        start = len(before) if text.startswith(before) else _common_prefix(text, marked)
+        start = max(cursor, min(start, end))
+        try:  # the generation prompt of this turn: the model writes what follows it
+            prompt_less = _render(tokenizer, messages[:i], tools)
+            prompt = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+            header = prompt[len(prompt_less):] if prompt.startswith(prompt_less) else ""
+        except Exception:  # noqa: BLE001 - a template that cannot render an empty conversation
+            header = ""
+        found = text.rfind(header, cursor, start + len(header)) if header else -1
+        if found >= 0 and found + len(header) <= start:
+            start = found + len(header)
+        if end_of_turn and text.startswith(end_of_turn, end):
+            end += len(end_of_turn)
+        elif closing and text[end:].lstrip().startswith(closing):
+            end = len(text) - len(text[end:].lstrip()) + len(closing)
+        spans.append((start, end))
+        cursor = end
+    return text, spans
 
 
-def _sft_tokens(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """A whole conversation's ids and labels (IGNORE_INDEX except on assistant replies), untruncated. The
-    tokenizer carries the run's template (dstrain/chat_templates.py)."""
+def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int = 0) -> tuple[list[int], list[int]]:
+    """A whole conversation's ids and labels (IGNORE_INDEX except on what the assistant writes), untruncated, from
+    the conversation rendered once (assistant_spans). The tokenizer carries the run's template
+    (dstrain/chat_templates.py); one marked with `{% generation %}` gives transformers' own assistant mask. The
+    first `prompt_turns` messages are a prompt (TRL's prompt-completion layout): its assistant turns do not train."""
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template: chat_templates.apply sets one first")
-    pieces = _segments_with_template(messages, tokenizer)
-    ids, labels = [], []
-    for text, trainable in pieces:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += piece if trainable else [IGNORE_INDEX] * len(piece)
+    if _GENERATION_TAG.search(tokenizer.chat_template):
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if prompt_turns:  # the completion starts where the prompt's own tokens end (TRL's completion mask)
+            prompt = tokenizer.apply_chat_template(messages[:prompt_turns], tools=tools, tokenize=True,
+                                                   return_dict=True, add_generation_prompt=True)["input_ids"]
+            cut = _common_prefix(list(prompt), ids)
+            mask = [0] * cut + mask[cut:]
+        return ids, [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+    text, spans = assistant_spans(messages, tokenizer, tools)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = [span for turn, span in zip(turns, spans) if turn >= prompt_turns]
+    # tokenized piece by piece at the spans' edges: no token straddles a trained and an untrained character, and the
+    # text before a reply becomes the tokens a prompt rendered up to there becomes at inference
+    ids, labels, at = [], [], 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, train in ((text[at:start], False), (text[start:end], True)):
+            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+            ids += piece_ids
+            labels += piece_ids if train else [IGNORE_INDEX] * len(piece_ids)
+        at = end
     return ids, labels
+
+
+def check_rendered(dataset, cfg: DataConfig, tokenizer, to_messages, to_tools) -> None:
+    """Before anything is tokenized: each kind of field the rows hold (tool calls, function schemas, reasoning) is
+    one the template renders (chat_templates.check_rendered), or one line naming it."""
+    found: set[str] = set()
+    for batch in dataset.iter(batch_size=1000):
+        for values in zip(*batch.values()):
+            row = dict(zip(batch, values))
+            found |= chat_templates.present(to_messages(row, cfg), to_tools(row, cfg))
+        if found >= chat_templates.PROBED:
+            break
+    described = "the tokenizer's own" if cfg.chat_template is None else f"data.chat_template={cfg.chat_template}"
+    chat_templates.check_rendered(found, tokenizer, described)
 
 
 def _pad_id(tokenizer) -> int:
@@ -109,16 +201,20 @@ def sft_example(messages: list[dict], tokenizer, seq_len: int) -> dict | None:
 
 
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None,
-             to_messages: Callable[[dict, DataConfig], list[dict]]) -> tuple[Any, dict]:
+             to_messages: Callable[[dict, DataConfig], list[dict]],
+             to_tools: Callable[[dict, DataConfig], list | None] = lambda row, cfg: None) -> tuple[Any, dict]:
     """Raw split -> (input_ids, labels, attention_mask [+ position_ids when packed], counts for the report).
 
     SFT examples longer than seq_len are truncated at seq_len (their end is cut); those left without a reply
     token are dropped. Both are counted: a user should know what a seq_len costs."""
+    check_rendered(dataset, cfg, tokenizer, to_messages, to_tools)
+
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         out = {k: [] for k in (*SFT_COLUMNS, "full_length", "has_reply")}
         for row in rows:
-            ids, labels = _sft_tokens(to_messages(row, cfg), tokenizer)
+            messages = to_messages(row, cfg)
+            ids, labels = _sft_tokens(messages, tokenizer, to_tools(row, cfg), getattr(messages, "prompt_turns", 0))
             example = _fit(ids, labels, seq_len, tokenizer, pad_to=not cfg.packing)
             for key in SFT_COLUMNS:  # a dropped example stays as an empty row until it is counted
                 out[key].append(example[key] if example else [])

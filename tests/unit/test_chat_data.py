@@ -1,0 +1,244 @@
+"""Chat data as people bring it (issue 84): tool calls, tool replies, reasoning and content parts kept; masks found in
+the conversation rendered once by the template, for templates of four shapes written here (none copied from a model):
+prefix-consistent ChatML with tools (dstrain's chatml), reasoning rendered for the last turn only, tools in the system
+turn with calls in tags, and a `{% generation %}`-tagged one. The trained spans are checked against spans written out
+by hand, and for the tagged template against TRL's SFTTrainer tokenizing the same rows (assistant_only_loss), token for
+token. A field the template never renders is one line before anything is tokenized."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from dstrain import chat_templates, data
+from dstrain.chat_templates import normalize
+from dstrain.config import DataConfig, ModelConfig
+from dstrain.data.formats import chat, sft
+from dstrain.errors import UserError
+from dstrain.model import load_tokenizer
+
+IGNORE = data.IGNORE_INDEX
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Oslo?"}]},
+    {"role": "assistant", "content": "", "reasoning_content": "need the weather",
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "name": "get_weather", "tool_call_id": "call_1", "content": "5C"},
+    {"role": "assistant", "content": "It is 5C."},
+]
+REASONING_CONVERSATION = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6", "reasoning_content": "add again"},
+]
+
+# reasoning rendered for the assistant turns after the last user turn only, as Qwen3's and DeepSeek-R1's templates do:
+# a conversation rendered prefix by prefix shows the first turn's reasoning, rendered whole it does not
+LAST_TURN_REASONING = (
+    "{% set last = namespace(user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set last.user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if loop.index0 > last.user and m.get('reasoning_content') %}"
+    "{{ '<think>\\n' + m['reasoning_content'] + '\\n</think>\\n\\n' }}{% endif %}{{ m['content'] + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# the function schemas inside the system turn, calls as a JSON list after a [TOOL_CALLS] tag, results in
+# [TOOL_RESULTS] tags, every assistant turn closed by the EOS; no generation prompt (the model writes after [/INST])
+SYSTEM_TOOLS_TAGGED_CALLS = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ '[SYSTEM]' + m['content'] }}"
+    "{% if tools %}{{ ' Tools: ' + (tools | tojson) }}{% endif %}{{ '[/SYSTEM]' }}"
+    "{% elif m['role'] == 'user' %}{{ '[INST]' + m['content'] + '[/INST]' }}"
+    "{% elif m['role'] == 'tool' %}{{ '[TOOL_RESULTS]' + m['content'] + '[/TOOL_RESULTS]' }}"
+    "{% elif m.get('tool_calls') %}{{ '[TOOL_CALLS][' }}{% for c in m['tool_calls'] %}"
+    "{{ '{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' + (c['function']['arguments'] | tojson) + '}' }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ']' + eos_token }}"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+# ChatML with the assistant's text marked for transformers' assistant mask (what TRL's assistant_only_loss reads)
+GENERATION_TAGGED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+    "{{ '<tool_call>' + c['function']['name'] + ' ' + c['function']['arguments'] + '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _tokenizer(template: str | None):
+    tok = load_tokenizer(ModelConfig(name_or_path="recipes/tiny/model"))
+    if template is not None:
+        tok.chat_template = chat_templates.TEMPLATES.get(template, template)
+    return tok
+
+
+def _trained(ids: list[int], labels: list[int], tok) -> list[str]:
+    """Each run of trained tokens, decoded."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE:
+            assert label == token
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tok.decode(run) for run in runs]
+
+
+def test_normalize_keeps_what_a_template_renders():
+    got = normalize(TOOL_CONVERSATION, {})
+    assert got[1] == {"role": "user", "content": "Weather in Oslo?"}  # text parts joined, not the list's repr
+    assert got[2]["tool_calls"] == TOOL_CONVERSATION[2]["tool_calls"] and got[2]["content"] == ""
+    assert got[2]["reasoning_content"] == "need the weather"
+    assert got[3] == {"role": "tool", "content": "5C", "name": "get_weather", "tool_call_id": "call_1"}
+    calls_only = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": TOOL_CONVERSATION[2]["tool_calls"]}]
+    assert normalize(calls_only, {})[1]["content"] == ""  # a call without content is a whole turn
+    with pytest.raises(UserError, match=r"content parts of type image; only text parts are trained"):
+        normalize([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}], {})
+    with pytest.raises(UserError, match=r"'tools' is text that is not JSON"):
+        chat_templates.tools_of({"tools": "[{"}, "tools")
+    assert chat_templates.tools_of({"tools": json.dumps([WEATHER_TOOL])}, "tools") == [WEATHER_TOOL]
+
+
+@pytest.mark.parametrize("template,conversation,tools,want", [
+    ("chatml", TOOL_CONVERSATION, [WEATHER_TOOL],
+     ['<think>\nneed the weather\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+      '</tool_call><|im_end|>\n', "It is 5C.<|im_end|>\n"]),
+    (LAST_TURN_REASONING, REASONING_CONVERSATION, None, ["4<|im_end|>\n", "<think>\nadd again\n</think>\n\n6<|im_end|>\n"]),
+    (SYSTEM_TOOLS_TAGGED_CALLS, TOOL_CONVERSATION, [WEATHER_TOOL],
+     ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]</s>', "It is 5C.</s>"]),
+], ids=["chatml-tools", "reasoning-last-turn", "system-tools-tagged-calls"])
+def test_trained_spans_are_what_the_assistant_writes(template, conversation, tools, want):
+    """Hand-written spans: each assistant turn's reasoning (where the template renders it), content, tool calls and
+    end of turn, and nothing of the system turn, the schemas, the user or the tool's reply."""
+    tok = _tokenizer(template)
+    if template == SYSTEM_TOOLS_TAGGED_CALLS:  # it renders no reasoning (which the run would refuse)
+        conversation = copy.deepcopy(conversation)
+        del conversation[2]["reasoning_content"]
+    messages = normalize(conversation, {})
+    ids, labels = sft._sft_tokens(messages, tok, tools)
+    assert _trained(ids, labels, tok) == want
+    # the sequence is the conversation as the template renders it whole
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tools=tools, tokenize=False)
+
+
+def _trl_labels(rows: list[dict], tok, tmp_path) -> list[tuple[list[int], list[int]]]:
+    """TRL's SFTTrainer tokenizing the rows (assistant_only_loss: transformers' assistant mask): (input_ids, labels)."""
+    import datasets
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("recipes/tiny/model"))
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, report_to=[], max_length=None,
+                     use_cpu=True)
+    # datasets' Json feature keeps each message's own keys (a struct column would give every message every key)
+    features = datasets.Features({"messages": datasets.List(datasets.Json())})
+    trainer = SFTTrainer(model=model, args=args, processing_class=tok,
+                         train_dataset=datasets.Dataset.from_list(rows, features=features))
+    out = trainer.train_dataset
+    labels = out["labels"] if "labels" in out.column_names else [
+        [i if m else IGNORE for i, m in zip(ids, mask)] for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
+    return list(zip(out["input_ids"], labels))
+
+
+def test_a_generation_tagged_template_trains_what_trl_trains(tmp_path):
+    tok = _tokenizer(GENERATION_TAGGED)
+    calls = [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                          {"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                          {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]},
+            {"messages": [{"role": "system", "content": "Count."}, {"role": "user", "content": "go"},
+                          {"role": "assistant", "content": "one two"}]}]
+    want = _trl_labels(copy.deepcopy(rows), tok, tmp_path)
+    for row, (want_ids, want_labels) in zip(rows, want):
+        ids, labels = sft._sft_tokens(normalize(row["messages"], {}), tok)
+        assert (ids, labels) == (list(want_ids), list(want_labels))
+    ids, labels = sft._sft_tokens(normalize(rows[0]["messages"], {}), tok)
+    assert _trained(ids, labels, tok) == ["Hello<|im_end|>\n", '<tool_call>add {"a": 1, "b": 2}</tool_call><|im_end|>\n',
+                                          "3<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("field,row", [
+    ("reasoning .reasoning_content. and assistant tool calls", {"messages": TOOL_CONVERSATION[1:3]}),
+    ("function schemas (tools)", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                  "tools": [WEATHER_TOOL]}),
+    ("reasoning (reasoning_content)", {"messages": REASONING_CONVERSATION[:2]}),
+])
+def test_a_field_the_template_never_renders_is_one_line_before_tokenizing(field, row, tmp_path):
+    """The tiny model's own template renders role and content only: tool calls, schemas or reasoning under it would
+    train the model without them (tool calls: to answer nothing)."""
+    import datasets
+    tok = _tokenizer(None)
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, row]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"))["train"]  # as a run loads it
+    cfg = DataConfig(format="chat")
+    with pytest.raises(UserError, match=rf"the rows hold {field.replace('(', '.').replace(')', '.')}, which the chat "
+                                        rf"template \(the tokenizer's own\) never renders"):
+        chat.tokenize(dataset, cfg, tok, 128, None)
+    out, stats = chat.tokenize(dataset.select([0]), cfg, tok, 128, None)  # without the field: trains
+    assert stats["sequences"] == 1
+
+
+def test_trls_conversational_prompt_completion_trains_the_completion_only(tmp_path):
+    """TRL's prompt-completion layout with message lists (refused before): the prompt's own assistant turn (a
+    few-shot example) does not train, the completion's reply and end of turn do; found from its columns."""
+    import datasets
+
+    from dstrain.data.formats import looks_like, prompt_response
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                        {"role": "user", "content": "3+3?"}],
+             "completion": [{"role": "assistant", "content": "6"}]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"))["train"]
+    assert looks_like(dataset) == ("prompt_response", " --data.response_field=completion")
+    cfg = DataConfig(format="prompt_response", response_field="completion")
+    assert prompt_response.row_problem(dataset[0], cfg) is None
+    for template in ("chatml", GENERATION_TAGGED):
+        tok = _tokenizer(template)
+        out, stats = prompt_response.tokenize(dataset, cfg, tok, 128, None)
+        ids, labels = out[0]["input_ids"], out[0]["labels"]
+        assert _trained(ids, labels, tok) == ["6<|im_end|>\n"], template
+    assert "or both as lists of messages" in prompt_response.row_problem({"prompt": rows[0]["prompt"], "completion": "6"},
+                                                                   cfg)
+
+
+def test_preference_and_rl_prompts_carry_their_tools_through_the_same_rendering(tmp_path):
+    """DPO pairs and GRPO prompts with function schemas, tool calls and tool replies render as SFT renders them (the
+    template given `tools`, as TRL's maybe_apply_chat_template passes them); under a template without tool support
+    each is one line before tokenizing."""
+    import datasets
+
+    from dstrain.data.formats import preference, prompt
+    calls = TOOL_CONVERSATION[2]["tool_calls"]
+    pairs = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}],
+              "chosen": [{"role": "assistant", "content": "", "tool_calls": calls}],
+              "rejected": [{"role": "assistant", "content": "I cannot know."}], "tools": [WEATHER_TOOL]}]
+    prompts = [{"prompt": [{"role": "user", "content": "Weather in Oslo?"},
+                           {"role": "assistant", "content": "", "tool_calls": calls},
+                           {"role": "tool", "name": "get_weather", "content": "5C"}], "tools": [WEATHER_TOOL]}]
+    for name, rows in (("pairs", pairs), ("prompts", prompts)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs_ds = datasets.load_dataset("json", data_files=str(tmp_path / "pairs.jsonl"))["train"]
+    prompts_ds = datasets.load_dataset("json", data_files=str(tmp_path / "prompts.jsonl"))["train"]
+    tok = _tokenizer("chatml")
+    want_prompt = tok.apply_chat_template(pairs[0]["prompt"], tools=[WEATHER_TOOL], tokenize=False,
+                                          add_generation_prompt=True)
+    assert "<tools>" in want_prompt and "get_weather" in want_prompt
+    prompt_ids, chosen, rejected = preference.pair_tokens(pairs_ds[0], DataConfig(format="preference"), tok)
+    assert tok.decode(prompt_ids) == want_prompt
+    assert tok.decode(chosen) == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                                  '<|im_end|>\n')
+    out, _ = prompt.tokenize(prompts_ds, DataConfig(format="prompt"), tok, 256, None)
+    assert tok.decode(out[0]["prompt_ids"]) == tok.apply_chat_template(
+        prompts[0]["prompt"], tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    plain = _tokenizer(None)
+    with pytest.raises(UserError, match=r"assistant tool calls and function schemas \(tools\), which the chat "):
+        preference.tokenize(pairs_ds, DataConfig(format="preference"), plain, 256, None)
+    with pytest.raises(UserError, match=r"assistant tool calls and function schemas \(tools\), which the chat "):
+        prompt.tokenize(prompts_ds, DataConfig(format="prompt"), plain, 256, None)
