@@ -74,8 +74,8 @@ class DataConfig:
     # the messages column (`format: chat`): `{role, content}` messages, or ShareGPT's `{from, value}` (`human` ->
     # user, `gpt` -> assistant, `system`, `tool`)
     messages_field: str = "messages"
-    # the function schemas of a conversation with tool calls (`format: chat`; TRL's name): a list or its JSON text,
-    # passed to the chat template as `tools`
+    # the function schemas of a conversation with tool calls (TRL's name; `format: chat`, `prompt_response`,
+    # `preference` and `prompt`): a list or its JSON text, passed to the chat template as `tools`
     tools_field: str = "tools"
     instruction_field: str = "instruction"  # the instruction column (`format: alpaca`)
     input_field: str = "input"  # the optional input column (`format: alpaca`), joined to the instruction
