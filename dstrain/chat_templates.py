@@ -136,7 +136,17 @@ def tools_of(row: dict, field: str):
                             f"its JSON") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise UserError(f"'{field}' is a {type(tools).__name__}, not a list of function schemas")
-    return tools or None
+    return [_without_nulls(t) for t in tools] if tools else None
+
+
+def _without_nulls(value):
+    """A schema without null values: a table format (Arrow, parquet) gives every schema of a column every key any
+    of them has, the missing ones null (TRL's remove_none_values, which it leaves to its users)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 # what a row holds that a template must render, each with a probe: a conversation carrying a marker in that field

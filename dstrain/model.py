@@ -99,9 +99,38 @@ def load_tokenizer(cfg: ModelConfig):
         tokenizer = AutoTokenizer.from_pretrained(local_or_hub(name), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise _unreachable(name, e) from None
+    _check_encodes(tokenizer, name, cfg.tokenizer is None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog; 12 cats, 3.5 birds and a question?"
+
+
+def _check_encodes(tokenizer, name: str, from_model: bool) -> None:
+    """A tokenizer that cannot encode text is one line before anything is built: transformers builds a BPE tokenizer
+    with no vocabulary from a model folder without tokenizer files (qwen2, gpt2: 1 token, every text encoded to
+    nothing), and a run then trained on almost nothing (6,000 documents packed into 42 sequences), without a word.
+    Refused: a probe sentence encoded to fewer than one token per 12 characters, or mostly the unknown token."""
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    unknown = sum(i == tokenizer.unk_token_id for i in ids) if tokenizer.unk_token_id is not None else 0
+    if len(ids) >= len(PROBE_TEXT) / 12 and unknown <= len(ids) / 2:
+        return
+    what = (f"encodes a {len(PROBE_TEXT)}-character sentence to {len(ids)} tokens" if unknown <= len(ids) / 2 else
+            f"encodes {unknown} of a sentence's {len(ids)} tokens as unknown")
+    where = (f"'{name}' has no tokenizer files (tokenizer.json, or vocab and merges): the tokenizer transformers "
+             f"made of it" if from_model and not _has_tokenizer_files(name) else f"the tokenizer of '{name}'")
+    raise UserError(f"{where} ({type(tokenizer).__name__}, {len(tokenizer)} tokens) {what}; set model.tokenizer "
+                    f"to the tokenizer the model was trained with (a hub id or a folder)")
+
+
+def _has_tokenizer_files(name: str) -> bool:
+    folder = Path(local_or_hub(name))
+    if not folder.is_dir():
+        return True  # a hub id: its files are in the cache, and the message names the tokenizer itself
+    return any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                                                "spiece.model", "tokenizer_config.json"))
 
 
 def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kwargs: dict | None = None,

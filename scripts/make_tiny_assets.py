@@ -14,7 +14,9 @@ Outputs (all small enough to ship in git):
                                                reward (tiny/grpo.yaml)
   data/examples/                               the same facts in every layout docs/data.md shows (text, .txt,
                                                prompt/response, Alpaca, OpenAI messages, ShareGPT, TRL's
-                                               explicit/implicit/conversational preference and UltraFeedback's)
+                                               explicit/implicit/conversational preference and UltraFeedback's,
+                                               TRL's prompt-completion plain and conversational, tool calls
+                                               with their schemas, reasoning)
   recipes/tiny/model/                          config.json + tokenizer files of a tiny Llama
   recipes/tiny/moe_model/                      config.json of a tiny Mixture-of-Experts model (Mixtral's
                                                architecture, 8 experts, 2 per token; the tokenizer above)
@@ -163,6 +165,29 @@ def _stated_answer(response: str) -> str:
     return next((w for w in reversed(words) if w.isdigit() or w.lower() in NUMBER_WORDS), response)
 
 
+TOOLS = {"number_to_words": {"type": "function", "function": {
+             "name": "number_to_words", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}},
+         "add": {"type": "function", "function": {
+             "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                              "b": {"type": "integer"}}}}}}
+
+
+def _tool_conversation(prompt: str, response: str) -> dict:
+    """A question, the assistant's tool call, the tool's reply and the answer, the called function's schema in the
+    row's `tools` column; a question no tool serves is answered at once, with no schemas."""
+    words = re.fullmatch(r"Write (\d+) in words\.", prompt)
+    total = re.fullmatch(r"What is (\d+) plus (\d+)\?", prompt)
+    messages = [{"role": "user", "content": prompt}]
+    if not (words or total):
+        return {"messages": messages + [{"role": "assistant", "content": response}], "tools": None}
+    name, arguments, result = ("number_to_words", {"n": int(words[1])}, NUMBER_WORDS[int(words[1])]) if words \
+        else ("add", {"a": int(total[1]), "b": int(total[2])}, str(int(total[1]) + int(total[2])))
+    messages += [{"role": "assistant", "content": "", "tool_calls": [
+                     {"type": "function", "function": {"name": name, "arguments": arguments}}]},
+                 {"role": "tool", "name": name, "content": result}, {"role": "assistant", "content": response}]
+    return {"messages": messages, "tools": [TOOLS[name]]}
+
+
 def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dict], n: int = 64) -> None:
     """One small file per layout a user brings (docs/data.md trains on each), from the rows above."""
     def user(text):
@@ -195,6 +220,17 @@ def make_examples(out: Path, sft: list[dict], pairs: list[dict], texts: list[dic
                                             "chosen": [user(r["prompt"]), assistant(r["chosen"])],
                                             "rejected": [user(r["prompt"]), assistant(r["rejected"])]}
                                            for i, r in enumerate(pairs)],
+    }
+    files |= {
+        # TRL's prompt-completion layout, plain and conversational (issue 84)
+        "prompt_completion.jsonl": [{"prompt": r["prompt"], "completion": r["response"]} for r in sft],
+        "prompt_completion_conversational.jsonl": [{"prompt": [user(r["prompt"])],
+                                                    "completion": [assistant(r["response"])]} for r in sft],
+        # OpenAI messages with tool calls: the words of a number and a sum come from a tool, its schemas per row
+        "chat_tools.jsonl": [_tool_conversation(r["prompt"], r["response"]) for r in sft],
+        # reasoning before the reply (reasoning_content, the field transformers' templates read)
+        "chat_reasoning.jsonl": [{"messages": [user(r["prompt"]), dict(assistant(r["response"]), reasoning_content=(
+            f"The answer is {_stated_answer(r['response'])}."))]} for r in sft],
     }
     for name, rows in files.items():
         _write_jsonl(out / "examples" / name, rows)

@@ -12,6 +12,7 @@ resuming at step k reproduces exactly the batches an uninterrupted run would hav
   prepared.py  corpora written by `python -m dstrain.data.prepare_corpus`, memory-mapped; weighted mixes
   order.py     the epoch order (numpy's permutation, or a lazy keyed one for big corpora)
   stream.py    TrainStream (this rank's micro-batches of step k), eval_batches, sequence-parallel slices
+  inspect.py   `python -m dstrain.data.inspect`: the first rows tokenized as a run does, trained tokens marked
 This package's names below are what the rest of dstrain uses.
 """
 from __future__ import annotations

@@ -16,9 +16,10 @@ QUICK = ["--train.max_steps=3", "--train.warmup_steps=1", "--train.micro_batch_s
          "--eval.max_batches=1", "--log.wandb=false", "--log.progress_bar=false", "--log.plot=false",
          "--checkpoint.every=0", "--checkpoint.export_hf=false"]
 COMMANDS = {re.search(r"data/examples/(\S+)", c).group(1): train_argv(c)
-            for _, c in doc_commands([ROOT / "docs/data.md"]) if "data/examples/" in c}
+            for _, c in doc_commands([ROOT / "docs/data.md"]) if "data/examples/" in c and "train.py" in c}
 SAME_DATA = [("preference_ultrafeedback.jsonl", "preference_conversational.jsonl"), ("sharegpt.jsonl", "chat.jsonl"),
-             ("text.txt", "text.jsonl")]
+             ("text.txt", "text.jsonl"), ("prompt_completion.jsonl", "prompt_response.jsonl"),
+             ("prompt_completion_conversational.jsonl", "prompt_response.jsonl")]
 
 
 def test_the_page_has_a_command_for_every_sample_file():
@@ -36,7 +37,8 @@ def runs(tmp_path_factory, cache, tiny_llama):
     for name, argv in COMMANDS.items():
         run = tmp_path_factory.mktemp("layouts") / name.split(".")[0]
         extra = [f"--model.name_or_path={tiny_llama}"] if "tiny/dpo" in argv or "tiny/grpo" in argv else []
-        proc = launch([*argv, *QUICK, *extra, "--output_dir", str(run)], cache, launcher="warm-python")
+        quick = [q for q in QUICK if not (q.startswith("--train.seq_len") and "--train.seq_len" in " ".join(argv))]
+        proc = launch([*argv, *quick, *extra, "--output_dir", str(run)], cache, launcher="warm-python")
         out[name] = (run, proc.stderr)
     return out
 

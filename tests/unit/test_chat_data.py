@@ -242,3 +242,59 @@ def test_preference_and_rl_prompts_carry_their_tools_through_the_same_rendering(
         preference.tokenize(pairs_ds, DataConfig(format="preference"), plain, 256, None)
     with pytest.raises(UserError, match=r"assistant tool calls and function schemas \(tools\), which the chat "):
         prompt.tokenize(prompts_ds, DataConfig(format="prompt"), plain, 256, None)
+
+
+def test_a_model_folder_without_tokenizer_files_is_one_line_naming_model_tokenizer(tmp_path):
+    """transformers makes a Qwen2 (or GPT-2) tokenizer with one token of a folder that has a config and no tokenizer
+    files, and every text encodes to nothing: a run trained on almost nothing. Now one line; model.tokenizer fixes it."""
+    from transformers import AutoConfig
+    AutoConfig.for_model("qwen2", vocab_size=576, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64).save_pretrained(tmp_path / "qwen2")
+    with pytest.raises(UserError, match=r"has no tokenizer files .*encodes a \d+-character sentence to 0 tokens; set "
+                                        r"model.tokenizer to the tokenizer the model was trained with"):
+        load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "qwen2")))
+    tok = load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "qwen2"), tokenizer="recipes/tiny/model"))
+    assert len(tok("Hello there")["input_ids"]) > 2
+
+
+def _docs_inspect_commands() -> list[list[str]]:
+    import shlex
+
+    from tests.helpers import ROOT, doc_commands
+    found = [shlex.split(c) for _, c in doc_commands([ROOT / "docs/data.md"]) if "dstrain.data.inspect" in c]
+    assert len(found) == 2, found
+    return [words[words.index("dstrain.data.inspect") + 1:] for words in found]
+
+
+def test_inspect_shows_the_trained_tokens_of_the_docs_commands(capsys):
+    """docs/data.md's two `python -m dstrain.data.inspect` commands as written (in-process): brackets around what is
+    trained off a terminal, and --json's documented shape, checked against the rows themselves: the text is the row
+    rendered by the template, the trained runs its assistant replies with their end of turn."""
+    from dstrain.data import inspect
+    tools_args, json_args = _docs_inspect_commands()
+    assert inspect.main(tools_args) == 0
+    shown = capsys.readouterr().out
+    sequences = [block.split("\n", 1)[1].rstrip("\n") for block in shown.split("--- ")[1:]]
+    assert len(sequences) == 2
+    tok = _tokenizer("chatml")
+    rows = [json.loads(line) for line in open("data/examples/chat_tools.jsonl")]
+    rendered = {tok.apply_chat_template(normalize(r["messages"], {}), tools=r["tools"], tokenize=False): r
+                for r in rows}
+    for sequence in sequences:
+        import re
+        row = rendered[sequence.replace("[[", "").replace("]]", "")]  # the sequence is a row, rendered whole
+        calls = [m["tool_calls"][0]["function"] if m.get("tool_calls") else None for m in row["messages"]
+                 if m["role"] == "assistant"]
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        want = [(f'<tool_call>\n{{"name": "{c["name"]}", "arguments": {json.dumps(c["arguments"])}}}\n</tool_call>'
+                 if c else reply) + "<|im_end|>\n" for c, reply in zip(calls, replies)]
+        assert re.findall(r"\[\[(.*?)\]\]", sequence, flags=re.S) == want
+    assert inspect.main(json_args) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1
+    record = json.loads(printed[0])
+    assert set(record) == {"text", "trained"}
+    tok = _tokenizer(None)
+    chats = [json.loads(line)["messages"] for line in open("data/tiny_chat/train.jsonl")]  # tiny/chat_sft's data
+    row = next(m for m in chats if tok.apply_chat_template(m, tokenize=False) == record["text"])
+    assert record["trained"] == [m["content"] + "</s>" for m in row if m["role"] == "assistant"]

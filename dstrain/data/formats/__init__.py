@@ -153,6 +153,9 @@ def _counts(stats: dict, seq_len: int) -> str:
         text += f" ({stats['packed_examples']:,} examples packed, no attention across them)"
     if "padding" in stats:
         text += f", {stats['padding']:.1%} padding"
+    if stats.get("tokens"):
+        text += (f"; {stats['trained_tokens']:,} of {stats['tokens']:,} tokens trained "
+                 f"({stats['trained_tokens'] / stats['tokens']:.0%}: `python -m dstrain.data.inspect` shows which)")
     if stats["truncated"] or stats["dropped"]:
         text += (f"; {stats['truncated']:,} longer than seq_len were truncated (their end cut), "
                  f"{stats['dropped']:,} dropped (no reply token within {seq_len}); raise train.seq_len to keep them")

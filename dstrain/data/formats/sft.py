@@ -228,6 +228,9 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
     out = marked.select(kept).remove_columns(["full_length", "has_reply"])
     stats = {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
              "dropped": int((lengths < 0).sum()), "no_reply": int(len(dataset) - sum(marked["has_reply"]))}
+    if len(out):  # what the loss is taken on, said in the run's data line
+        stats["tokens"] = int(sum(sum(mask) for mask in out["attention_mask"]))
+        stats["trained_tokens"] = int(sum(sum(label != IGNORE_INDEX for label in labels) for labels in out["labels"]))
     if cfg.packing and len(out):
         pad = _pad_id(tokenizer)
 
