@@ -80,6 +80,7 @@ def apply(choice: str | None, tokenizer, say) -> str:
 # calls (OpenAI's {type, function: {name, arguments}}), a tool reply's function name and call id, the reasoning
 # (reasoning_content for most templates, thinking for gpt-oss's)
 KEPT = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")
+REASONING = ("reasoning_content", "thinking")
 
 
 def _content(content) -> str:

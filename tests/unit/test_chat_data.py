@@ -298,3 +298,67 @@ def test_inspect_shows_the_trained_tokens_of_the_docs_commands(capsys):
     chats = [json.loads(line)["messages"] for line in open("data/tiny_chat/train.jsonl")]  # tiny/chat_sft's data
     row = next(m for m in chats if tok.apply_chat_template(m, tokenize=False) == record["text"])
     assert record["trained"] == [m["content"] + "</s>" for m in row if m["role"] == "assistant"]
+
+
+# TRL's own tokenization differs from ours in these cells, and TRL is right (left for the next slice, issue 84's
+# note): gemma-4's diffusion template renders the tool's reply inside the assistant's turn (we train it as the
+# assistant's); DeepSeek-R1's closes the tool outputs at the start of the next assistant turn (TRL trains that tag,
+# we leave it to the tool's reply); gpt-oss writes a call into its turn's header (`<|start|>assistant
+# to=functions.get_weather<|channel|>commentary json<|message|>`), which the turn rendered without its call does not
+# share (we train `<|start|>` alone there)
+KNOWN_GAPS = {("diffusion_gemma", "tools"), ("deepseek_r1_distill", "tools"), ("gptoss", "tools")}
+VISION = ("smolvlm", "idefics3", "llava_next", "qwen2_5_vl", "qwen3_vl", "lfm2_2_5_vl")
+
+
+def test_real_model_templates_train_what_trls_training_templates_mark():
+    """The real chat templates TRL ships (Qwen2.5/3.x, Llama 3, Gemma, gpt-oss, DeepSeek, Phi-3, Cohere, LFM2,
+    Nemotron, ...), each beside TRL's rewrite of it with `{% generation %}` tags: where the two render a
+    conversation to the same text, our spans on the untagged original are the tagged spans transformers finds, up to
+    characters the generation prompt already gives the model (TRL's tags also cover `<|im_start|>assistant`-style
+    headers on some models: the model never writes them). Single and multi-turn, tool calls, reasoning."""
+    from pathlib import Path
+
+    import trl
+    from transformers.utils.chat_template_utils import render_jinja_template
+    folder = Path(trl.__file__).parent / "chat_templates"
+    conversations = {"single": ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}],
+                                None),
+                     "multi": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
+                                {"role": "assistant", "content": "4"}], None),
+                     "tools": (TOOL_CONVERSATION[1:], [WEATHER_TOOL]),
+                     "reasoning": (REASONING_CONVERSATION, None)}
+    tok = _tokenizer(None)
+    compared, gaps = 0, set()
+    for tagged in sorted(folder.glob("*_training.jinja")):
+        original = folder / tagged.name.replace("_training", "")
+        if not original.exists() or original.stem in VISION:
+            continue
+        for name, (conversation, tools) in conversations.items():
+            messages = normalize(conversation, {})
+            try:
+                plain = render_jinja_template([messages], tools=tools, chat_template=original.read_text(),
+                                              bos_token=tok.bos_token, eos_token=tok.eos_token)[0][0]
+                marked, generation = render_jinja_template([messages], tools=tools, chat_template=tagged.read_text(),
+                                                           return_assistant_tokens_mask=True, bos_token=tok.bos_token,
+                                                           eos_token=tok.eos_token)
+            except Exception:  # noqa: BLE001 - the template refuses this conversation (no tools, no system turn)
+                continue
+            if marked[0] != plain:  # TRL's rewrite renders another text (e.g. every turn's <think> block)
+                continue
+            tok.chat_template = original.read_text()
+            text, ours = sft.assistant_spans(messages, tok, tools)
+            theirs = []
+            for a, b in generation[0]:  # adjacent tagged blocks are one span
+                theirs = theirs[:-1] + [(theirs[-1][0], b)] if theirs and theirs[-1][1] == a else theirs + [(a, b)]
+            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            agree = len(ours) == len(theirs)
+            for (start, end), (their_start, their_end), turn in zip(ours, theirs, turns):
+                prompt = sft._render(tok, messages[:turn], tools, generation_prompt=True)
+                before = sft._render(tok, messages[:turn], tools)
+                header = prompt[len(before):] if prompt.startswith(before) else ""
+                agree &= end == their_end and their_start <= start and text[their_start:start] in header
+            compared += 1
+            if not agree:
+                gaps.add((original.stem, name))
+    assert gaps == KNOWN_GAPS and compared >= 80, (sorted(gaps), compared)

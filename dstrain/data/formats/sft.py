@@ -71,14 +71,6 @@ def _common_prefix(a, b) -> int:
     return i
 
 
-def _turn_end(tokenizer, tools) -> str:
-    """What the template writes after an assistant reply (ChatML's `<|im_end|>\\n`, Llama 3's `<|eot_id|>`, an EOS):
-    the end of turn the model must learn to emit, found by rendering a reply with a marker."""
-    marker = "dstrain-reply-marker"
-    text = _render(tokenizer, [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}], tools)
-    return text[text.rfind(marker) + len(marker):] if marker in text else ""
-
-
 _MARKER = "dstrainturnmarker"
 
 
@@ -90,19 +82,30 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
     conversation rendered with that turn's content replaced by a marker (no reasoning, no tool calls) gives the text
     before and after the turn's own part; between them in the whole rendering lies what the turn's content,
     reasoning and tool calls became. The span then reaches back to where the generation prompt leaves off (what the
-    model writes after `<|im_start|>assistant\\n`, e.g. a `<think>` the template opens itself) and on through the end
-    of turn (_turn_end). Written by hand: transformers gives assistant masks only for templates marked with
-    `{% generation %}` (used as they are, in _sft_tokens), and TRL only for those or the templates it ships
-    rewritten; this needs no change to the template."""
+    model writes after `<|im_start|>assistant\\n`) and on through the end of turn. Written by hand: transformers gives
+    assistant masks only for templates marked with `{% generation %}` (used as they are, in _sft_tokens), and TRL
+    only for those or the templates it ships rewritten; this needs no change to the template."""
     text = _render(tokenizer, messages, tools)
-    end_of_turn = _turn_end(tokenizer, tools)
-    closing = end_of_turn.rstrip()
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        marked = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": _MARKER}] + messages[i + 1:],
-                         tools)
+        marker_turn = [{"role": "assistant", "content": _MARKER}]
+        try:
+            marked = _render(tokenizer, messages[:i] + marker_turn + messages[i + 1:], tools)
+        except Exception:  # noqa: BLE001 - a tool reply after a turn without calls, refused by the template:
+            # the marker turn keeps its calls, which then lie after the marker, reached by the end of turn below
+            marker_turn = [{k: v for k, v in message.items() if k not in chat_templates.REASONING} |
+                           {"content": _MARKER}]
+            try:
+                marked = _render(tokenizer, messages[:i] + marker_turn + messages[i + 1:], tools)
+            except Exception:  # noqa: BLE001
+                span = _prefix_span(tokenizer, messages, i, tools, text)
+                if span is None:
+                    raise
+                spans.append(span)
+                cursor = span[1]
+                continue
         at = marked.find(_MARKER)
         before, after = (marked[:at], marked[at + len(_MARKER):]) if at >= 0 else (marked, "")
         # the text after the turn's part is the same whatever the turn holds; the text before it may not be (a
@@ -111,22 +114,55 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
             len(text) - _common_prefix(text[::-1], marked[::-1])
         start = len(before) if text.startswith(before) else _common_prefix(text, marked)
         start = max(cursor, min(start, end))
-        try:  # the generation prompt of this turn: the model writes what follows it
-            prompt_less = _render(tokenizer, messages[:i], tools)
-            prompt = _render(tokenizer, messages[:i], tools, generation_prompt=True)
-            header = prompt[len(prompt_less):] if prompt.startswith(prompt_less) else ""
-        except Exception:  # noqa: BLE001 - a template that cannot render an empty conversation
-            header = ""
-        found = text.rfind(header, cursor, start + len(header)) if header else -1
-        if found >= 0 and found + len(header) <= start:
-            start = found + len(header)
-        if end_of_turn and text.startswith(end_of_turn, end):
-            end += len(end_of_turn)
-        elif closing and text[end:].lstrip().startswith(closing):
-            end = len(text) - len(text[end:].lstrip()) + len(closing)
+        start = _after_generation_prompt(tokenizer, messages[:i], tools, text, cursor, start)
+        # the end of turn: what follows the reply when the turn is the last one, as far as the conversation goes on
+        # the same way (ChatML's `<|im_end|>\\n`, Phi-3's `<|end|>\\n` before the next turn and `<|end|>\\n</s>` at
+        # the end, Llama 3's `<|eot_id|>`, an EOS)
+        last = _render(tokenizer, messages[:i] + marker_turn, tools)
+        closing = last[last.find(_MARKER) + len(_MARKER):] if _MARKER in last else ""
+        shared = _whole_tags(closing, _common_prefix(closing, text[end:]))
+        if not closing[:shared].strip() and closing.startswith("<") and text.startswith("<", end):
+            shared = text.find(">", end) + 1 - end  # another end tag mid-conversation (gpt-oss: <|end|>, <|return|>)
+        end += shared
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _prefix_span(tokenizer, messages: list[dict], i: int, tools, text: str) -> tuple[int, int] | None:
+    """Turn i's span where the template renders the conversation prefix by prefix up to it: from its generation
+    prompt's end to the end of the conversation rendered through it; None where it does not."""
+    prompt = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+    full = _render(tokenizer, messages[:i + 1], tools)
+    return (len(prompt), len(full)) if full.startswith(prompt) and text.startswith(full) else None
+
+
+def _after_generation_prompt(tokenizer, history: list[dict], tools, text: str, cursor: int, start: int) -> int:
+    """Where the model starts writing a turn: after the generation prompt (`<|im_start|>assistant\\n`, a `<think>`
+    the template opens there too), found as far as the turn's text has it before `start`."""
+    try:
+        prompt_less = _render(tokenizer, history, tools)
+        prompt = _render(tokenizer, history, tools, generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that cannot render an empty conversation
+        return start
+    header = prompt[len(prompt_less):] if prompt.startswith(prompt_less) else ""
+    if not header:
+        return start
+    found = text.rfind(header, cursor, start + len(header))
+    if found >= 0 and found + len(header) <= start:
+        return found + len(header)
+    first = header.split("\n", 1)[0]  # the role's opening line; then as far as the turn agrees with the prompt
+    found = text.rfind(first, cursor, start) if first else -1
+    if found < 0:
+        return start
+    return min(start, found + _whole_tags(header, _common_prefix(header, text[found:])))
+
+
+def _whole_tags(text: str, n: int) -> int:
+    """n, or less so that text[:n] does not end inside a tag (`<|end|>\\n<` of `<|end|>\\n</s>` against
+    `<|end|>\\n<|user|>`: the `<` belongs to the next one)."""
+    opened = text.rfind("<", 0, n)
+    return opened if opened > text.rfind(">", 0, n) else n
 
 
 def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int = 0) -> tuple[list[int], list[int]]:
