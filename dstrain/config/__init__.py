@@ -74,6 +74,12 @@ class DataConfig:
     # the messages column (`format: chat`): `{role, content}` messages, or ShareGPT's `{from, value}` (`human` ->
     # user, `gpt` -> assistant, `system`, `tool`)
     messages_field: str = "messages"
+    # SFT formats (TRL's names): the loss on what the assistant writes (its replies, tool calls, reasoning where the
+    # template renders it, each end of turn); false: on every token of the rendered conversation (TRL's default)
+    assistant_only_loss: bool = True
+    # prompt-completion rows (`prompt_response`, TRL's layout): the loss on the completion only; false: the prompt's
+    # assistant turns too (or, with assistant_only_loss false, the whole sequence)
+    completion_only_loss: bool = True
     # the function schemas of a conversation with tool calls (TRL's name; `format: chat`, `prompt_response`,
     # `preference` and `prompt`): a list or its JSON text, passed to the chat template as `tools`
     tools_field: str = "tools"

@@ -1,7 +1,7 @@
-"""Tool calling end to end (issue 84): docs/data.md's tool-calling example trains on 2 ranks and exports; the export
-carries the template, and `apply_chat_template(messages, tools=..., add_generation_prompt=True)` on it renders exactly
-the prompt each trained reply followed in the run's sequences; DPO pairs and GRPO prompts holding tool calls, tool
-replies and schemas train through the same rendering."""
+"""Tool calling end to end (issue 84): the tiny agent recipe (docs/data.md's tool-calling example) trains on 2 ranks
+and exports; the export carries the template, and `apply_chat_template(messages, tools=..., add_generation_prompt=
+True)` on it renders exactly the prompt each trained reply followed in the run's sequences; DPO pairs and GRPO prompts
+holding tool calls, tool replies and schemas train through the same rendering."""
 from __future__ import annotations
 
 import json
@@ -20,8 +20,8 @@ ROWS = [json.loads(line) for line in (ROOT / "data/examples/chat_tools.jsonl").r
 
 def test_tool_calls_train_on_two_ranks_and_the_export_renders_the_trained_prompts(tmp_path, cache):
     run = tmp_path / "run"
-    proc = launch(["--recipe", "tiny/chat_sft", "--data.path=data/examples/chat_tools.jsonl", "--train.seq_len=512",
-                   "--train.max_steps=3", "--train.micro_batch_size=2", "--output_dir", str(run), *QUICK], cache)
+    proc = launch(["--recipe", "tiny/agent_sft", "--train.max_steps=3", "--train.micro_batch_size=2", "--output_dir",
+                   str(run), *QUICK], cache)  # the tiny agent recipe: docs/data.md's tool-calling example
     losses, _ = metrics(run)
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), proc.stderr[-3000:]
     line = next(x for x in proc.stderr.splitlines() if x.startswith("data: "))

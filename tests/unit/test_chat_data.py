@@ -362,3 +362,23 @@ def test_real_model_templates_train_what_trls_training_templates_mark():
             if not agree:
                 gaps.add((original.stem, name))
     assert gaps == KNOWN_GAPS and compared >= 80, (sorted(gaps), compared)
+
+
+def test_trls_loss_switches(tmp_path):
+    """data.assistant_only_loss and data.completion_only_loss as TRL combines its masks: on a conversational
+    prompt-completion row whose prompt holds an assistant turn, the completion (default), every assistant turn
+    (completion_only_loss false), the completion's every token (assistant_only_loss false), or everything."""
+    from dstrain.data.formats import prompt_response
+    row = {"prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                      {"role": "user", "content": "3+3?"}], "completion": [{"role": "assistant", "content": "6"}]}
+    tok = _tokenizer("chatml")
+    text = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+    prompt = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+    for switches, want in (({}, ["6<|im_end|>\n"]),
+                           ({"completion_only_loss": False}, ["4<|im_end|>\n", "6<|im_end|>\n"]),
+                           ({"assistant_only_loss": False}, [text[len(prompt):]]),
+                           ({"assistant_only_loss": False, "completion_only_loss": False}, [text])):
+        cfg = DataConfig(format="prompt_response", response_field="completion", **switches)
+        messages = prompt_response.to_messages(row, cfg)
+        ids, labels = sft._with_options(messages, tok, None, cfg)
+        assert _trained(ids, labels, tok) == want, switches

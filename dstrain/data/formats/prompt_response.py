@@ -51,7 +51,10 @@ def to_messages(row: dict, cfg: DataConfig) -> list[dict]:
         messages = sft.Conversation(normalize(prompt, cfg.role_map) + normalize(response, cfg.role_map))
         messages.prompt_turns = len(prompt)
         return messages
-    return [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": str(response)}]
+    messages = sft.Conversation([{"role": "user", "content": str(prompt)},
+                                 {"role": "assistant", "content": str(response)}])
+    messages.prompt_turns = 1  # the user turn is the prompt
+    return messages
 
 
 def to_tools(row: dict, cfg: DataConfig) -> list | None:

@@ -197,6 +197,21 @@ def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int =
     return ids, labels
 
 
+def _with_options(messages: list[dict], tokenizer, tools, cfg: DataConfig) -> tuple[list[int], list[int]]:
+    """ids and labels under TRL's two switches: data.assistant_only_loss (what the assistant writes; false: every
+    token) and data.completion_only_loss (prompt-completion rows: the completion only; false: the prompt's own
+    assistant turns too, or with assistant_only_loss false the whole sequence). TRL's masks combine the same way."""
+    prompt_turns = getattr(messages, "prompt_turns", 0)
+    if cfg.assistant_only_loss:
+        return _sft_tokens(messages, tokenizer, tools, prompt_turns if cfg.completion_only_loss else 0)
+    ids, _ = _sft_tokens(messages, tokenizer, tools)
+    if not (prompt_turns and cfg.completion_only_loss):
+        return ids, list(ids)
+    prompt = _render(tokenizer, messages[:prompt_turns], tools, generation_prompt=True)  # the completion: after it
+    cut = _common_prefix(tokenizer(prompt, add_special_tokens=False)["input_ids"], ids)  # TRL's completion mask
+    return ids, [IGNORE_INDEX] * cut + ids[cut:]
+
+
 def check_rendered(dataset, cfg: DataConfig, tokenizer, to_messages, to_tools) -> None:
     """Before anything is tokenized: each kind of field the rows hold (tool calls, function schemas, reasoning) is
     one the template renders (chat_templates.check_rendered), or one line naming it."""
@@ -250,7 +265,7 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
         out = {k: [] for k in (*SFT_COLUMNS, "full_length", "has_reply")}
         for row in rows:
             messages = to_messages(row, cfg)
-            ids, labels = _sft_tokens(messages, tokenizer, to_tools(row, cfg), getattr(messages, "prompt_turns", 0))
+            ids, labels = _with_options(messages, tokenizer, to_tools(row, cfg), cfg)
             example = _fit(ids, labels, seq_len, tokenizer, pad_to=not cfg.packing)
             for key in SFT_COLUMNS:  # a dropped example stays as an empty row until it is counted
                 out[key].append(example[key] if example else [])
