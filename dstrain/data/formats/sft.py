@@ -121,8 +121,9 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
         last = _render(tokenizer, messages[:i] + marker_turn, tools)
         closing = last[last.find(_MARKER) + len(_MARKER):] if _MARKER in last else ""
         shared = _whole_tags(closing, _common_prefix(closing, text[end:]))
-        if not closing[:shared].strip() and closing.startswith("<") and text.startswith("<", end):
-            shared = text.find(">", end) + 1 - end  # another end tag mid-conversation (gpt-oss: <|end|>, <|return|>)
+        tag_end = text.find(">", end)
+        if not closing[:shared].strip() and closing.startswith("<") and text.startswith("<", end) and tag_end > 0:
+            shared = tag_end + 1 - end  # another end tag mid-conversation (gpt-oss: <|end|>, the last <|return|>)
         end += shared
         spans.append((start, end))
         cursor = end
