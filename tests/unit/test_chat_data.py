@@ -59,6 +59,11 @@ SYSTEM_TOOLS_TAGGED_CALLS = (
     "{{ '{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' + (c['function']['arguments'] | tojson) + '}' }}"
     "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ']' + eos_token }}"
     "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+# turns not closed mid-conversation, the EOS after the conversation's last reply only: the next turn's opening tag is
+# not the assistant's to learn
+NO_CLOSING_MID_CONVERSATION = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% if loop.last and m['role'] == 'assistant' %}"
+    "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 # ChatML with the assistant's text marked for transformers' assistant mask (what TRL's assistant_only_loss reads)
 GENERATION_TAGGED = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
@@ -113,7 +118,9 @@ def test_normalize_keeps_what_a_template_renders():
     (LAST_TURN_REASONING, REASONING_CONVERSATION, None, ["4<|im_end|>\n", "<think>\nadd again\n</think>\n\n6<|im_end|>\n"]),
     (SYSTEM_TOOLS_TAGGED_CALLS, TOOL_CONVERSATION, [WEATHER_TOOL],
      ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]</s>', "It is 5C.</s>"]),
-], ids=["chatml-tools", "reasoning-last-turn", "system-tools-tagged-calls"])
+    (NO_CLOSING_MID_CONVERSATION, REASONING_CONVERSATION[:1] + [{"role": "assistant", "content": "4"}] +
+     REASONING_CONVERSATION[2:3] + [{"role": "assistant", "content": "6"}], None, ["4", "6</s>"]),
+], ids=["chatml-tools", "reasoning-last-turn", "system-tools-tagged-calls", "no-closing-mid-conversation"])
 def test_trained_spans_are_what_the_assistant_writes(template, conversation, tools, want):
     """Hand-written spans: each assistant turn's reasoning (where the template renders it), content, tool calls and
     end of turn, and nothing of the system turn, the schemas, the user or the tool's reply."""

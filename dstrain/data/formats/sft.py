@@ -121,13 +121,28 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
         last = _render(tokenizer, messages[:i] + marker_turn, tools)
         closing = last[last.find(_MARKER) + len(_MARKER):] if _MARKER in last else ""
         shared = _whole_tags(closing, _common_prefix(closing, text[end:]))
-        tag_end = text.find(">", end)
-        if not closing[:shared].strip() and closing.startswith("<") and text.startswith("<", end) and tag_end > 0:
-            shared = tag_end + 1 - end  # another end tag mid-conversation (gpt-oss: <|end|>, the last <|return|>)
+        if not closing[:shared].strip() and closing.startswith("<"):  # another end tag mid-conversation (gpt-oss:
+            # <|end|>, the last turn's <|return|>): the tag the template writes after a reply whatever follows it
+            tag = _closing_tag(tokenizer, messages[:i], marker_turn, tools)
+            shared = len(tag) if tag and text.startswith(tag, end) else shared
         end += shared
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _closing_tag(tokenizer, history: list[dict], marker_turn: list[dict], tools) -> str:
+    """The tag right after a reply that is followed by another turn, when it is the same whether a user or an
+    assistant turn follows (so it closes the reply rather than opening the next turn); "" otherwise."""
+    tags = []
+    for following in ({"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}):
+        try:
+            rendered = _render(tokenizer, history + marker_turn + [following], tools)
+        except Exception:  # noqa: BLE001 - a template that refuses the probe: no tag
+            return ""
+        rest = rendered[rendered.find(_MARKER) + len(_MARKER):]
+        tags.append(rest[:rest.find(">") + 1] if rest.startswith("<") and ">" in rest else "")
+    return tags[0] if tags[0] == tags[1] else ""
 
 
 def _prefix_span(tokenizer, messages: list[dict], i: int, tools, text: str) -> tuple[int, int] | None:
