@@ -171,17 +171,28 @@ WHAT = {"tool_calls": "assistant tool calls", "tools": "function schemas (tools)
         "reasoning_content": "reasoning (reasoning_content)", "thinking": "reasoning (thinking)"}
 
 
-def present(messages: list[dict], tools) -> set[str]:
+def conversational(value) -> bool:
+    """A non-empty list of message mappings (a prompt or completion given as messages, not text)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def _present(messages: list[dict], tools) -> set[str]:
     """The fields of one normalized conversation that a template must render (the keys of _PROBES)."""
-    found = {key for m in messages for key in ("tool_calls", "reasoning_content", "thinking") if m.get(key)}
+    found = {key for m in messages for key in REASONING + ("tool_calls",) if m.get(key)}
     return found | ({"tools"} if tools else set())
 
 
-def check_rendered(fields: set[str], tokenizer, described: str) -> None:
-    """Nothing a user gave is dropped silently: each field the rows hold must appear when the run's template renders
-    a conversation carrying it, or the run stops here, before anything is tokenized."""
+def check_rendered(conversations, tokenizer, choice: str | None) -> None:
+    """Nothing a user gave is dropped silently: each field the conversations hold ((messages, tools) pairs, normalized;
+    read until every probed field has been seen) must appear when the run's template (data.chat_template `choice`)
+    renders a conversation carrying it, or the run stops here, before anything is tokenized."""
+    fields: set[str] = set()
+    for messages, tools in conversations:
+        fields |= _present(messages, tools)
+        if fields >= PROBED:
+            break
     missing = []
-    for key in sorted(fields & PROBED):
+    for key in sorted(fields):
         messages, tools, marker = _PROBES[key]
         try:
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
@@ -190,6 +201,7 @@ def check_rendered(fields: set[str], tokenizer, described: str) -> None:
         if marker not in text:
             missing.append(WHAT[key])
     if missing:
+        described = "the tokenizer's own" if choice is None else f"data.chat_template={choice}"
         them = "those fields" if len(missing) > 1 else "that field"
         raise UserError(f"the rows hold {' and '.join(missing)}, which the chat template ({described}) never renders: "
                         f"the model would be trained without them; set data.chat_template to one that renders them "

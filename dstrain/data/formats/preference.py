@@ -20,7 +20,7 @@ from ... import chat_templates
 from ...chat_templates import normalize, tools_of
 from ...config import DataConfig
 from ...errors import UserError
-from .sft import IGNORE_INDEX, _pad_id
+from .sft import IGNORE_INDEX, _common_prefix, _pad_id
 
 SIDES = ("chosen", "rejected")
 COLUMNS = tuple(f"{side}_{k}" for side in SIDES for k in ("input_ids", "labels", "attention_mask"))
@@ -89,13 +89,6 @@ def _ids(tokenizer, content, generation_prompt: bool = False, tools=None) -> lis
     return list(tokenizer(text=content)["input_ids"])
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def pair_tokens(row: dict, cfg: DataConfig, tokenizer) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, chosen ids, rejected ids) of one pair, untruncated, as TRL tokenizes it."""
     chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
@@ -121,20 +114,14 @@ def pair_tokens(row: dict, cfg: DataConfig, tokenizer) -> tuple[list[int], list[
     return prompt_ids[:start], full[0][start:], full[1][start:]
 
 
-def check_rendered(dataset, cfg: DataConfig, tokenizer) -> None:
-    """Tool calls, schemas or reasoning in the pairs' messages that the template never renders: one line, before
-    anything is tokenized (chat_templates.check_rendered)."""
-    found: set[str] = set()
+def _conversations(dataset, cfg: DataConfig):
+    """(messages, tools) of every conversational prompt, chosen and rejected side: what the template must render."""
     for row in dataset:
+        tools = tools_of(row, cfg.tools_field)
+        yield [], tools
         for name in (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field):
             if _conversational(row.get(name)):
-                found |= chat_templates.present(_messages(row[name], cfg), None)
-        found |= chat_templates.present([], tools_of(row, cfg.tools_field))
-        if found >= chat_templates.PROBED:
-            break
-    if found:
-        described = "the tokenizer's own" if cfg.chat_template is None else f"data.chat_template={cfg.chat_template}"
-        chat_templates.check_rendered(found, tokenizer, described)
+                yield _messages(row[name], cfg), None
 
 
 def fit(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt: int
@@ -160,7 +147,7 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
     (the row's place in the split: the stored reference log-probs are looked up by it)."""
     max_prompt = cfg.max_prompt_length or seq_len // 2
     pad = _pad_id(tokenizer)
-    check_rendered(dataset, cfg, tokenizer)
+    chat_templates.check_rendered(_conversations(dataset, cfg), tokenizer, cfg.chat_template)
 
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]

@@ -19,15 +19,11 @@ def fields(cfg: DataConfig) -> list[tuple[str, str]]:
     return [(cfg.prompt_field, "data.prompt_field")]
 
 
-def _conversational(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-
-
 def row_problem(row: dict, cfg: DataConfig) -> str | None:
     value = row.get(cfg.prompt_field)
     if isinstance(value, str) and value:
         return None
-    if _conversational(value):
+    if chat_templates.conversational(value):
         try:
             normalize(value, cfg.role_map)
             tools_of(row, cfg.tools_field)
@@ -54,16 +50,9 @@ def prompt_ids(prompt, tokenizer, tools=None, role_map: dict | None = None) -> l
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
     """Raw split -> the same rows with `prompt_ids` and `prompt_index` added (nothing dropped: a prompt longer than
     the room train.seq_len leaves beside rl.max_completion_length keeps its end, cut when it is sampled)."""
-    found: set[str] = set()  # what the template must render, checked before anything is tokenized
-    for row in dataset:
-        if _conversational(row[cfg.prompt_field]):
-            found |= chat_templates.present(normalize(row[cfg.prompt_field], cfg.role_map),
-                                            tools_of(row, cfg.tools_field))
-        if found >= chat_templates.PROBED:
-            break
-    if found:
-        described = "the tokenizer's own" if cfg.chat_template is None else f"data.chat_template={cfg.chat_template}"
-        chat_templates.check_rendered(found, tokenizer, described)
+    conversations = ((normalize(row[cfg.prompt_field], cfg.role_map), tools_of(row, cfg.tools_field))
+                     for row in dataset if chat_templates.conversational(row[cfg.prompt_field]))
+    chat_templates.check_rendered(conversations, tokenizer, cfg.chat_template)  # before anything is tokenized
 
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]

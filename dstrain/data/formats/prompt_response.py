@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...chat_templates import normalize, tools_of
+from ...chat_templates import conversational, normalize, tools_of
 from ...config import DataConfig
 from ...errors import UserError
 from . import sft
@@ -20,13 +20,9 @@ def reads(cfg: DataConfig) -> list[str]:
     return [cfg.prompt_field, cfg.response_field, cfg.tools_field]
 
 
-def _messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-
-
 def row_problem(row: dict, cfg: DataConfig) -> str | None:
     prompt, response = row.get(cfg.prompt_field), row.get(cfg.response_field)
-    if _messages(prompt) and _messages(response):
+    if conversational(prompt) and conversational(response):
         try:
             for value in (prompt, response):
                 normalize(value, cfg.role_map)
@@ -35,7 +31,7 @@ def row_problem(row: dict, cfg: DataConfig) -> str | None:
             return str(error)
         return None
     for name, value in ((cfg.prompt_field, prompt), (cfg.response_field, response)):
-        if _messages(value):
+        if conversational(value):
             other = cfg.response_field if name == cfg.prompt_field else cfg.prompt_field
             return (f"'{name}' is a list of messages but '{other}' is not; give both as text, or both as lists of "
                     f"messages (TRL's conversational prompt-completion)")
@@ -47,7 +43,7 @@ def row_problem(row: dict, cfg: DataConfig) -> str | None:
 
 def to_messages(row: dict, cfg: DataConfig) -> list[dict]:
     prompt, response = row[cfg.prompt_field], row[cfg.response_field]
-    if _messages(prompt):
+    if conversational(prompt):
         messages = sft.Conversation(normalize(prompt, cfg.role_map) + normalize(response, cfg.role_map))
         messages.prompt_turns = len(prompt)
         return messages

@@ -228,20 +228,6 @@ def _with_options(messages: list[dict], tokenizer, tools, cfg: DataConfig) -> tu
     return ids, [IGNORE_INDEX] * cut + ids[cut:]
 
 
-def check_rendered(dataset, cfg: DataConfig, tokenizer, to_messages, to_tools) -> None:
-    """Before anything is tokenized: each kind of field the rows hold (tool calls, function schemas, reasoning) is
-    one the template renders (chat_templates.check_rendered), or one line naming it."""
-    found: set[str] = set()
-    for batch in dataset.iter(batch_size=1000):
-        for values in zip(*batch.values()):
-            row = dict(zip(batch, values))
-            found |= chat_templates.present(to_messages(row, cfg), to_tools(row, cfg))
-        if found >= chat_templates.PROBED:
-            break
-    described = "the tokenizer's own" if cfg.chat_template is None else f"data.chat_template={cfg.chat_template}"
-    chat_templates.check_rendered(found, tokenizer, described)
-
-
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -274,7 +260,9 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | 
 
     SFT examples longer than seq_len are truncated at seq_len (their end is cut); those left without a reply
     token are dropped. Both are counted: a user should know what a seq_len costs."""
-    check_rendered(dataset, cfg, tokenizer, to_messages, to_tools)
+    rows = (dict(zip(batch, values)) for batch in dataset.iter(batch_size=1000) for values in zip(*batch.values()))
+    chat_templates.check_rendered(((to_messages(row, cfg), to_tools(row, cfg)) for row in rows), tokenizer,
+                                  cfg.chat_template)
 
     def fn(batch):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
