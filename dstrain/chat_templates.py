@@ -81,6 +81,9 @@ def apply(choice: str | None, tokenizer, say) -> str:
 # (reasoning_content for most templates, thinking for gpt-oss's)
 KEPT = ("tool_calls", "name", "tool_call_id", "reasoning_content", "thinking")
 REASONING = ("reasoning_content", "thinking")
+# per-turn training switches other tools read (axolotl's `weight`, `train`, `loss`): not read here, and every
+# assistant turn trains, so a turn the data marks untrained would be trained silently: refused instead
+SWITCHES = ("weight", "train", "loss", "trainable", "mask")
 
 
 def _content(content) -> str:
@@ -119,6 +122,10 @@ def normalize(messages, role_map: dict) -> list[dict]:
         if mapped not in ROLES:
             raise UserError(f"chat role {role!r} is not one of {', '.join(ROLES)}; map it, e.g. "
                             f"--data.role_map.{role}=user")
+        switch = next((key for key in SWITCHES if key in message), None)
+        if switch is not None:
+            raise UserError(f"a chat message has '{switch}' (a per-turn training switch), which dstrain does not read: "
+                            f"every assistant turn trains; remove the field, or the turns it marks untrained")
         kept = {"role": mapped, "content": _content(content)}
         kept.update({key: message[key] for key in KEPT if message.get(key) is not None})
         out.append(kept)

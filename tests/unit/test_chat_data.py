@@ -106,6 +106,8 @@ def test_normalize_keeps_what_a_template_renders():
     assert normalize(calls_only, {})[1]["content"] == ""  # a call without content is a whole turn
     with pytest.raises(UserError, match=r"content parts of type image; only text parts are trained"):
         normalize([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}], {})
+    with pytest.raises(UserError, match=r"a chat message has 'weight' \(a per-turn training switch\)"):
+        normalize([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 0}], {})
     with pytest.raises(UserError, match=r"'tools' is text that is not JSON"):
         chat_templates.tools_of({"tools": "[{"}, "tools")
     assert chat_templates.tools_of({"tools": json.dumps([WEATHER_TOOL])}, "tools") == [WEATHER_TOOL]
