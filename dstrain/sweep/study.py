@@ -2,7 +2,7 @@
 
 Optuna keeps the study (trials, parameters, reported values, states) in a database every worker reaches. What it
 does not do for a study of multi-process training runs, and this module adds:
-  - a trial is a launched process (torchrun of train.py), polled through its metrics.jsonl; pruning it writes the
+  - a trial is a launched process (train.py under torchrun, or alone for one rank), polled through its metrics.jsonl; pruning it writes the
     STOP file of its run directory (run/preempt.py), so it saves a checkpoint and exits 75, resumable later;
   - ownership: the worker running a trial holds an flock on claims/trial_N.lock. The kernel drops it when the worker
     dies however it dies (SIGKILL, a lost node once the file system's lease expires), so a restarted worker, or
@@ -187,14 +187,16 @@ def open_study(sweep: Sweep):
     return study
 
 
-def launcher_words() -> str:
-    """torchrun as a person types it from any shell, active virtualenv or not: the one beside this interpreter
-    (relative to the repository when it lives there, as `train.py` is), else the interpreter's own module."""
-    beside = Path(sys.executable).parent / "torchrun"
+def launcher_words(ranks: int = 2) -> str:
+    """The launcher as a person types it from any shell, active virtualenv or not: the torchrun (or, for a trial of
+    one rank, the python) beside this interpreter, relative to the repository when it lives there as `train.py`
+    does; else the interpreter's own module."""
+    name = "python" if ranks == 1 else "torchrun"
+    beside = Path(sys.executable).parent / name
     if beside.is_file():
         absolute = beside.absolute()
         return str(absolute.relative_to(REPO_ROOT)) if absolute.is_relative_to(REPO_ROOT) else str(absolute)
-    return f"{shlex.quote(sys.executable)} -m torch.distributed.run"
+    return shlex.quote(sys.executable) + ("" if ranks == 1 else " -m torch.distributed.run")
 
 
 STUDY_FILE = "study.json"  # in the output directory: the one study whose trial directories it holds
@@ -263,10 +265,13 @@ class Worker:
 
     # ------------------------------------------------------------------ launching
     def command(self, run: TrialRun, slot: int | None = None, resume: bool = False) -> tuple[list[str], dict]:
-        """(argv, extra environment) of a trial: torchrun with --standalone (a free rendezvous port of its own)."""
+        """(argv, extra environment) of a trial: torchrun with --standalone (a free rendezvous port of its own), or
+        for one rank the interpreter itself (train.py runs one rank without a launcher: no torchrun agent, 2-3 s
+        and an interpreter less per trial on 2 cores, measured)."""
         sweep = self.sweep
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={sweep.ranks_per_trial}", str(REPO_ROOT / "train.py"), "--recipe", sweep.recipe,
+        launcher = [sys.executable] if sweep.ranks_per_trial == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sweep.ranks_per_trial}"]
+        argv = [*launcher, str(REPO_ROOT / "train.py"), "--recipe", sweep.recipe,
                 *(["--ds_config", sweep.ds_config] if sweep.ds_config else []), "--output_dir", str(run.run_dir),
                 "--resume", "auto" if resume else "never", *override_args(sweep.overrides(run.params))]
         extra = {}
@@ -286,10 +291,12 @@ class Worker:
         recipe = Path(self.sweep.recipe)
         argv[argv.index("--recipe") + 1] = str(recipe.relative_to(REPO_ROOT) if recipe.is_relative_to(REPO_ROOT)
                                                else recipe)
-        argv[argv.index(str(REPO_ROOT / "train.py"))] = "train.py"
+        script = argv.index(str(REPO_ROOT / "train.py"))
+        argv[script] = "train.py"
         del argv[argv.index("--resume"):argv.index("--resume") + 2]
         prefix = "".join(f"{k}={v} " for k, v in extra.items() if k == "OMP_NUM_THREADS")
-        return prefix + launcher_words() + " " + shlex.join(argv[3:])
+        options = argv[3:script] if self.sweep.ranks_per_trial > 1 else []  # torchrun's own: --standalone ...
+        return prefix + launcher_words(self.sweep.ranks_per_trial) + " " + shlex.join(options + argv[script:])
 
     def launch(self, run: TrialRun, slot: int, resume: bool) -> None:
         argv, extra = self.command(run, slot, resume)
@@ -491,8 +498,9 @@ class Worker:
 
 
 def rank_exit_code(run: TrialRun, code: int) -> int:
-    """torchrun exits 1 whatever its ranks exited with; its failure report names the first failed rank's code (2: the
-    trial's input was refused, 65: steps were not finite...), which says whether resuming could help."""
+    """torchrun exits 1 whatever its ranks exited with (a one-rank trial, run without it, exits with its own code);
+    its failure report names the first failed rank's code (2: the trial's input was refused, 65: steps were not
+    finite...), which says whether resuming could help."""
     if code != 1:
         return code
     with open(run.log.name, errors="replace") as log:

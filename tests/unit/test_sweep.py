@@ -245,14 +245,18 @@ def test_a_second_study_in_a_shared_storage_is_refused_by_the_directorys_study_f
 
 
 def test_the_best_command_runs_from_a_shell_without_the_virtualenv(tmp_path):
-    """Issue 69: the printed command began with a bare `torchrun`, on PATH only with the virtualenv active."""
-    sweep = spec.load(write(tmp_path, GOOD), [f"--output_dir={tmp_path / 'out'}"])
+    """Issue 69: the printed command began with a bare `torchrun`, on PATH only with the virtualenv active. A trial of
+    one rank runs as `python train.py` (no torchrun agent): the python beside the sweep's interpreter."""
     run = study.TrialRun(0, 0, {"train.lr": 1e-3, "train.warmup_steps": 5}, tmp_path / "out/trial_000", 40, None)
-    launcher = study.Worker(sweep, None, None).shown_command(run).split()[1]
-    assert launcher != "torchrun"
-    proc = subprocess.run(f"{launcher} --help", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert proc.returncode == 0 and "--nproc-per-node" in proc.stdout, proc.stderr[-2000:]
+    for ranks, check in ((2, "--nproc-per-node"), (1, "import torch, deepspeed")):
+        sweep = spec.load(write(tmp_path, GOOD), [f"--output_dir={tmp_path / 'out'}", f"--ranks_per_trial={ranks}"])
+        words = study.Worker(sweep, None, None).shown_command(run).split()
+        launcher = words[1]
+        assert launcher not in ("torchrun", "python") and words.index("train.py") == (4 if ranks > 1 else 2), words
+        probe = "--help" if ranks > 1 else f"-c '{check}; print(\"{check}\")'"
+        proc = subprocess.run(f"{launcher} {probe}", shell=True, cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+        assert proc.returncode == 0 and check in proc.stdout, proc.stderr[-2000:]
 
 
 def test_a_grid_is_asked_in_file_order(tmp_path):
