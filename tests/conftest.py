@@ -91,6 +91,33 @@ def _tiny_moe(tmp_path_factory, family: str, folder: str, head_dim: bool, **conf
                  tmp_path_factory.mktemp("models") / folder)
 
 
+def _tiny_family(tmp_path_factory, family: str, folder: str, **config) -> Path:
+    """A 2-layer model of `family` in the tiny Llama's width and tokenizer (issue 85's layout checks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    llama = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    keys = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "bos_token_id",
+            "eos_token_id", "pad_token_id", "tie_word_embeddings", "max_position_embeddings", "head_dim")
+    model_config = AutoConfig.for_model(family, **{k: getattr(llama, k) for k in keys}, num_hidden_layers=2,
+                                        intermediate_size=128, **config)
+    torch.manual_seed(0)
+    return _save(AutoModelForCausalLM.from_config(model_config), ROOT / "recipes/tiny/model",
+                 tmp_path_factory.mktemp("models") / folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """Gemma 3's text model: a sliding-window layer (window 16, under the tests' 64-token rows) then a global one."""
+    return _tiny_family(tmp_path_factory, "gemma3_text", "tiny-gemma3", sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.fixture(scope="session")
+def tiny_bamba(tmp_path_factory) -> Path:
+    """Bamba: a Mamba-2 layer then an attention layer (a state-space hybrid)."""
+    return _tiny_family(tmp_path_factory, "bamba", "tiny-bamba", attn_layer_indices=[1], mamba_n_heads=16,
+                        mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
+
+
 @pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory) -> Path:
     """A Mixture-of-Experts model in the tiny Llama's shape (the same tokenizer): 2 layers of 4 routed experts,

@@ -152,26 +152,35 @@ class SequenceParallel(Component):
         return {"size": self.size, **({"context_parallel": self.ring} if self.ring > 1 else {})}
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+def document_mask(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
     """[b, 1, s, s] boolean mask (True: may attend) that is causal within each document of a packed row, the
-    documents found as transformers finds them (a new one wherever position_ids do not continue by one); None
-    when no row holds more than one."""
+    documents found as transformers finds them (a new one wherever position_ids do not continue by one), and within
+    `window` tokens back where the layer attends in a sliding window (transformers' sliding_window_overlay: a query
+    sees the keys less than `window` before it); None when no row holds more than one document and no window cuts."""
     from transformers.masking_utils import find_packed_sequence_indices
 
+    length = position_ids.shape[1]
     document = find_packed_sequence_indices(position_ids)
-    if document is None:
+    cut = window is not None and window < length
+    if document is None and not cut:
         return None
-    same = document[:, :, None] == document[:, None, :]
-    causal = torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool,
-                        device=position_ids.device).tril()
-    return (same & causal)[:, None]
+    query = torch.arange(length, device=position_ids.device)
+    allowed = (query[None, :] <= query[:, None])[None]  # causal
+    if cut:
+        allowed = allowed & (query[:, None] - query[None, :] < window)[None]
+    if document is not None:
+        allowed = allowed & (document[:, :, None] == document[:, None, :])
+    return allowed.expand(position_ids.shape[0], length, length)[:, None]
 
 
 def packed_sdpa(sdpa):
-    """transformers' sdpa attention, with the packed-row mask built from position_ids when it gets no mask."""
+    """transformers' sdpa attention, with the mask built from position_ids when it gets none (Ulysses drops the
+    model's, built for the local slice): packed documents and the layer's sliding window. sdpa itself ignores the
+    `sliding_window` argument (transformers carries the window in the mask): without this, a sliding-window family
+    (Gemma 3, Mistral's configs with a window) attended over the whole sequence under Ulysses (issue 85)."""
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
         if attention_mask is None and kwargs.get("position_ids") is not None:
-            attention_mask = document_mask(kwargs["position_ids"])
+            attention_mask = document_mask(kwargs["position_ids"], kwargs.get("sliding_window"))
         return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
     attend.dstrain_packed = True
     return attend

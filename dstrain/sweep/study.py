@@ -2,8 +2,9 @@
 
 Optuna keeps the study (trials, parameters, reported values, states) in a database every worker reaches. What it
 does not do for a study of multi-process training runs, and this module adds:
-  - a trial is a launched process (train.py under torchrun, or alone for one rank), polled through its metrics.jsonl; pruning it writes the
-    STOP file of its run directory (run/preempt.py), so it saves a checkpoint and exits 75, resumable later;
+  - a trial is a launched process (train.py under torchrun, or alone for one rank), polled through its
+    metrics.jsonl; pruning it writes the STOP file of its run directory (run/preempt.py), so it saves a checkpoint
+    and exits 75, resumable later;
   - ownership: the worker running a trial holds an flock on claims/trial_N.lock. The kernel drops it when the worker
     dies however it dies (SIGKILL, a lost node once the file system's lease expires), so a restarted worker, or
     another SLURM array task, adopts a RUNNING trial nobody holds and resumes it from its checkpoint (--resume auto),

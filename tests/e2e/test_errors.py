@@ -241,3 +241,12 @@ def test_an_unreachable_hub_fails_at_once_in_a_short_line(cache, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "the Hugging Face Hub is offline here and it is not cached" in lines[0] and len(lines[0]) <= 250, lines
     assert took < 15, f"{took:.1f} s before the error"  # python and the imports: ~5 s; the retries were 25 s more
+
+
+def test_a_state_space_hybrid_is_refused_packing(tmp_path, cache, tiny_bamba):
+    """Issue 85: Bamba packed SFT trained with exit 0 while its Mamba-2 state crossed from one example into the next
+    ("attention kept within each document"); the layout check refuses it before anything is built."""
+    line = fails([f"--model.name_or_path={tiny_bamba}", "--data.path=data/tiny_sft", "--data.format=prompt_response",
+                  "--data.packing=true"], cache, tmp_path,
+                 "data.packing with bamba: layer 0's mamba (BambaMixer) moves information between packed documents")
+    assert line.endswith("set data.packing=false")

@@ -1,0 +1,149 @@
+"""Issue 85: the layouts that cut sequences (packing, Ulysses / ring) checked per family on a small random copy of the
+run's config (dstrain/families.py), in process. Families whose layers carry state across positions are refused in
+one line naming the module; attention-only families hold to fp32 rounding, sliding windows included under a split
+(the Ulysses sdpa wrapper ignored the window: seen failing with the window dropped)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from dstrain import families
+from dstrain.errors import UserError
+
+
+def cells(config) -> dict[str, families.Cell]:
+    small = families.small_copy(config)
+    model = families.build(small)
+    return {name: families.run_check(name, model, small) for name in ("packing", "sequence split")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "mistral"])
+def test_attention_only_families_hold_under_packing_and_a_split(family):
+    config = AutoConfig.for_model(family)
+    if family == "mistral":
+        config.sliding_window = 4096  # a window that the copy cuts to 16 of the probe's 64 positions
+    got = cells(config)
+    assert all(c.holds for c in got.values()), {k: (c.difference, c.culprit) for k, c in got.items()}
+
+
+@pytest.mark.parametrize("family,module", [("bamba", "BambaMixer"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+                                           ("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+                                           ("jamba", "JambaMambaMixer"), ("falcon_h1", "FalconH1")])
+def test_state_space_families_are_refused_naming_the_layer(family, module):
+    """The trial's silent cases: packing 'kept attention within each document' while the state crossed (bamba
+    0.37, qwen3_next 0.054, falcon_h1 / jamba ~1e-3), and Ulysses cut their recurrences between ranks."""
+    got = cells(AutoConfig.for_model(family))
+    for cell in got.values():
+        assert not cell.holds, (family, cell)
+        assert module in (cell.culprit or ""), (family, cell.culprit)
+    line = families.refusal(family, got["packing"])
+    assert line.startswith(f"data.packing with {family}: ") and line.endswith("set data.packing=false")
+    assert "\n" not in line and module in line
+
+
+def test_lfm2s_short_convolutions_are_refused():
+    config = AutoConfig.for_model("lfm2", full_attn_idxs=[1])  # its released models: convolutions, some attention
+    got = cells(config)
+    assert not got["packing"].holds and "Lfm2ShortConv" in got["packing"].culprit
+
+
+def test_a_sliding_window_is_applied_under_the_split(monkeypatch):
+    """gemma3_text with a window of 16 over 64 positions: the split's attention (packed_sdpa, what Ulysses calls)
+    must cut the window; with the window ignored (the code before issue 85) the check fails on the attention."""
+    config = AutoConfig.for_model("gemma3_text")
+    assert cells(config)["sequence split"].holds
+    from dstrain.components import sequence_parallel
+    original = sequence_parallel.document_mask
+    monkeypatch.setattr(sequence_parallel, "document_mask", lambda positions, window=None: original(positions))
+    cell = cells(config)["sequence split"]
+    assert not cell.holds and "Gemma3Attention" in cell.culprit, cell
+
+
+def test_document_mask_cuts_the_window_as_transformers_does():
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+    from dstrain.components.sequence_parallel import document_mask
+    n, window = 12, 4
+    rule = and_masks(causal_mask_function, sliding_window_overlay(window))
+    theirs = torch.tensor([[bool(rule(torch.tensor(0), torch.tensor(0), torch.tensor(q), torch.tensor(k)))
+                            for k in range(n)] for q in range(n)])
+    assert torch.equal(document_mask(torch.arange(n)[None], window)[0, 0], theirs)
+    assert document_mask(torch.arange(n)[None], n) is None  # a window that covers the row cuts nothing
+    packed = document_mask(torch.cat([torch.arange(5), torch.arange(7)])[None], window)[0, 0]
+    assert not packed[6, 4] and packed[6, 5] and not packed[11, 7] and packed[11, 8]
+
+
+# --------------------------------------------------------------------------- a family nobody has seen, at its run
+class _TokenShift(torch.nn.Module):
+    """An MLP plus half of the previous position's input: a layer that carries state across positions."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x) + 0.5 * torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+
+
+def _register():
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    class ShiftConfig(LlamaConfig):
+        model_type = "probe_shift"
+
+    class ShiftForCausalLM(LlamaForCausalLM):
+        config_class = ShiftConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            for layer in self.model.layers:
+                layer.mlp = _TokenShift(layer.mlp)
+
+    class PlainConfig(LlamaConfig):
+        model_type = "probe_plain"
+
+    class PlainForCausalLM(LlamaForCausalLM):
+        config_class = PlainConfig
+
+    for config, model in ((ShiftConfig, ShiftForCausalLM), (PlainConfig, PlainForCausalLM)):
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
+    return ShiftConfig, PlainConfig
+
+
+def _setup(config, packing=False, sp=1, check=True):
+    said = []
+    recipe = SimpleNamespace(data=SimpleNamespace(packing=packing), model=SimpleNamespace(check_layouts=check))
+    layout = SimpleNamespace(sequence_parallel=sp, context_parallel=1)
+    return SimpleNamespace(recipe=recipe, layout=layout, model_config=config, log=said.append), said
+
+
+def test_an_unseen_family_that_carries_state_is_refused_at_its_first_run():
+    shift, plain = _register()
+    config = shift(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=2)
+    for packing, sp, starts in ((True, 1, "data.packing with probe_shift: layer 0's mlp (_TokenShift)"),
+                                (False, 2, "sequence_parallel_size=2 with probe_shift: layer 0's mlp (_TokenShift)")):
+        setup, _ = _setup(config, packing=packing, sp=sp)
+        with pytest.raises(UserError) as e:
+            families.check(setup)
+        assert str(e.value).startswith(starts) and "\n" not in str(e.value), str(e.value)
+    setup, said = _setup(config, packing=True, check=False)
+    families.check(setup)  # skipped on request, and said
+    assert said == ["layout check skipped (model.check_layouts=false): packing not verified for probe_shift"]
+    setup, said = _setup(plain(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=2), packing=True, sp=2)
+    families.check(setup)  # attention only: trains, and the log says what was checked
+    assert len(said) == 1 and said[0].startswith("layout check: probe_plain on a small random copy (4 layers, 64 "
+                                                 "wide): packing exact"), said
+    assert "sequence split exact" in said[0]
+
+
+def test_nothing_is_checked_without_a_layout_that_cuts_sequences():
+    shift, _ = _register()
+    setup, said = _setup(shift(vocab_size=300), packing=False, sp=1)
+    families.check(setup)
+    assert said == []
