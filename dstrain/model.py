@@ -44,6 +44,10 @@ def _unreachable(name: str, error: Exception) -> UserError:
                      f"({first}); run `hf download {name} --local-dir DIR` and set model.name_or_path=DIR")
 
 
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+OTHER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForRewardModel")
+
+
 def load_config(cfg: ModelConfig, seq_len: int):
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
@@ -61,6 +65,13 @@ def load_config(cfg: ModelConfig, seq_len: int):
             raise UserError(f"model.config_overrides: '{key}' is not a field of {type(config).__name__}"
                             f"{closest(key, config.to_dict().keys())}")
         setattr(config, key, value)
+    heads = [a for a in getattr(config, "architectures", None) or [] if a.endswith(OTHER_HEADS)]
+    if heads and not any(a.endswith(CAUSAL_HEADS) for a in config.architectures):
+        # transformers loads it as a causal LM with the head dropped ("score.weight UNEXPECTED") and a new random
+        # lm_head (or the embeddings tied in): it trained and exported as a language model (issue 85)
+        raise UserError(f"'{cfg.name_or_path}' is a {heads[0]} checkpoint (a {heads[0].rsplit('For', 1)[1]} head, "
+                        f"e.g. a reward model), not a causal language model: its head would be dropped; train a "
+                        f"causal LM checkpoint (the base it was made from)")
     remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal:
         raise UserError(f"'{cfg.name_or_path}' is a {config.model_type} model, which has no causal-LM head in "

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import LoraSection, Recipe
-from ..errors import UserError
+from ..errors import UserError, closest
 from . import Component, Setup
 
 LORA_DIR = "lora"  # under model_config/: adapter_config.json
@@ -110,6 +110,7 @@ def count_parameters(model_config, section: LoraSection) -> tuple[int, int, int]
         base = AutoModelForCausalLM.from_config(model_config)
         head = base.get_output_embeddings()
         linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+        check_targets(section.target_modules, [name for name, _ in base.named_modules()])
         try:
             model = peft.get_peft_model(base, section.peft_config())
         except ValueError as e:  # e.g. target modules not found in the model
@@ -117,6 +118,20 @@ def count_parameters(model_config, section: LoraSection) -> tuple[int, int, int]
                             f"{str(e).splitlines()[0][:200]}") from None
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad), linear)
+
+
+def check_targets(targets, module_names: list[str]) -> None:
+    """Each name of a target list names a module of the model. peft matches a list by name suffix and passes over
+    a name that matches nothing while another matches (issue 85: [q_proj, vv_proj] trained q_proj alone, and the
+    run listed vv_proj as a target); a regular expression (a string) or all-linear is peft's to match."""
+    if isinstance(targets, str):
+        return
+    leaves = {name.rsplit(".", 1)[-1] for name in module_names if name}
+    for target in targets:
+        if target not in leaves and not any(name == target or name.endswith("." + target) for name in module_names):
+            raise UserError(f"lora.target_modules names {target!r}, which is no module of the model"
+                            f"{closest(target, sorted(leaves))}; name its linear layers (e.g. q_proj, v_proj) or "
+                            f"use all-linear")
 
 
 def adapters_beside_experts(model_config, section: LoraSection, log=print) -> LoraSection:

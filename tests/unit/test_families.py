@@ -147,3 +147,21 @@ def test_nothing_is_checked_without_a_layout_that_cuts_sequences():
     setup, said = _setup(shift(vocab_size=300), packing=False, sp=1)
     families.check(setup)
     assert said == []
+
+
+def test_a_sequence_classification_checkpoint_is_refused(tmp_path):
+    """Issue 85: a reward model (Qwen2ForSequenceClassification) loaded as a causal LM, its score head dropped and a
+    random lm_head in its place, trained and exported as one. Its config says what head it has."""
+    from dstrain.config import ModelConfig
+    from dstrain.model import load_config
+    config = AutoConfig.for_model("qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                                  architectures=["Qwen2ForSequenceClassification"])
+    config.save_pretrained(tmp_path / "rm")
+    with pytest.raises(UserError) as e:
+        load_config(ModelConfig(name_or_path=str(tmp_path / "rm")), 32)
+    assert str(e.value).startswith(f"'{tmp_path / 'rm'}' is a Qwen2ForSequenceClassification checkpoint (a "
+                                   "SequenceClassification head, e.g. a reward model), not a causal language model")
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.save_pretrained(tmp_path / "lm")
+    assert load_config(ModelConfig(name_or_path=str(tmp_path / "lm")), 32)[1].model_type == "qwen2"

@@ -82,7 +82,11 @@ def validate(overrides, ds="zero3.json", precision="fp32", world=2, config=None)
     ("pipe2_zero1.json", [], "lora is not supported with pipeline stages"),
     ("tp2_zero1.json", [], "lora is not supported with tensor parallelism"),
     ("zero3.json", ["--lora.quantize=4bit"], "lora.quantize=4bit (QLoRA) needs a CUDA GPU"),
-    ("zero3.json", ["--lora.target_modules=[nope]"], "Target modules {'nope'} not found"),
+    ("zero3.json", ["--lora.target_modules=[nope]"], "lora.target_modules names 'nope', which is no module of the "
+                                                     "model"),
+    # issue 85: peft passed over a name that matched nothing beside one that did (v_proj untrained, said trained)
+    ("zero3.json", ["--lora.target_modules=[q_proj, vv_proj]"], "lora.target_modules names 'vv_proj', which is no "
+                                                               "module of the model (did you mean 'v_proj'?)"),
 ])
 def test_conflicts_are_refused_before_anything_is_built(tiny_with_weights, ds, extra, message):
     if "quantize" in extra and torch.cuda.is_available():
@@ -96,6 +100,8 @@ def test_a_base_without_weights_is_refused(tiny_with_weights):
     with pytest.raises(UserError, match="which has no weights: the frozen base would be random"):
         validate(["--lora.r=8"])  # recipes/tiny/model: a config, no weights
     features = validate([f"--model.name_or_path={tiny_with_weights}", "--lora.r=8"])
+    assert validate([f"--model.name_or_path={tiny_with_weights}", "--lora.r=8",
+                     "--lora.target_modules=[model.layers.0.self_attn.q_proj, v_proj]"])  # peft's suffixes match
     # counted on the setup's config (the tiny recipe's 4 layers) at r=8: 8 x (in + out) of 7 linears per layer:
     # q and o 128 + 128, k and v 128 + 64 (2 kv heads), gate, up and down 128 + 344
     assert components.trained_parameters(features) == 4 * 8 * (2 * 256 + 2 * 192 + 3 * 472)
