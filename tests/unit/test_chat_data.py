@@ -391,3 +391,24 @@ def test_trls_loss_switches(tmp_path):
         messages = prompt_response.to_messages(row, cfg)
         ids, labels = sft._with_options(messages, tok, None, cfg)
         assert _trained(ids, labels, tok) == want, switches
+
+
+def test_message_keys_no_template_gets_are_said_in_the_data_line(tmp_path):
+    """A message key outside what a template is given (an `id`, a `timestamp`) was dropped without a word; the data
+    line now names it, as it names unread columns. Keys with no value anywhere (a JSON schema's filler) are not."""
+    import datasets
+
+    from dstrain.data.formats import report, tokenize
+    rows = [{"messages": [{"role": "user", "content": "a", "id": "m1"},
+                          {"role": "assistant", "content": "b", "id": "m2", "timestamp": "12:00"}]},
+            {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = datasets.load_dataset("json", data_files=str(tmp_path / "rows.jsonl"))["train"]  # as a run loads it
+    _, stats = tokenize(dataset, DataConfig(format="chat", chat_template="chatml"), _tokenizer("chatml"), 128)
+    assert stats["unread_keys"] == ["id", "timestamp"]
+    assert report(stats, 128).endswith("; message keys id, timestamp not given to the chat template (it gets role, "
+                                       "content, tool calls, names and reasoning: docs/data.md)")
+    _, stats = tokenize(dataset.map(lambda r: {"messages": [{"role": m["role"], "content": m["content"]}
+                                                            for m in r["messages"]]}),
+                        DataConfig(format="chat", chat_template="chatml"), _tokenizer("chatml"), 128)
+    assert stats["unread_keys"] == [] and "message key" not in report(stats, 128)

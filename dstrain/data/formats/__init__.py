@@ -115,16 +115,41 @@ def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int) -> tuple[Any, di
     stats["unused"] = [] if getattr(FORMATS[cfg.format], "KEEPS_COLUMNS", False) else [  # said in the data line
         c for c in dataset.column_names if c not in used]
     stats["format"] = cfg.format
+    stats["unread_keys"] = message_keys_not_read(dataset, [c for c in used if c in dataset.column_names])
     return out, stats
+
+
+MESSAGE_KEYS = ("role", "content", "from", "value")  # with chat_templates.KEPT: what a message gives the template
+SCANNED = 1000  # rows looked at for message keys
+
+
+def message_keys_not_read(dataset, columns: list[str]) -> list[str]:
+    """Keys of the chat messages in the columns read (the first SCANNED rows) that no template is given (an `id`,
+    a `timestamp`): said in the data line, as unread columns are, instead of dropped without a word."""
+    from ...chat_templates import KEPT, SWITCHES
+    known = set(MESSAGE_KEYS) | set(KEPT) | set(SWITCHES)
+    found: dict[str, None] = {}
+    rows = dataset.select(range(min(SCANNED, len(dataset)))) if hasattr(dataset, "select") else dataset
+    for row in rows:
+        for column in columns:
+            value = row.get(column)
+            for message in value if isinstance(value, list) else ():
+                if isinstance(message, dict):
+                    found.update({k: None for k, v in message.items() if k not in known and v is not None})
+    return list(found)
 
 
 def report(stats: dict, seq_len: int) -> str:
     """One line on what tokenization made of the data, and the columns it did not read."""
-    unused = stats.get("unused")
-    if not unused:
-        return _counts(stats, seq_len)
-    return (f"{_counts(stats, seq_len)}; column{'s' if len(unused) > 1 else ''} {', '.join(unused)} not read by "
-            f"data.format={stats['format']} (docs/data.md)")
+    unused, keys = stats.get("unused"), stats.get("unread_keys")
+    line = _counts(stats, seq_len)
+    if unused:
+        line += (f"; column{'s' if len(unused) > 1 else ''} {', '.join(unused)} not read by "
+                 f"data.format={stats['format']} (docs/data.md)")
+    if keys:
+        line += (f"; message key{'s' if len(keys) > 1 else ''} {', '.join(keys)} not given to the chat template (it "
+                 f"gets role, content, tool calls, names and reasoning: docs/data.md)")
+    return line
 
 
 def _counts(stats: dict, seq_len: int) -> str:
