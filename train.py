@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dstrain import cli, env
 from dstrain.config import Recipe
-from dstrain.errors import EXIT_FAILED, EXIT_OK, UserError
+from dstrain.errors import EXIT_FAILED, EXIT_OK, AlreadyFinished, UserError
 from dstrain.run import preempt, run_lock
 
 
@@ -56,6 +56,11 @@ def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path, created: bool) 
     watchdog = Watchdog(run_dir, recipe.fault, ctx).start()  # a dead or stuck rank ends the job, no hang
     try:
         code = train(args, recipe, raw_ds, run_dir, ctx, watchdog, init_from)
+    except AlreadyFinished as done:  # every rank alike: said once, nothing written, exit 0
+        if ctx.is_main:
+            print(done, file=sys.stderr, flush=True)
+        watchdog.close()
+        return EXIT_OK
     except (UserError, SystemExit, KeyboardInterrupt) as error:  # the same bad input (or Ctrl-C) on every rank
         if isinstance(error, UserError):  # said before anyone leaves: the launcher kills the rest when one exits
             cli.say(error)

@@ -37,6 +37,10 @@ class UserError(Exception):
     """A problem with the user's input (recipe, config, data, paths), not a bug in dstrain."""
 
 
+class AlreadyFinished(Exception):
+    """The run directory holds this run finished: said in one line, exit 0, nothing written (a requeued job)."""
+
+
 def closest(word: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the nearest valid spelling, or '' when nothing is near."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)

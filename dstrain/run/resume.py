@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from ..config import TrainConfig
-from ..errors import UserError
+from ..errors import AlreadyFinished, UserError
 from ..parallel.dist import DistContext, barrier
 from ..parallel.layout import Layout, batch_hint
 from ..paths import local_or_hub
@@ -184,6 +184,24 @@ def choose(mode: str, root: Path, ctx: DistContext, check: bool) -> Resume | Non
         damaged.append((path, detail))
     raise UserError(f"every checkpoint in {root} is damaged ({damaged[0][0].name}: {damaged[0][1]}); start a new "
                     f"--output_dir")
+
+
+def check_not_finished(run_dir: Path, start: Resume | None, recipe) -> None:
+    """A run that finished (summary.json says so, its last checkpoint at train.max_steps, its export written where
+    the recipe exports) started again stays as it finished: before, a relaunch rewrote its recipe.yaml,
+    ds_config.json, summary.json (tokens/s and MFU null) and model_config/, and under another world size converted
+    its checkpoint (issue 85). A run whose export is missing goes on, and exports."""
+    summary = run_dir / "summary.json"
+    if start is None or start.manifest.get("step", 0) < recipe.train.max_steps or not summary.is_file():
+        return
+    try:
+        status = json.loads(summary.read_text()).get("status")
+    except ValueError:
+        return
+    if status == "finished" and (not recipe.checkpoint.export_hf or (run_dir / "hf").is_dir()):
+        raise AlreadyFinished(f"{run_dir} holds this run finished at step {start.manifest['step']} (train.max_steps="
+                              f"{recipe.train.max_steps}); nothing to do: raise train.max_steps to train on, or give "
+                              f"another --output_dir")
 
 
 def set_aside(resume: Resume | None, ctx: DistContext, log=print) -> None:

@@ -95,5 +95,6 @@ def resolve(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, init_from: P
     identity = resume.run_identity(recipe.to_dict(), ds_config.optimizer_of(raw_ds, train))
     if start_from:  # a run directory holds one run; checked last, so a plain input mistake is named first
         resume.check_same_run(start_from, identity, run_dir)
+        resume.check_not_finished(run_dir, start_from, recipe)  # nothing is converted or written before this
     return Resolved(recipe, raw_ds, ds_cfg, run_dir, layout, start_from, init_from, started_from, model_config,
                     setup, features, objective, tokenizer, chat_template, prepared, global_batch, identity)

@@ -193,12 +193,32 @@ def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_pat
     assert any(k.startswith("hf/") for k in before) and any(k.startswith("checkpoints/") for k in before)
     fails(["--resume", "never", "--output_dir", str(run)], cache, tmp_path,
           "already holds checkpoints and --resume never would overwrite")
-    proc = launch(QUICK + ["--output_dir", str(run), "--train.micro_batch_size=4"], cache, check=False)
+    # a step more than the finished run had (else it is finished: test_a_finished_run_started_again_stays_as_it_was)
+    proc = launch(QUICK + ["--output_dir", str(run), "--train.micro_batch_size=4", "--train.max_steps=3"], cache,
+                  check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "trained with a global batch of 4 samples, this run has 8" in errors[0]
     assert "recvValue failed" not in proc.stderr and proc.stderr.strip().splitlines()[-1] == errors[0]
     assert _digest(run) == before
+
+
+def test_a_finished_run_started_again_stays_as_it_was(cache, tmp_path, two_rank_run):
+    """Issue 85: the same command again on a finished run (a requeued job, a second look) rewrote its recipe.yaml,
+    ds_config.json, summary.json (tokens/s and MFU null) and model_config/. Now: one line, exit 0, every file as it
+    was (the run lock aside)."""
+    run = two_rank_run
+    files = {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+             if p.is_file() and p.name != ".lock"}
+    proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="warm-python", check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (f"{run} holds this run finished at step 2 (train.max_steps=2); "
+                                                     "nothing to do: raise train.max_steps to train on, or give "
+                                                     "another --output_dir"), proc.stderr[-3000:]
+    after = {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+             if p.is_file() and p.name != ".lock"}
+    assert after.keys() == files.keys() and all(after[k] == files[k] for k in files), \
+        [k for k in files if after.get(k) != files[k]]
 
 
 def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, data_files, t5_dir, two_rank_run):
@@ -217,11 +237,14 @@ def test_a_failed_run_on_another_world_size_converts_nothing(cache, tmp_path, da
             (["--model.name_or_path=some-org/not-cached-model"], "cannot load 'some-org/not-cached-model'")):
         fails(args + ["--output_dir", str(run)], cache, tmp_path, expected)
         assert _digest(run) == before, f"{args} changed the run directory"
-    proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="warm-python")  # good input: converts, resumes
+    proc = launch(QUICK + ["--output_dir", str(run), "--train.max_steps=3"], cache,
+                  launcher="warm-python")  # good input: converts, resumes (one step more: a finished run does nothing)
     assert "converting" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[-3000:]
     after = _digest(run)
-    assert {k: v for k, v in after.items() if ".universal/" not in k} == before
-    assert any(".universal/" in k for k in after)
+    # the step trained adds a checkpoint (and points `latest` at it) and exports again; step 2's files are as they were
+    kept = {k: v for k, v in before.items() if k.startswith("checkpoints/step_")}
+    assert {k: after.get(k) for k in kept} == kept
+    assert any(".universal/" in k for k in after) and any("step_00000003/" in k for k in after)
 
 
 def test_an_unreachable_hub_fails_at_once_in_a_short_line(cache, tmp_path):
