@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-family-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -87,6 +87,11 @@ test:
 # covering seven of them in `make test`; this adds the other 26 of the 33, about 6 minutes on 2 cores)
 test-moe-matrix: setup
 	DSTRAIN_TEST_MOE_MATRIX=1 $(PY) -m pytest tests/e2e/test_moe.py -q -s -p no:xdist -k expert_parallel_2 $(PYTEST_ARGS)
+
+# every causal-LM family of the installed transformers rechecked against docs/family_matrix.json (about 2 minutes;
+# `make test` rechecks the families issue 85 named)
+test-family-matrix: setup
+	DSTRAIN_TEST_FAMILY_MATRIX=1 $(PY) -m pytest tests/unit/test_families.py -q -k every_family $(PYTEST_ARGS)
 
 test-fast: lint
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)

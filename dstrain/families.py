@@ -118,11 +118,10 @@ def runnable_copy(config, limit: int = 200_000_000):
         return small, model
     except Exception as narrow:  # noqa: BLE001 - retried wide, else this error is the one reported
         wide = small_copy(config, narrow=False)
-        layers = getattr(wide, "num_hidden_layers", None) or 8
-        hidden = getattr(wide, "hidden_size", None) or getattr(wide, "n_embd", None) or 0
-        if 12 * hidden * hidden * layers > limit:
+        try:
+            model = build(wide, limit=limit)
+        except ValueError:
             raise narrow from None
-        model = build(wide)
         _plain_forward(model, wide)
         return wide, model
 
@@ -142,9 +141,17 @@ def _narrow(c) -> None:
     kv, heads = getattr(c, "num_key_value_heads", None), getattr(c, "num_attention_heads", None)
     for key, value in _NARROW.items():
         if getattr(c, key, None) is not None:
-            setattr(c, key, value)
-    if kv is not None:
-        c.num_key_value_heads = 4 if heads is None or kv >= heads else 1 if kv == 1 else 2
+            _set(c, key, value)
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        if kv is not None and getattr(c, key, None) is not None:
+            _set(c, key, 4 if heads is None or kv >= heads else 1 if kv == 1 else 2)
+    for key, value in (("head_dim", 16), ("num_key_value_heads", 4)):  # left unset (None) where the code reads them
+        if key in c.to_dict() and getattr(c, key, None) is None:
+            _set(c, key, value)
+    if getattr(c, "qk_rope_head_dim", None) is not None and getattr(c, "head_dim", None) is not None:
+        _set(c, "head_dim", c.qk_rope_head_dim)  # multi-head latent attention: its rotary part
+    if isinstance(getattr(c, "rotary_dim", None), int):  # GPT-J, CodeGen: rotary on part of each head
+        _set(c, "rotary_dim", 8)
     for heads_key, dim_key, expand_key in _STATE_SPACE_HEADS:  # the state-space heads span the expanded width
         if isinstance(getattr(c, heads_key, None), int) and getattr(c, expand_key, None):
             setattr(c, dim_key, 16)
@@ -155,9 +162,26 @@ def _narrow(c) -> None:
         c.attention_hidden_size = 2 * WIDTH
 
 
-def build(config, attention: str = "sdpa"):
-    """The copy, random, fp32, in eval mode (no dropout); eager attention where the family has no sdpa."""
+def _set(c, key: str, value) -> None:
+    """Set where the config lets it (a key derived from others is a property without a setter: left to them)."""
+    try:
+        setattr(c, key, value)
+    except AttributeError:
+        pass
+
+
+def build(config, attention: str = "sdpa", limit: int = 100_000_000):
+    """The copy, random, fp32, in eval mode (no dropout); eager attention where the family has no sdpa. Counted on
+    the meta device first: a copy over `limit` parameters (sizes this module does not know how to cut, such as
+    Byte Latent Transformer's hash embeddings) is not built."""
     from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        try:
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        except ValueError:
+            size = 0  # refused for sdpa on meta too: counted below when built eager
+    if size > limit:
+        raise ValueError(f"the small copy still has {size / 1e6:.0f}M parameters")
     torch.manual_seed(0)
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
@@ -317,8 +341,8 @@ def check_sequence_split(model, config, shards: int = 2) -> Cell:
         del ALL_ATTENTION_FUNCTIONS[PROBE_ATTENTION]
         del ALL_MASK_ATTENTION_FUNCTIONS[PROBE_ATTENTION]
     failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        raise failed[0]
+    if failed:  # the slice whose forward failed, not the one left waiting at the barrier it broke
+        raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
     split = torch.cat(results, dim=1)
     diff = (split - whole).abs().max().item()
     culprit = _culprit(last, whole_rec, lambda ts: ts[0], lambda ts: _tail(ts[0], chunk)) \
@@ -367,7 +391,7 @@ def check(setup) -> None:
         small, model = runnable_copy(config)
     except Exception as e:  # noqa: BLE001 - any failure to build the copy is reported the same way
         raise UserError(f"{' and '.join(_names(wanted, layout))} with {family}: a small copy of its config to verify "
-                        f"the layout could not be run ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                        f"the layout could not be run ({_said(e)}); "
                         f"turn the layout off, or set model.check_layouts=false to train unverified") from None
     cells = [run_check(name, model, small) for name in wanted]
     for cell in cells:
@@ -383,7 +407,12 @@ def run_check(name: str, model, config) -> Cell:
     try:
         return check_packing(model, config) if name == "packing" else check_sequence_split(model, config)
     except Exception as e:  # noqa: BLE001 - the model's own error is what the refusal says
-        return Cell(name, float("inf"), f"its forward ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return Cell(name, float("inf"), f"its forward ({_said(e)})")
+
+
+def _said(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:140]}" if lines else type(e).__name__
 
 
 def _decoder_count(model) -> int:
@@ -409,3 +438,44 @@ def refusal(family: str, cell: Cell, layout=None) -> str:
     return (f"{name} with {family}: {what} does not give the same output on a sequence cut between ranks (largest "
             f"logit difference {cell.difference:.1e} against the whole sequence); train it without sequence or "
             f"context parallelism")
+
+
+# ---------------------------------------------------------------------------------------------- the matrix
+# families whose default config does not show the layer kinds of their released models
+REPRESENTATIVE = {"lfm2": {"full_attn_idxs": [1]}, "lfm2_moe": {"full_attn_idxs": [1]}}
+
+
+def verdict(family: str) -> dict:
+    """docs/family_matrix.json's row of a family (scripts/family_matrix.py): its default config (with
+    REPRESENTATIVE's keys) made small, both cells; a family whose copy cannot be built or run says why."""
+    import traceback
+
+    from transformers import AutoConfig
+    began = time.perf_counter()
+    try:
+        small, model = runnable_copy(AutoConfig.for_model(family, **REPRESENTATIVE.get(family, {})))
+        row = {"family": family, "built": True, "attention": model.config._attn_implementation}
+        for layout in ("packing", "sequence split"):
+            cell = run_check(layout, model, small)
+            row[layout] = {"holds": cell.holds, "culprit": cell.culprit, "difference": None
+                           if cell.difference == float("inf") else float(f"{cell.difference:.2e}")}
+    except Exception as e:  # noqa: BLE001 - a family that cannot be built small is a row too
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        row = {"family": family, "built": False, "why": _said(e),
+               "where": f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"}
+    row["seconds"] = round(time.perf_counter() - began, 2)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """docs/models.md's table of the matrix."""
+    def cell(c: dict) -> str:
+        return "verified" if c["holds"] else f"refused: {c['culprit'] or 'differs'}".replace("|", "/")
+    lines = ["| family | packing | Ulysses / ring |", "|---|---|---|"]
+    for r in rows:
+        if r["built"]:
+            lines.append(f"| {r['family']} | {cell(r['packing'])} | {cell(r['sequence split'])} |")
+        else:
+            why = r["why"][:80].replace("|", "/")
+            lines.append(f"| {r['family']} | not built small ({why}) | checked at the run |")
+    return "\n".join(lines)

@@ -165,3 +165,55 @@ def test_a_sequence_classification_checkpoint_is_refused(tmp_path):
     config.architectures = ["Qwen2ForCausalLM"]
     config.save_pretrained(tmp_path / "lm")
     assert load_config(ModelConfig(name_or_path=str(tmp_path / "lm")), 32)[1].model_type == "qwen2"
+
+
+# --------------------------------------------------------------------------- the matrix of docs/models.md
+NAMED = ["qwen3", "gemma3_text", "phi3", "smollm3", "olmo2", "granite", "glm4", "falcon_h1", "jamba", "lfm2",
+         "qwen3_next", "granitemoehybrid", "bamba", "llama", "mistral", "qwen2", "gpt_oss", "deepseek_v3"]
+
+
+def _matrix() -> dict:
+    import json
+
+    from tests.helpers import ROOT
+    return json.loads((ROOT / "docs/family_matrix.json").read_text())
+
+
+def _recheck(family: str) -> None:
+    want = next(r for r in _matrix()["rows"] if r["family"] == family)
+    got = families.verdict(family)
+    assert got["built"] == want["built"], (got, want)
+    for layout in ("packing", "sequence split") if want["built"] else ():
+        assert (got[layout]["holds"], got[layout]["culprit"]) == (want[layout]["holds"], want[layout]["culprit"]), \
+            (family, layout, got[layout], want[layout])
+
+
+def test_the_matrix_is_the_installed_transformers_every_family():
+    """docs/family_matrix.json (scripts/family_matrix.py --write) lists every causal-LM family of the transformers
+    installed, and docs/models.md shows it."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tests.helpers import ROOT
+    matrix = _matrix()
+    assert matrix["transformers"] == transformers.__version__, "regenerate: python scripts/family_matrix.py --write"
+    assert [r["family"] for r in matrix["rows"]] == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert families.table(matrix["rows"]) in (ROOT / "docs/models.md").read_text()
+    rows = {r["family"]: r for r in matrix["rows"]}
+    assert all(rows[f]["built"] for f in NAMED)
+    for family in ("bamba", "jamba", "falcon_h1", "lfm2", "qwen3_next", "granitemoehybrid"):  # the trial's hybrids
+        assert not rows[family]["packing"]["holds"] and not rows[family]["sequence split"]["holds"]
+
+
+@pytest.mark.parametrize("family", NAMED)
+def test_the_named_families_cells_are_what_the_matrix_says(family):
+    """The families the trial named (and the most used), rechecked in process against docs/family_matrix.json;
+    `make test-family-matrix` rechecks all of them."""
+    _recheck(family)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("DSTRAIN_TEST_FAMILY_MATRIX"),
+                    reason="every family: make test-family-matrix (about 2 minutes)")
+def test_every_familys_cells_are_what_the_matrix_says():
+    for row in _matrix()["rows"]:
+        _recheck(row["family"])
