@@ -59,12 +59,14 @@ def run(args, recipe: Recipe, ds_overrides: dict, run_dir: Path, created: bool) 
     except AlreadyFinished as done:  # every rank alike: said once, nothing written, exit 0
         if ctx.is_main:
             print(done, file=sys.stderr, flush=True)
+        run_lock.put_back()
         watchdog.close()
         return EXIT_OK
     except (UserError, SystemExit, KeyboardInterrupt) as error:  # the same bad input (or Ctrl-C) on every rank
         if isinstance(error, UserError):  # said before anyone leaves: the launcher kills the rest when one exits
             cli.say(error)
             error.waited = True
+            run_lock.put_back()
             # likewise the empty run directory's removal, by the rank that made it (main() for earlier errors)
             run_lock.remove_if_unused(run_dir, created)
         watchdog.close()  # the ranks leave together (Watchdog.close)

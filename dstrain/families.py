@@ -22,9 +22,13 @@ Both to fp32 rounding (TOLERANCE). A cell that does not hold names the first mod
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -387,19 +391,49 @@ def check(setup) -> None:
                   f"{family}")
         return
     began = time.perf_counter()
-    try:
-        small, model = runnable_copy(config)
-    except Exception as e:  # noqa: BLE001 - any failure to build the copy is reported the same way
-        raise UserError(f"{' and '.join(_names(wanted, layout))} with {family}: a small copy of its config to verify "
-                        f"the layout could not be run ({_said(e)}); "
-                        f"turn the layout off, or set model.check_layouts=false to train unverified") from None
-    cells = [run_check(name, model, small) for name in wanted]
+    saved = _saved_path(config, wanted)
+    if saved.is_file():  # the same copy checked before (a resume, the other ranks, a relaunch)
+        cells = [Cell(**c) for c in json.loads(saved.read_text())["cells"]]
+        layers, how = json.loads(saved.read_text())["layers"], "checked before: " + str(saved.parent)
+    else:
+        try:
+            small, model = runnable_copy(config)
+        except Exception as e:  # noqa: BLE001 - any failure to build the copy is reported the same way
+            raise UserError(f"{' and '.join(_names(wanted, layout))} with {family}: a small copy of its config to "
+                            f"verify the layout could not be run ({_said(e)}); turn the layout off, or set "
+                            f"model.check_layouts=false to train unverified") from None
+        cells = [run_check(name, model, small) for name in wanted]
+        layers, how = _decoder_count(model), f"in {time.perf_counter() - began:.1f} s"
+        _save(saved, {"cells": [vars(c) for c in cells], "layers": layers})
     for cell in cells:
         if not cell.holds:
             raise UserError(refusal(family, cell, layout))
-    setup.log(f"layout check: {family} on a small random copy ({_decoder_count(model)} layers, {WIDTH} wide): "
+    setup.log(f"layout check: {family} on a small random copy ({layers} layers, {WIDTH} wide): "
               + ", ".join(f"{c.layout} exact ({c.difference:.0e})" for c in cells)
-              + f" in {time.perf_counter() - began:.1f} s (model.check_layouts=false skips it)")
+              + f" ({how}; model.check_layouts=false skips it)")
+
+
+def _saved_path(config, wanted: list[str]) -> Path:
+    """Where the verdict of this config's copy under these layouts is kept: keyed by the copy, the layouts, the
+    versions of torch and transformers and this file, so any change to what is checked checks again."""
+    import transformers
+
+    from . import env
+    key = hashlib.sha256("\n".join([small_copy(config).to_json_string(use_diff=False), ",".join(wanted),
+                                     torch.__version__, transformers.__version__,
+                                     hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]).encode()).hexdigest()
+    return env.cache_root() / "layout_checks" / f"{key[:32]}.json"
+
+
+def _save(path: Path, verdict: dict) -> None:
+    """Written whole or not at all (ranks checking at once each write the same verdict)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: checked again next time
+        pass
 
 
 def run_check(name: str, model, config) -> Cell:

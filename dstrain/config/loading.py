@@ -145,6 +145,13 @@ ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "micro_batch_si
 # Keys of features this repository does not have, with what to do instead of a misleading spelling hint.
 UNSUPPORTED = {"data.streaming": "streaming datasets are not supported: data is tokenized once into a cache; "
                                  "point data.path at a local copy, or at a subset of its files"}
+# the launchers' own flags given after train.py (`deepspeed train.py --num_gpus 2`) reach train.py as recipe keys
+_LAUNCHER_FLAG = "a launcher's flag, which goes before train.py (deepspeed --num_gpus 2 train.py ..., torchrun " \
+                 "--nproc_per_node 2 train.py ...)"
+UNSUPPORTED.update({flag: _LAUNCHER_FLAG for flag in (
+    "num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_addr", "master_port", "nproc_per_node",
+    "nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "standalone", "launcher", "num_processes",
+    "num_machines")})
 
 
 def unknown_keys(cls: type, data: Any, prefix: str) -> list[str]:

@@ -187,8 +187,10 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
     kv = getattr(model_config, "num_key_value_heads", None) or heads
     layers = getattr(model_config, "num_hidden_layers", None) or getattr(model_config, "n_layer", 1)
     global_batch = global_batch_of(recipe, raw_ds, world)
+    # gradient compression sends less between data-parallel ranks; on one rank nothing is sent and it only adds its
+    # error (issue 85: --plan on 1 rank ranked zero0 + PowerSGD, +0.9% eval loss, above plain zero0)
     bases: list[tuple[str, dict, str]] = [(name, _keep_recipe_choices(load(name), raw_ds), method)
-                                          for name, method in COMPRESSED]
+                                          for name, method in COMPRESSED if world > 1]
     for name in ROOT_CONFIGS:
         raw = _keep_recipe_choices(load(name), raw_ds)
         if name.startswith(("tp2", "pipe2")):
@@ -663,12 +665,20 @@ def remedy(ds_cfg: dict, recipe: dict) -> str:
     zero = ds_cfg.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
     accum = int((recipe.get("train") or {}).get("grad_accum_steps", 1) or 1)
+    # an expert-parallel run keeps its JSON and changes the stage alone: zero1.json has no expert_parallel section,
+    # and gradient compression does not run with it (issue 85: the advice dropped expert parallelism)
+    experts = bool((ds_cfg.get("expert_parallel") or {}).get("enabled"))
+
+    def to_stage(n: int) -> str:
+        return (f"--ds.zero_optimization.stage={n} (expert parallelism kept)" if experts
+                else f"--ds_config zero{n}.json")
     if stage >= 2 and accum > 1:
         tip = (f"ZeRO-{stage} reduces gradients in every one of the {accum} micro-batches, ZeRO-1 once per step: "
-               f"try --ds_config zero1.json if it fits (train.py --preflight says)")
+               f"try {to_stage(1)} if it fits (train.py --preflight says)")
     elif stage == 3:
-        tip = "ZeRO-3 gathers every parameter twice per micro-batch: try zero2.json if it fits (--preflight says)"
-    elif (recipe.get("compression") or {}).get("method", "none") == "none" and parallel_sizes(ds_cfg).pipeline == 1:
+        tip = f"ZeRO-3 gathers every parameter twice per micro-batch: try {to_stage(2)} if it fits (--preflight says)"
+    elif (recipe.get("compression") or {}).get("method", "none") == "none" and parallel_sizes(ds_cfg).pipeline == 1 \
+            and not experts:
         tip = ("gradient compression sends ~30x fewer gradient bytes: try --ds_config zero1.json "
                "--compression.method=powersgd, or raise train.grad_accum_steps (a larger global batch sends the same "
                "bytes once per step)")

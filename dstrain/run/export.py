@@ -18,6 +18,7 @@ from .checkpoint import (
     COMPLETE,
     CONSOLIDATED,
     PIPELINE_NAMES,
+    TAG_RE,
     complete_checkpoints,
     replica_tag,
     universal_conversion,
@@ -293,6 +294,17 @@ def _replace_dir(out_dir: Path, write) -> Path:
     return out_dir
 
 
+def missing_checkpoint(ckpt: Path) -> str:
+    """A step directory that is not there: keep_last pruned it, or it was never saved; say which steps exist
+    (issue 85: 'no complete checkpoint in .../step_00000010' sent the user reading the directory)."""
+    existing = complete_checkpoints(ckpt.parent) if TAG_RE.match(ckpt.name) else []
+    if not existing:
+        return f"no complete checkpoint in {ckpt}"
+    steps = ", ".join(p.name for p in existing)
+    return (f"{ckpt} is not there: checkpoint.keep_last pruned it, or that step was never saved; this run has "
+            f"{steps}: export one of them, or pass the run directory for the newest")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dstrain.export",
                                      description="Export a checkpoint to a Hugging Face model directory.")
@@ -307,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         if not (ckpt / COMPLETE).exists():
             found = complete_checkpoints(ckpt / "checkpoints") or complete_checkpoints(ckpt)
             if not found:
-                raise UserError(f"no complete checkpoint in {ckpt}")
+                raise UserError(missing_checkpoint(ckpt))
             ckpt = found[-1]
         out = args.out or ckpt.parent.parent / "hf"
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -20,6 +20,7 @@ from ..errors import UserError
 
 LOCK_FILE = ".lock"
 _held: list = []  # the open file that carries the lock: kept for the life of the process
+_previous: list = []  # what the lock file said before this run took it
 
 
 def acquire(run_dir: Path) -> str | None:
@@ -47,12 +48,25 @@ def acquire(run_dir: Path) -> str | None:
               f"stops a second run from writing into it, so start one run per --output_dir", file=sys.stderr)
         return None
     handle.seek(0)
+    _previous[:] = [handle.read()]
+    handle.seek(0)
     handle.truncate()
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                              "command": " ".join(sys.argv)}) + "\n")
     handle.flush()
     _held.append(handle)
     return None
+
+
+def put_back() -> None:
+    """A run that ends on bad input (or finds its run finished) leaves the lock file saying what it said before:
+    the last run that trained there (issue 85: a refused relaunch rewrote it)."""
+    if _held and _previous and _previous[0]:
+        handle = _held[-1]
+        handle.seek(0)
+        handle.truncate()
+        handle.write(_previous[0])
+        handle.flush()
 
 
 def lock_run_dir(run_dir: Path, is_main: bool) -> None:

@@ -189,7 +189,7 @@ def two_rank_run(tmp_path_factory, cache) -> Path:
 
 def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_path, two_rank_run):
     run = two_rank_run
-    before = _digest(run)
+    before, lock = _digest(run), (run / ".lock").read_text()
     assert any(k.startswith("hf/") for k in before) and any(k.startswith("checkpoints/") for k in before)
     fails(["--resume", "never", "--output_dir", str(run)], cache, tmp_path,
           "already holds checkpoints and --resume never would overwrite")
@@ -201,22 +201,21 @@ def test_failed_runs_leave_existing_checkpoints_and_export_intact(cache, tmp_pat
     assert "trained with a global batch of 4 samples, this run has 8" in errors[0]
     assert "recvValue failed" not in proc.stderr and proc.stderr.strip().splitlines()[-1] == errors[0]
     assert _digest(run) == before
+    assert (run / ".lock").read_text() == lock  # issue 85: a refused launch rewrote it with its own pid
 
 
 def test_a_finished_run_started_again_stays_as_it_was(cache, tmp_path, two_rank_run):
     """Issue 85: the same command again on a finished run (a requeued job, a second look) rewrote its recipe.yaml,
     ds_config.json, summary.json (tokens/s and MFU null) and model_config/. Now: one line, exit 0, every file as it
-    was (the run lock aside)."""
+    was (the run lock's too: it names the run that trained there)."""
     run = two_rank_run
-    files = {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-             if p.is_file() and p.name != ".lock"}
+    files = {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
     proc = launch(QUICK + ["--output_dir", str(run)], cache, launcher="warm-python", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (f"{run} holds this run finished at step 2 (train.max_steps=2); "
                                                      "nothing to do: raise train.max_steps to train on, or give "
                                                      "another --output_dir"), proc.stderr[-3000:]
-    after = {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-             if p.is_file() and p.name != ".lock"}
+    after = {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
     assert after.keys() == files.keys() and all(after[k] == files[k] for k in files), \
         [k for k in files if after.get(k) != files[k]]
 

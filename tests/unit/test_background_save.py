@@ -186,3 +186,19 @@ def test_checkpoint_files_carry_no_zip_crc_and_load_the_same(tmp_path):
         assert torch.load(tmp_path / "a.pt")["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     finally:
         torch.serialization.set_crc32_options(before)
+
+
+def test_exporting_a_pruned_step_says_which_steps_exist(tmp_path, capsys):
+    """Issue 85: `python -m dstrain.export run/checkpoints/step_00000010` of a step keep_last had pruned said only
+    'no complete checkpoint in ...'; it now says why it may be gone and which steps there are."""
+    from dstrain.run.export import main
+    for step in (20, 30):
+        (tmp_path / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step:08d}" / checkpoint.COMPLETE).write_text("{}")
+    gone = tmp_path / "checkpoints" / "step_00000010"
+    with pytest.raises(SystemExit) as exit_:
+        main([str(gone)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {gone} is not there: checkpoint.keep_last pruned it, or that step was never saved; this run has "
+        f"step_00000020, step_00000030: export one of them, or pass the run directory for the newest")

@@ -73,6 +73,9 @@ def test_a_list_key_given_a_mapping_names_the_three_spellings():
     # issue 69: refused by the Muon component, after deepspeed and transformers were imported (15-25 s)
     (["--train.optimizer=muon", "--lora.r=8"], "train.optimizer=muon with LoRA (lora.r>0) is not supported"),
     (["--trian.lr=1"], "unknown recipe key 'trian' (did you mean 'train'?)"),
+    # issue 85: `deepspeed train.py --num_gpus 2` named the key without the fix
+    (["--num_gpus=2"], "unknown recipe key 'num_gpus': a launcher's flag, which goes before train.py (deepspeed "
+                       "--num_gpus 2 train.py ..., torchrun --nproc_per_node 2 train.py ...)"),
     (["--train.micro_batch_size=abc"], "train.micro_batch_size='abc' should be of type int"),
     (["--train.micro_batch_size=0"], "train.micro_batch_size=0 must be a positive integer"),
     (["--data.format=txt"], "data.format='txt' is not one of text, prompt_response, alpaca, chat, preference, prompt (did you mean 'text'?)"),

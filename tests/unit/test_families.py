@@ -121,6 +121,11 @@ def _setup(config, packing=False, sp=1, check=True):
     return SimpleNamespace(recipe=recipe, layout=layout, model_config=config, log=said.append), said
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSTRAIN_CACHE", str(tmp_path / "cache"))  # verdicts kept per test, not in ~/.cache
+
+
 def test_an_unseen_family_that_carries_state_is_refused_at_its_first_run():
     shift, plain = _register()
     config = shift(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -139,7 +144,13 @@ def test_an_unseen_family_that_carries_state_is_refused_at_its_first_run():
     families.check(setup)  # attention only: trains, and the log says what was checked
     assert len(said) == 1 and said[0].startswith("layout check: probe_plain on a small random copy (4 layers, 64 "
                                                  "wide): packing exact"), said
-    assert "sequence split exact" in said[0]
+    assert "sequence split exact" in said[0] and " s; model.check_layouts=false skips it)" in said[0]
+    families.check(setup)  # the other ranks, a resume, a relaunch: the verdict kept
+    assert "(checked before: " in said[1] and said[1].split(" (")[0] == said[0].split(" (")[0], said
+    for _ in range(2):  # a refusal kept is a refusal
+        with pytest.raises(UserError, match="data.packing with probe_shift"):
+            families.check(_setup(shift(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                        num_attention_heads=8, num_key_value_heads=2), packing=True)[0])
 
 
 def test_nothing_is_checked_without_a_layout_that_cuts_sequences():

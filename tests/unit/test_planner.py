@@ -59,6 +59,9 @@ def test_candidates_keep_the_global_batch_and_the_recipes_numerics(tiny):
     assert kv_heads == 2 and "tp4_zero1" not in names
     lora = tiny_recipe("--lora.r=4")
     assert not [c for c in cost.candidates(lora, raw, 4, config) if c.name.startswith(("tp", "pipe"))]
+    # issue 85: on one rank nothing is sent, so compression only adds its error (zero0_powersgd ranked above zero0)
+    alone = {c.name for c in cost.candidates(recipe, raw, 1, config)}
+    assert "zero0" in alone and not [n for n in alone if n.endswith(("_powersgd", "_topk", "_sign"))], alone
 
 
 def test_link_curve_interpolates_and_extrapolates():
@@ -174,6 +177,12 @@ def test_remedy_names_the_cheapest_change():
                                                           {"train": {"grad_accum_steps": 1}})
     assert "grad_accum_steps" in cost.remedy({"zero_optimization": {"stage": 1}},
                                              {"compression": {"method": "sign"}})
+    # issue 85: on an expert-parallel run the advice named zero1.json (no expert_parallel section) or PowerSGD
+    ep = {"expert_parallel": {"enabled": True, "ep_size": 2}}
+    said = cost.remedy({"zero_optimization": {"stage": 2}, **ep}, {"train": {"grad_accum_steps": 4}})
+    assert "--ds.zero_optimization.stage=1 (expert parallelism kept)" in said and ".json" not in said
+    said = cost.remedy({"zero_optimization": {"stage": 1}, **ep}, {"train": {"grad_accum_steps": 1}})
+    assert "compression" not in said and "grad_accum_steps" in said
 
 
 def test_a_run_says_once_when_communication_dominates(tmp_path, capsys):
