@@ -179,22 +179,27 @@ def build(config, attention: str = "sdpa", limit: int = 100_000_000):
     the meta device first: a copy over `limit` parameters (sizes this module does not know how to cut, such as
     Byte Latent Transformer's hash embeddings) is not built."""
     from transformers import AutoModelForCausalLM
+
+    # a config read with the run's trust_remote_code names its own classes (auto_map): the copy is built from them
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     with torch.device("meta"):
         try:
-            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+                       .parameters())
         except ValueError:
             size = 0  # refused for sdpa on meta too: counted below when built eager
     if size > limit:
         raise ValueError(f"the small copy still has {size / 1e6:.0f}M parameters")
-    torch.manual_seed(0)
-    try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
-    except ValueError as e:
-        if "does not support an attention implementation" not in str(e):
-            raise
+    for implementation in (attention, "eager"):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    return model.eval()
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                     dtype=torch.float32, trust_remote_code=remote)
+            return model.eval()
+        except ValueError as e:
+            if "does not support an attention implementation" not in str(e) or implementation == "eager":
+                raise
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------- the checks
@@ -419,7 +424,9 @@ def _saved_path(config, wanted: list[str]) -> Path:
     import transformers
 
     from . import env
-    key = hashlib.sha256("\n".join([small_copy(config).to_json_string(use_diff=False), ",".join(wanted),
+    fields = {k: v for k, v in small_copy(config).to_dict().items()
+              if k not in ("_name_or_path", "transformers_version")}  # where it was read from does not matter
+    key = hashlib.sha256("\n".join([json.dumps(fields, sort_keys=True, default=str), ",".join(wanted),
                                      torch.__version__, transformers.__version__,
                                      hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]).encode()).hexdigest()
     return env.cache_root() / "layout_checks" / f"{key[:32]}.json"

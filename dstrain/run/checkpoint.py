@@ -558,11 +558,35 @@ def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx:
     config = copy.deepcopy(config)
     config.use_cache = True  # training turns the KV cache off; whoever loads the export generates with it
     config.save_pretrained(out)
+    _copy_remote_code(config, out)
     tokenizer.save_pretrained(out)
     try:
         GenerationConfig.from_model_config(config).save_pretrained(out)
     except ValueError:
         pass
+
+
+def _copy_remote_code(config, out: Path) -> None:
+    """A model with remote code: the modules its config names (auto_map) beside it, so that export and resume
+    rebuild the model from the run directory alone (config.save_pretrained copies the configuration's module only;
+    the export of a remote-code run asked for modeling_*.py: issue 85)."""
+    import inspect
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    for reference in auto_map.values():
+        for ref in reference if isinstance(reference, (list, tuple)) else [reference]:
+            if not ref:
+                continue
+            module = ref.split("--")[-1].split(".")[0]
+            local = Path(str(getattr(config, "_name_or_path", "") or "")) / f"{module}.py"
+            if local.is_file():
+                source = local.parent
+            else:  # from the Hub: the copy transformers keeps in its modules cache
+                from transformers.dynamic_module_utils import get_class_from_dynamic_module
+                source = Path(inspect.getfile(get_class_from_dynamic_module(ref, config._name_or_path))).parent
+            for file in source.glob("*.py"):  # the module and what it imports relatively
+                if not (out / file.name).exists() and file.name != "__init__.py":
+                    shutil.copy(file, out / file.name)
 
 
 PIPELINE_NAMES = "pipeline_layers.json"

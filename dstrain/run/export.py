@@ -201,7 +201,10 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         raise UserError(f"{ckpt} is not a complete checkpoint; pass a checkpoints/step_* directory")
     if not model_files.is_dir():
         raise UserError(f"{model_files} is missing; export needs the run directory written by train.py")
-    config = AutoConfig.from_pretrained(model_files)
+    # a model with remote code: the run was started trusting it (model.trust_remote_code, in its recipe.yaml), and
+    # model_config/ holds the code it trained with
+    remote = _trusted_remote_code(ckpt.parent.parent)
+    config = AutoConfig.from_pretrained(model_files, trust_remote_code=remote)
     config.use_cache = True  # run directories written before this was fixed recorded the training setting (off)
     if getattr(config, "quantization_config", None) is not None:
         # a QLoRA run's config records its 4-bit base: the export is the full-precision base with the adapters
@@ -209,12 +212,13 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         del config.quantization_config
     def shapes() -> dict[str, torch.Size]:  # the target model's tensor shapes: an expert-parallel checkpoint's layout
         with torch.device("meta"):
-            return {n: t.shape for n, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+            return {n: t.shape for n, t in built.state_dict().items()}
     adapters = (model_files / LORA_DIR / "adapter_config.json").exists()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     state = consolidated_state_dict(ckpt, shapes, adapters, getattr(text, "model_type", None))
     if adapters:
-        model = _lora_model(model_files, config, state, ckpt)
+        model = _lora_model(model_files, config, state, ckpt, remote)
         trained = {n: p.detach().to(dtype) for n, p in model.named_parameters() if p.requires_grad}
         # adapter_model.safetensors (in the training precision) + adapter_config.json; merged below in fp32
         if adapter_dir is not None:
@@ -222,7 +226,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         model = model.merge_and_unload()
     else:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=remote)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         model.tie_weights()
         still_meta = [n for n, p in model.named_parameters() if p.is_meta]
@@ -234,7 +238,7 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
     return _replace_dir(out_dir, lambda tmp: _save_model(model, model_files, tmp))
 
 
-def _lora_model(model_files: Path, config, state: dict, ckpt: Path):
+def _lora_model(model_files: Path, config, state: dict, ckpt: Path, remote: bool = False):
     """The base, reloaded from where training loaded it, with the checkpoint's adapters (fp32) on it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -244,7 +248,8 @@ def _lora_model(model_files: Path, config, state: dict, ckpt: Path):
     lora = LoraConfig.from_pretrained(model_files / LORA_DIR)
     base_name = lora.base_model_name_or_path
     try:
-        base = AutoModelForCausalLM.from_pretrained(local_or_hub(base_name), config=config, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(local_or_hub(base_name), config=config, dtype=torch.float32,
+                                                    trust_remote_code=remote)
     except OSError as e:
         raise UserError(f"{ckpt} holds LoRA adapters; their base {base_name} cannot be loaded "
                         f"({str(e).splitlines()[0]}): restore it there, or set base_model_name_or_path in "
@@ -292,6 +297,16 @@ def _replace_dir(out_dir: Path, write) -> Path:
     os.rename(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _trusted_remote_code(run_dir: Path) -> bool:
+    """Whether the run was started with model.trust_remote_code (its recipe.yaml)."""
+    import yaml
+    recipe = run_dir / "recipe.yaml"
+    if not recipe.is_file():
+        return False
+    model = (yaml.safe_load(recipe.read_text()) or {}).get("model") or {}
+    return bool(model.get("trust_remote_code"))
 
 
 def missing_checkpoint(ckpt: Path) -> str:

@@ -228,3 +228,15 @@ def test_the_named_families_cells_are_what_the_matrix_says(family):
 def test_every_familys_cells_are_what_the_matrix_says():
     for row in _matrix()["rows"]:
         _recheck(row["family"])
+
+
+def test_every_refused_cell_of_the_matrix_is_one_line_naming_family_module_and_fix():
+    layout = SimpleNamespace(sequence_parallel=2, context_parallel=1)
+    refused = [(r["family"], name, r[name]) for r in _matrix()["rows"] if r["built"]
+               for name in ("packing", "sequence split") if not r[name]["holds"]]
+    assert len(refused) > 60
+    for family, name, cell in refused:
+        line = families.refusal(family, families.Cell(name, cell["difference"] or float("inf"), cell["culprit"]),
+                                layout)
+        fix = "set data.packing=false" if name == "packing" else "without sequence or context parallelism"
+        assert "\n" not in line and family in line and (cell["culprit"] or "a layer") in line and fix in line, line
