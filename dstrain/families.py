@@ -63,7 +63,7 @@ _NARROW = {  # attribute: value in the copy (where the config has the attribute 
     "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_d_head": 16, "mamba_n_groups": 1,
     "n_groups": 1, "mamba_chunk_size": 16, "chunk_size": 16, "time_step_rank": 8,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "num_experts_per_tok": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1, "hidden_size_per_layer_input": 16,
 }
 _CAPPED = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
            "n_shared_experts": 1, "num_shared_experts": 1, "sliding_window": 16, "attention_chunk_size": 16,
@@ -78,11 +78,11 @@ def small_copy(config, narrow: bool = True):
     if narrow:
         _narrow(c)
     for key, value in _CAPPED.items():
-        if isinstance(getattr(c, key, None), int) and not isinstance(getattr(c, key), bool):
+        if isinstance(_get(c, key), int) and not isinstance(getattr(c, key), bool):
             setattr(c, key, min(getattr(c, key), value))
-    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    layers = _get(c, "num_hidden_layers") or _get(c, "n_layer")
     keep = min(layers or 8, 8)
-    kinds = getattr(c, "layer_types", None)
+    kinds = _get(c, "layer_types")
     if isinstance(kinds, (list, tuple)) and kinds:
         firsts = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}  # enough layers for each kind
         try:
@@ -93,19 +93,23 @@ def small_copy(config, narrow: bool = True):
     for key, value in c.to_dict().items():  # patterns given another way: every kind within the kept layers
         if key.endswith("_period") and isinstance(value, int) and value > 2:  # Jamba: attention every 8th layer
             setattr(c, key, 2)
-            if isinstance(getattr(c, key[:-len("period")] + "offset", None), int):
+            if isinstance(_get(c, key[:-len("period")] + "offset"), int):
                 setattr(c, key[:-len("period")] + "offset", 1)
         elif key.endswith(("_indices", "_idxs")) and isinstance(value, list) and value \
                 and all(isinstance(i, int) for i in value):  # Bamba's attention layers, LFM2's
             setattr(c, key, [i for i in value if i < keep] or [min(value[0], keep - 1)])
     for key in ("num_hidden_layers", "n_layer"):
-        if getattr(c, key, None) is not None:
+        if _get(c, key) is not None:
             setattr(c, key, keep)
+    if isinstance(_get(c, "per_layer_config"), dict):  # Gemma 4's overrides of layers the copy does not have
+        c.per_layer_config = {k: v for k, v in c.per_layer_config.items() if not k.isdigit() or int(k) < keep}
+    if isinstance(_get(c, "num_kv_shared_layers"), int):  # Gemma 3n/4: later layers reuse earlier ones' keys
+        c.num_kv_shared_layers = min(c.num_kv_shared_layers, max(0, keep - len(set(_get(c, "layer_types") or []))))
     for key in ("max_position_embeddings", "n_positions"):
-        if isinstance(getattr(c, key, None), int) and getattr(c, key) < LENGTH:
+        if isinstance(_get(c, key), int) and getattr(c, key) < LENGTH:
             setattr(c, key, LENGTH)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if isinstance(getattr(c, key, None), float):
+        if isinstance(_get(c, key), float):
             setattr(c, key, 0.0)
     c.use_cache = False
     return c
@@ -142,28 +146,41 @@ _STATE_SPACE_HEADS = (("mamba_n_heads", "mamba_d_head", "mamba_expand"),  # Bamb
 
 def _narrow(c) -> None:
     """WIDTH wide, 4 heads of 16 (grouped-query attention stays grouped: 1, 2 or 4 key/value heads)."""
-    kv, heads = getattr(c, "num_key_value_heads", None), getattr(c, "num_attention_heads", None)
+    kv, heads = _get(c, "num_key_value_heads"), _get(c, "num_attention_heads")
     for key, value in _NARROW.items():
-        if getattr(c, key, None) is not None:
+        if _get(c, key) is not None:
             _set(c, key, value)
     for key in ("num_key_value_heads", "num_kv_heads"):
-        if kv is not None and getattr(c, key, None) is not None:
+        if kv is not None and _get(c, key) is not None:
             _set(c, key, 4 if heads is None or kv >= heads else 1 if kv == 1 else 2)
+    per_layer = _get(c, "per_layer_config")  # Gemma 4: some layers' own head_dim and the like
+    if isinstance(per_layer, dict):
+        for overrides in per_layer.values():
+            if isinstance(overrides, dict):
+                overrides.update({k: _NARROW[k] for k in overrides if k in _NARROW})
     for key, value in (("head_dim", 16), ("num_key_value_heads", 4)):  # left unset (None) where the code reads them
-        if key in c.to_dict() and getattr(c, key, None) is None:
+        if key in c.to_dict() and _get(c, key) is None:
             _set(c, key, value)
-    if getattr(c, "qk_rope_head_dim", None) is not None and getattr(c, "head_dim", None) is not None:
+    if _get(c, "qk_rope_head_dim") is not None and _get(c, "head_dim") is not None:
         _set(c, "head_dim", c.qk_rope_head_dim)  # multi-head latent attention: its rotary part
-    if isinstance(getattr(c, "rotary_dim", None), int):  # GPT-J, CodeGen: rotary on part of each head
+    if isinstance(_get(c, "rotary_dim"), int):  # GPT-J, CodeGen: rotary on part of each head
         _set(c, "rotary_dim", 8)
     for heads_key, dim_key, expand_key in _STATE_SPACE_HEADS:  # the state-space heads span the expanded width
-        if isinstance(getattr(c, heads_key, None), int) and getattr(c, expand_key, None):
+        if isinstance(_get(c, heads_key), int) and _get(c, expand_key):
             setattr(c, dim_key, 16)
             setattr(c, heads_key, int(getattr(c, expand_key) * WIDTH) // 16)
-    if getattr(c, "mamba_d_ssm", None) is not None:
+    if _get(c, "mamba_d_ssm") is not None:
         c.mamba_d_ssm = int(c.mamba_expand * WIDTH)
-    if getattr(c, "attention_hidden_size", None) is not None:  # Zamba's attention on [hidden, original hidden]
+    if _get(c, "attention_hidden_size") is not None:  # Zamba's attention on [hidden, original hidden]
         c.attention_hidden_size = 2 * WIDTH
+
+
+def _get(c, key: str):
+    """A config's value, or None (also where it is per layer and reading it whole raises, as in Gemma 4)."""
+    try:
+        return getattr(c, key, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return c.__dict__.get(key)
 
 
 def _set(c, key: str, value) -> None:

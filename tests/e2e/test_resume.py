@@ -68,7 +68,8 @@ def test_finished_run_does_not_train_again(tmp_path, cache, tiny_llama):
     before = (run / "metrics.jsonl").read_text()
     hf_mtime = (run / "hf" / "model.safetensors").stat().st_mtime_ns
     proc = launch(args, cache, launcher="warm-python")
-    assert "resumed from" in proc.stderr and "at step 3" in proc.stderr
+    # issue 85: it says so in one line (before, it resumed at step 3 and rewrote summary.json and the run's files)
+    assert f"{run} holds this run finished at step 3 (train.max_steps=3); nothing to do" in proc.stderr
     assert (run / "metrics.jsonl").read_text() == before
     assert (run / "hf" / "model.safetensors").stat().st_mtime_ns == hf_mtime
 
