@@ -43,9 +43,19 @@ SHELL_SEES = {"kill the deepspeed runner": -15, "kill the deepspeed runner durin
               "Ctrl-C with wandb on": -2, "SIGTERM to torchrun's agent": 1, "Ctrl-C to torchrun": 1, "SIGKILL to torchrun's agent": -9}
 
 
+def _as_a_shell_starts_a_job() -> None:
+    """A shell's foreground job starts with SIGINT and SIGTERM at their defaults, neither ignored nor blocked. The
+    pytest worker's own may not be (in 2 of this file's in-suite runs of 2026-12-06 Ctrl-C never reached the job: the
+    single_node.sh case trained its 400 steps, the runner exited 1 instead of dying of SIGINT; alone they passed),
+    and children inherit an ignored or blocked signal through exec."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _start(cmd, cache, **extra):
     return subprocess.Popen(cmd, cwd=ROOT, env=env(cache, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_as_a_shell_starts_a_job)
 
 
 def _ranks(proc) -> list[psutil.Process]:
