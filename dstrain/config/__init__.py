@@ -84,6 +84,9 @@ class DataConfig:
     # prompt-completion rows (`prompt_response`, TRL's layout): the loss on the completion only; false: the prompt's
     # assistant turns too (or, with assistant_only_loss false, the whole sequence)
     completion_only_loss: bool = True
+    # `chat` / `prompt_response`: the loss on the conversation's last assistant turn only, every turn before it read
+    # as its prompt (LLaMA-Factory's `mask_history`); with assistant_only_loss false, all that follows that prompt
+    last_turn_only: bool = False
     # the function schemas of a conversation with tool calls (TRL's name; `format: chat`, `prompt_response`,
     # `preference` and `prompt`): a list or its JSON text, passed to the chat template as `tools`
     tools_field: str = "tools"
@@ -114,6 +117,9 @@ class DataConfig:
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise UserError(f"data.max_prompt_length={self.max_prompt_length} must be a positive number of tokens "
                             f"or null")
+        if self.last_turn_only and not self.completion_only_loss:
+            raise UserError("data.last_turn_only=true trains the last assistant turn only, data.completion_only_loss="
+                            "false every assistant turn: set one of them")
         if not 0.0 <= self.val_fraction < 1.0:
             raise UserError(f"data.val_fraction={self.val_fraction} must be in [0, 1); try 0.05")
         for entry in self.mix:

@@ -309,13 +309,13 @@ def test_inspect_shows_the_trained_tokens_of_the_docs_commands(capsys):
     assert record["trained"] == [m["content"] + "</s>" for m in row if m["role"] == "assistant"]
 
 
-# TRL's own tokenization differs from ours in these cells, and TRL is right (left for the next slice, issue 84's
-# note): gemma-4's diffusion template renders the tool's reply inside the assistant's turn (we train it as the
-# assistant's); DeepSeek-R1's closes the tool outputs at the start of the next assistant turn (TRL trains that tag,
-# we leave it to the tool's reply); gpt-oss writes a call into its turn's header (`<|start|>assistant
-# to=functions.get_weather<|channel|>commentary json<|message|>`), which the turn rendered without its call does not
-# share (we train `<|start|>` alone there)
-KNOWN_GAPS = {("diffusion_gemma", "tools"), ("deepseek_r1_distill", "tools"), ("gptoss", "tools")}
+# Where TRL's tags and ours differ, on purpose: DeepSeek-R1's template closes the tool outputs at the start of the
+# next assistant turn (`<｜tool▁outputs▁end｜>`), which the prompt already holds at inference (its generation prompt
+# after a tool reply): TRL trains that tag, we leave it to the reply. Gemma 4's diffusion template writes
+# `<|tool_response>` after a call that has no reply yet, the model's stop for a call: we train it with the call, TRL
+# leaves it to the reply (the reply itself, rendered inside the model's turn, trains in neither:
+# test_tool_replies_inside_the_turn_never_train)
+KNOWN_GAPS = {("diffusion_gemma", "tools"), ("deepseek_r1_distill", "tools")}
 VISION = ("smolvlm", "idefics3", "llava_next", "qwen2_5_vl", "qwen3_vl", "lfm2_2_5_vl")
 
 
@@ -356,7 +356,8 @@ def test_real_model_templates_train_what_trls_training_templates_mark():
             if marked[0] != plain:  # TRL's rewrite renders another text (e.g. every turn's <think> block)
                 continue
             tok.chat_template = original.read_text()
-            text, ours = sft.assistant_spans(messages, tok, tools)
+            text, pieces = sft.assistant_spans(messages, tok, tools)
+            ours = [(turn[0][0], turn[-1][1]) for turn in pieces]  # a reply inside the turn: checked below
             theirs = []
             for a, b in generation[0]:  # adjacent tagged blocks are one span
                 theirs = theirs[:-1] + [(theirs[-1][0], b)] if theirs and theirs[-1][1] == a else theirs + [(a, b)]
@@ -371,6 +372,28 @@ def test_real_model_templates_train_what_trls_training_templates_mark():
             if not agree:
                 gaps.add((original.stem, name))
     assert gaps == KNOWN_GAPS and compared >= 80, (sorted(gaps), compared)
+
+
+def test_tool_calls_train_where_the_template_writes_only_the_call_and_tool_replies_never_train():
+    """gpt-oss renders a calling turn as its call alone (`<|start|>assistant to=functions.get_weather<|channel|>
+    commentary json<|message|>{...}<|call|>`, the turn's content dropped): its calls trained nothing before (the span
+    was empty). Gemma 4's diffusion template renders the tool's reply inside the model's turn
+    (`<tool_call|><|tool_response>response:...<tool_response|>`): the reply trained as the model's text before, teaching
+    it to write tool results itself. Both real templates as TRL ships them, through the run's tokenization."""
+    from pathlib import Path
+
+    import trl
+    folder = Path(trl.__file__).parent / "chat_templates"
+    messages = normalize(TOOL_CONVERSATION[1:], {})
+    tok = _tokenizer((folder / "gptoss.jinja").read_text())
+    assert _trained(*sft._sft_tokens(messages, tok, [WEATHER_TOOL]), tok) == [
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>',
+        "<|channel|>final<|message|>It is 5C.<|return|>"]
+    tok = _tokenizer((folder / "diffusion_gemma.jinja").read_text())
+    trained = _trained(*sft._sft_tokens(messages, tok, [WEATHER_TOOL]), tok)
+    assert trained == ['<|channel>thought\nneed the weather\n<channel|><|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}'
+                       '<tool_call|><|tool_response>', "It is 5C.<turn|>\n"]
+    assert not any("5C<" in piece for piece in trained)  # the reply's text, the caller's to give
 
 
 def test_trls_loss_switches(tmp_path):
@@ -391,6 +414,26 @@ def test_trls_loss_switches(tmp_path):
         messages = prompt_response.to_messages(row, cfg)
         ids, labels = sft._with_options(messages, tok, None, cfg)
         assert _trained(ids, labels, tok) == want, switches
+
+
+@pytest.mark.parametrize("template", ["chatml", "tagged"])
+def test_last_turn_only_trains_the_last_assistant_turn(template):
+    """data.last_turn_only (LLaMA-Factory's mask_history): a conversation's last assistant turn trains, the turns
+    before it are its prompt; under a `{% generation %}` template through transformers' mask, under ChatML through the
+    spans; with assistant_only_loss false, all that follows the prompt. Refused beside completion_only_loss false."""
+    tok = _tokenizer(GENERATION_TAGGED if template == "tagged" else "chatml")
+    messages = normalize(REASONING_CONVERSATION, {})
+    text = tok.apply_chat_template(messages, tokenize=False)
+    prompt = tok.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True)
+    every = _trained(*sft._with_options(messages, tok, None, DataConfig(format="chat")), tok)
+    assert len(every) == 2 and "4<|im_end|>" in every[0] and "6<|im_end|>" in every[1]
+    last = _trained(*sft._with_options(messages, tok, None, DataConfig(format="chat", last_turn_only=True)), tok)
+    assert last == [every[1]]
+    rest = _trained(*sft._with_options(messages, tok, None, DataConfig(format="chat", last_turn_only=True,
+                                                                          assistant_only_loss=False)), tok)
+    assert rest == [text[len(prompt):]]
+    with pytest.raises(UserError, match="data.last_turn_only=true trains the last assistant turn only"):
+        DataConfig(format="chat", last_turn_only=True, completion_only_loss=False)
 
 
 def test_message_keys_no_template_gets_are_said_in_the_data_line(tmp_path):

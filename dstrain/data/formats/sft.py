@@ -74,8 +74,9 @@ def _common_prefix(a, b) -> int:
 _MARKER = "dstrainturnmarker"
 
 
-def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation rendered once by the run's template, and the character spans the assistant writes in it.
+def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, list[list[tuple[int, int]]]]:
+    """The conversation rendered once by the run's template, and the character spans the assistant writes in it,
+    a list for each assistant turn (more than one piece where a tool's reply is rendered inside the turn).
 
     Each assistant turn's span is found in that one rendering, so templates that render earlier turns differently
     (reasoning kept for the last turn only, a date in the system turn) train on the text the model sees. The same
@@ -107,6 +108,11 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
                 cursor = span[1]
                 continue
         at = marked.find(_MARKER)
+        if at < 0 and message.get("tool_calls"):  # a template that drops a calling turn's content (gpt-oss writes
+            # only the call): the marker goes where the call's arguments are
+            marker_turn = [_marked_call(message)]
+            marked = _render(tokenizer, messages[:i] + marker_turn + messages[i + 1:], tools)
+            at = marked.find(_MARKER)
         before, after = (marked[:at], marked[at + len(_MARKER):]) if at >= 0 else (marked, "")
         # the text after the turn's part is the same whatever the turn holds; the text before it may not be (a
         # template that opens an empty <think> block for a turn without reasoning): then up to where they differ
@@ -128,7 +134,56 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
         end += shared
         spans.append((start, end))
         cursor = end
-    return text, spans
+    return text, _without_tool_replies(text, messages, tokenizer, tools, spans)
+
+
+def _marked_call(message: dict) -> dict:
+    """The turn with its content dropped and its last call's last argument replaced by the marker."""
+    calls = [dict(call) for call in message["tool_calls"]]
+    last = dict(calls[-1])
+    function = dict(last.get("function", last))
+    arguments = function.get("arguments")
+    if isinstance(arguments, dict) and arguments:
+        function["arguments"] = {**arguments, list(arguments)[-1]: _MARKER}
+    else:
+        function["arguments"] = _MARKER
+    calls[-1] = {**last, "function": function} if "function" in last else function
+    return {k: v for k, v in message.items() if k not in chat_templates.REASONING} | {"content": "",
+                                                                                         "tool_calls": calls}
+
+
+def _without_tool_replies(text: str, messages: list[dict], tokenizer, tools,
+                          spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """The spans less the tool replies a template renders inside the assistant's turn (Gemma 4's
+    `<|tool_response>...<tool_response|>` follows the call within the model's turn): where a reply's content lies in a
+    span, the text its run of tool messages adds (found by rendering the conversation without them) is the caller's
+    to give, never the model's to learn. A reply outside every span (ChatML's tool turn) changes nothing."""
+    frames, i = [], 0
+    while i < len(messages):
+        j = i
+        while j < len(messages) and messages[j]["role"] == "tool":
+            j += 1
+        if j == i:
+            i += 1
+            continue
+        try:
+            marked = _render(tokenizer, messages[:i] + [{**messages[i], "content": _MARKER}] + messages[i + 1:], tools)
+            at = marked.find(_MARKER)
+            inside = at >= 0 and text.startswith(marked[:at]) and any(s <= at < e for s, e in spans)
+            without = _render(tokenizer, messages[:i] + messages[j:], tools) if inside else ""
+        except Exception:  # noqa: BLE001 - a template that needs the replies: nothing to take out
+            inside = False
+        if inside:
+            head = _whole_tags(text, _common_prefix(text, without))
+            frames.append((head, len(text) - _common_prefix(text[head:][::-1], without[head:][::-1])))
+        i = j
+    out = []
+    for start, end in spans:
+        pieces = [(start, end)]
+        for a, b in frames:
+            pieces = [piece for s, e in pieces for piece in ((s, min(e, a)), (max(s, b), e)) if piece[0] < piece[1]]
+        out.append(pieces)
+    return out
 
 
 def _closing_tag(tokenizer, history: list[dict], marker_turn: list[dict], tools) -> str:
@@ -200,7 +255,7 @@ def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int =
         return ids, [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
     text, spans = assistant_spans(messages, tokenizer, tools)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    spans = [span for turn, span in zip(turns, spans) if turn >= prompt_turns]
+    spans = [piece for turn, pieces in zip(turns, spans) if turn >= prompt_turns for piece in pieces]
     # tokenized piece by piece at the spans' edges: no token straddles a trained and an untrained character, and the
     # text before a reply becomes the tokens a prompt rendered up to there becomes at inference
     ids, labels, at = [], [], 0
@@ -216,8 +271,11 @@ def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int =
 def _with_options(messages: list[dict], tokenizer, tools, cfg: DataConfig) -> tuple[list[int], list[int]]:
     """ids and labels under TRL's two switches: data.assistant_only_loss (what the assistant writes; false: every
     token) and data.completion_only_loss (prompt-completion rows: the completion only; false: the prompt's own
-    assistant turns too, or with assistant_only_loss false the whole sequence). TRL's masks combine the same way."""
+    assistant turns too, or with assistant_only_loss false the whole sequence). TRL's masks combine the same way.
+    data.last_turn_only reads every turn before the last assistant turn as the prompt."""
     prompt_turns = getattr(messages, "prompt_turns", 0)
+    if cfg.last_turn_only:  # every turn before the last assistant turn is its prompt
+        prompt_turns = max([prompt_turns] + [i for i, m in enumerate(messages) if m["role"] == "assistant"])
     if cfg.assistant_only_loss:
         return _sft_tokens(messages, tokenizer, tools, prompt_turns if cfg.completion_only_loss else 0)
     ids, _ = _sft_tokens(messages, tokenizer, tools)
