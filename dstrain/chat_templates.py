@@ -61,12 +61,43 @@ def check(choice: str | None) -> None:
                         f"file{closest(choice, TEMPLATES)}; pass one of those or a path to a .jinja file")
 
 
-def apply(choice: str | None, tokenizer, say) -> str:
+# Mistral's own tokenizer files (mistral-common's): a model folder with one of these and no Jinja template (Magistral,
+# Devstral, Mistral Small 3.x as Mistral ships them) is rendered by mistral-common, as Mistral's inference does
+MISTRAL_FILES = ("tekken.json", "tokenizer.model.v*")
+
+
+def mistral_file(folder) -> Path | None:
+    """The Mistral tokenizer file in a model folder (tekken.json first), or None."""
+    folder = Path(folder)
+    for pattern in MISTRAL_FILES:
+        found = sorted(folder.glob(pattern)) if folder.is_dir() else []
+        if found:
+            return found[-1]
+    return None
+
+
+def mistral_of(tokenizer):
+    """mistral-common's tokenizer for a tokenizer that renders conversations through it (apply() decides), or None."""
+    path = getattr(tokenizer, "mistral_common_file", None)
+    if not path or tokenizer.chat_template:
+        return None
+    cached = getattr(tokenizer, "_dstrain_mistral", None)
+    if cached is None:
+        from mistral_common.protocol.instruct.validator import ValidationMode
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+        cached = MistralTokenizer.from_file(path, mode=ValidationMode.finetuning)
+        tokenizer._dstrain_mistral = cached
+    return cached
+
+
+def apply(choice: str | None, tokenizer, say, fmt: str = "chat") -> str:
     """Set the chosen template on the tokenizer; returns a short description for the log and run_info."""
     check(choice)
     if choice is None:
         if tokenizer.chat_template:
             return "the tokenizer's"
+        if getattr(tokenizer, "mistral_common_file", None):
+            return _mistral(tokenizer, fmt)
         tokenizer.chat_template = TEMPLATES["plain"]
         say("note: the tokenizer has no chat template; training on dstrain's plain format ('user: ...\\n"
             "assistant: ...'), which the exported model carries; set data.chat_template (chatml, llama3, plain or "
@@ -74,6 +105,19 @@ def apply(choice: str | None, tokenizer, say) -> str:
         return "plain (the tokenizer has none)"
     tokenizer.chat_template = TEMPLATES[choice] if choice in TEMPLATES else Path(local_or_hub(choice)).read_text()
     return choice
+
+
+def _mistral(tokenizer, fmt: str) -> str:
+    name = Path(tokenizer.mistral_common_file).name
+    try:
+        import mistral_common  # noqa: F401
+    except ImportError:
+        raise UserError(f"the model's tokenizer is Mistral's ({name}) with no chat template: pip install "
+                        f"mistral-common to train on its own format, or set data.chat_template") from None
+    if fmt in ("preference", "prompt"):
+        raise UserError(f"data.format={fmt} with a Mistral tokenizer ({name}) that has no chat template is not "
+                        f"supported yet (SFT formats are, through mistral-common); set data.chat_template")
+    return f"mistral-common's ({name})"
 
 
 # what a message may carry besides its role and content, as transformers' chat templates read it: the assistant's
@@ -202,14 +246,72 @@ def check_rendered(conversations, tokenizer, choice: str | None) -> None:
     for key in sorted(fields):
         messages, tools, marker = _PROBES[key]
         try:
-            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+            text = render(tokenizer, messages, tools)
         except Exception as error:  # noqa: BLE001 - a template that raises on the field renders nothing of it
             text = f"{type(error).__name__}"
         if marker not in text:
             missing.append(WHAT[key])
     if missing:
-        described = "the tokenizer's own" if choice is None else f"data.chat_template={choice}"
+        described = ("mistral-common's" if mistral_of(tokenizer) else "the tokenizer's own") if choice is None \
+            else f"data.chat_template={choice}"
         them = "those fields" if len(missing) > 1 else "that field"
         raise UserError(f"the rows hold {' and '.join(missing)}, which the chat template ({described}) never renders: "
                         f"the model would be trained without them; set data.chat_template to one that renders them "
                         f"(chatml does; or a .jinja file, docs/data.md) or remove {them} from the data")
+
+
+def render(tokenizer, messages: list[dict], tools=None) -> str:
+    """The conversation as the run renders it: the tokenizer's template, or mistral-common's encoding decoded."""
+    mistral = mistral_of(tokenizer)
+    if mistral is None:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    return tokenizer.decode(mistral_request(mistral, messages, tools)[1])
+
+
+def mistral_request(mistral, messages: list[dict], tools=None):
+    """(the validated request, its token ids) of a conversation in mistral-common's own format (finetuning mode: a
+    conversation may end with the assistant)."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    request = ChatCompletionRequest.from_openai(_openai(messages), tools=tools or None)
+    return request, mistral.encode_chat_completion(request).tokens
+
+
+def _openai(messages: list[dict]) -> list[dict]:
+    """Normalized messages as mistral-common's from_openai reads them: call arguments as JSON text, reasoning left out
+    (check_rendered refuses it first), and call ids as Mistral's format has them (9 letters or digits; another id, or
+    none, becomes the conversation's n-th such id, the same in its calls and their replies)."""
+    import json
+    import re
+
+    ids: dict = {}
+    pending: list[str] = []  # the calls of the last calling turn not answered yet, in order
+
+    def valid(call_id) -> str:
+        if isinstance(call_id, str) and re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+            return call_id
+        return ids.setdefault(call_id if call_id is not None else f"missing{len(ids)}", f"call{len(ids):05d}")
+
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if k not in REASONING}
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function", call))
+                if not isinstance(function.get("arguments"), str):
+                    function["arguments"] = json.dumps(function.get("arguments") or {})
+                calls.append({"id": valid(call.get("id")), "type": "function", "function": function})
+            message["tool_calls"] = calls
+            pending = [call["id"] for call in calls]
+        if message["role"] == "tool":
+            given = message.get("tool_call_id")
+            known = given if given in pending else ids.get(given)
+            if known is None and pending:  # a reply whose id no call has: the next call not answered yet
+                known = pending[0]
+                if given is not None:
+                    ids[given] = known
+            message["tool_call_id"] = known or valid(given)
+            pending = [p for p in pending if p != message["tool_call_id"]]
+        out.append(message)
+    return out

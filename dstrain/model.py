@@ -111,9 +111,32 @@ def load_tokenizer(cfg: ModelConfig):
     except (OSError, ValueError) as e:
         raise _unreachable(name, e) from None
     _check_encodes(tokenizer, name, cfg.tokenizer is None)
+    _mistral_files(tokenizer, Path(local_or_hub(name)))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _mistral_files(tokenizer, folder: Path) -> None:
+    """A model folder with Mistral's own tokenizer file and no Jinja template: conversations are rendered by
+    mistral-common (chat_templates.apply), and the BOS and EOS that transformers' conversion of tekken.json leaves
+    unset are mistral-common's."""
+    from .chat_templates import mistral_file
+    found = mistral_file(folder) if not tokenizer.chat_template else None
+    if found is None:
+        return
+    tokenizer.mistral_common_file = str(found)
+    try:
+        from mistral_common.protocol.instruct.validator import ValidationMode
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    except ImportError:
+        return  # chat_templates.apply names the package when a conversation needs it
+    tokenizer._dstrain_mistral = MistralTokenizer.from_file(str(found), mode=ValidationMode.finetuning)
+    inner = tokenizer._dstrain_mistral.instruct_tokenizer.tokenizer
+    if tokenizer.bos_token is None:
+        tokenizer.bos_token = tokenizer.convert_ids_to_tokens(inner.bos_id)
+    if tokenizer.eos_token is None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(inner.eos_id)
 
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog; 12 cats, 3.5 birds and a question?"

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from .. import model as models
     tokenizer = models.load_tokenizer(recipe.model)
     if cfg.format != "text":
-        chat_templates.apply(cfg.chat_template, tokenizer, lambda text: print(text, file=sys.stderr))
+        chat_templates.apply(cfg.chat_template, tokenizer, lambda text: print(text, file=sys.stderr), cfg.format)
     raw = load_raw(cfg)
     train_raw, _ = split_train_val(raw, cfg, recipe.train.seed)
     check_fields(train_raw, cfg)

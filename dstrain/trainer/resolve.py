@@ -86,7 +86,7 @@ def resolve(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, init_from: P
     checkpoint.check_background(recipe.checkpoint, ds_cfg)
     health.check(recipe.fault, precision, layout)
     tokenizer = models.load_tokenizer(recipe.model)
-    chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log) \
+    chat_template = chat_templates.apply(recipe.data.chat_template, tokenizer, log, recipe.data.format) \
         if recipe.data.format != "text" else None  # set on the tokenizer: model_config/ and hf/ carry it
     prepared = data.prepare(recipe.data, tokenizer, train.seq_len, train.seed, log)
     global_batch = layout.global_batch(train.micro_batch_size, train.grad_accum_steps)

@@ -455,3 +455,58 @@ def test_message_keys_no_template_gets_are_said_in_the_data_line(tmp_path):
                                                             for m in r["messages"]]}),
                         DataConfig(format="chat", chat_template="chatml"), _tokenizer("chatml"), 128)
     assert stats["unread_keys"] == [] and "message key" not in report(stats, 128)
+
+
+def _mistral_folder(tmp_path):
+    """A model folder as Mistral ships its newer models: tekken.json (mistral-common's own v3 file), no template."""
+    import shutil
+    from pathlib import Path
+
+    import mistral_common
+    shutil.copy(Path(mistral_common.__file__).parent / "data" / "tekken_240911.json", tmp_path / "tekken.json")
+    return tmp_path
+
+
+def test_a_mistral_tokenizer_without_a_template_trains_on_mistral_commons_own_format(tmp_path, monkeypatch):
+    """A folder with Mistral's tekken.json and no Jinja template trained on dstrain's `plain` format before (with a
+    note): neither Mistral's [INST] format nor its tool calls. Now mistral-common renders it: the ids are
+    mistral-common's own encoding of the conversation (the system prompt inside the last user turn, where its v3
+    puts it: not prefix by prefix), the trained tokens each assistant message's reply or calls and its EOS, written out
+    here; reasoning, which this format has no place for, is one line before anything is tokenized."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    folder = _mistral_folder(tmp_path)
+    tok = load_tokenizer(ModelConfig(name_or_path=str(folder)))
+    assert chat_templates.apply(None, tok, print, "chat") == "mistral-common's (tekken.json)"
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")  # transformers' conversion of tekken.json leaves them unset
+    reference = MistralTokenizer.from_file(str(folder / "tekken.json"), mode=ValidationMode.finetuning)
+    multi = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4"}]
+    tools_row = [m for m in copy.deepcopy(TOOL_CONVERSATION) if m["role"] != "system"]
+    del tools_row[1]["reasoning_content"]
+    openai = copy.deepcopy(tools_row)  # the same conversation as mistral-common reads it: ids of 9, JSON arguments
+    openai[1]["tool_calls"][0] |= {"id": "call00000"}
+    openai[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Oslo"})
+    openai[2]["tool_call_id"] = "call00000"
+    openai[0]["content"] = "Weather in Oslo?"
+    for messages, tools, theirs, want in (
+            (multi, None, multi, ["Hello there.</s>", "4</s>"]),
+            (tools_row, [WEATHER_TOOL], openai,
+             ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "call00000"}]</s>',
+              "It is 5C.</s>"])):
+        ids, labels = sft._sft_tokens(normalize(messages, {}), tok, tools)
+        request = ChatCompletionRequest.from_openai(theirs, tools=tools)
+        assert ids == reference.encode_chat_completion(request).tokens
+        assert _trained(ids, labels, tok) == want
+    assert tok.decode(sft._sft_tokens(normalize(multi, {}), tok)[0]) == \
+        "<s>[INST]Hi[/INST]Hello there.</s>[INST]Be brief.\n\n2+2?[/INST]4</s>"
+    with pytest.raises(UserError, match="reasoning \\(reasoning_content\\), which the chat template "
+                                        "\\(mistral-common's\\) never renders"):
+        chat_templates.check_rendered([(normalize(REASONING_CONVERSATION, {}), None)], tok, None)
+    monkeypatch.setitem(__import__("sys").modules, "mistral_common", None)  # not installed
+    with pytest.raises(UserError, match="the model's tokenizer is Mistral's \\(tekken.json\\) with no chat template: "
+                                        "pip install mistral-common"):
+        chat_templates.apply(None, tok, print, "chat")

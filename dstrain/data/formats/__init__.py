@@ -192,5 +192,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     corpus's record of its tokenizer."""
     payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()), "template": tokenizer.chat_template,
                           "eos": tokenizer.eos_token, "bos": tokenizer.bos_token, "pad": tokenizer.pad_token,
-                          "class": type(tokenizer).__name__}, sort_keys=True)
+                          "class": type(tokenizer).__name__,
+                          **({"mistral": _file_hash(tokenizer.mistral_common_file)}
+                             if getattr(tokenizer, "mistral_common_file", None) else {})}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _file_hash(path: str) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()

@@ -241,6 +241,9 @@ def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int =
     the conversation rendered once (assistant_spans). The tokenizer carries the run's template
     (dstrain/chat_templates.py); one marked with `{% generation %}` gives transformers' own assistant mask. The
     first `prompt_turns` messages are a prompt (TRL's prompt-completion layout): its assistant turns do not train."""
+    mistral = chat_templates.mistral_of(tokenizer)
+    if mistral is not None:
+        return _mistral_tokens(mistral, messages, tools, prompt_turns)
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template: chat_templates.apply sets one first")
     if _GENERATION_TAG.search(tokenizer.chat_template):
@@ -268,6 +271,30 @@ def _sft_tokens(messages: list[dict], tokenizer, tools=None, prompt_turns: int =
     return ids, labels
 
 
+def _mistral_tokens(mistral, messages: list[dict], tools, prompt_turns: int) -> tuple[list[int], list[int]]:
+    """ids and labels in Mistral's own format: the conversation encoded once by mistral-common (the system prompt
+    where its version puts it, e.g. in the last user turn), each assistant turn's tokens as mistral-common encodes
+    that message alone (its reply or calls and the EOS), found in order in the whole: what the model writes after
+    `[/INST]` or a tool's results. Mistral's own fine-tuning code (mistral-finetune) masks the same way, message by
+    message; mistral-common gives no mask itself, hence this."""
+    from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
+
+    request, ids = chat_templates.mistral_request(mistral, messages, tools)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    asked = [m for m in request.messages if isinstance(m, AssistantMessage)]
+    labels, cursor = [IGNORE_INDEX] * len(ids), 0
+    for n, message in enumerate(asked):
+        later_user = any(isinstance(m, UserMessage) for m in request.messages[request.messages.index(message) + 1:])
+        part = mistral.instruct_tokenizer.encode_assistant_message(message, is_before_last_user_message=later_user)
+        found = next((k for k in range(cursor, len(ids) - len(part) + 1) if ids[k:k + len(part)] == part), None)
+        if found is None:
+            raise ValueError(f"assistant turn {n + 1} not found in mistral-common's encoding of the conversation")
+        if n < len(turns) and turns[n] >= prompt_turns:
+            labels[found:found + len(part)] = part
+        cursor = found + len(part)
+    return list(ids), labels
+
+
 def _with_options(messages: list[dict], tokenizer, tools, cfg: DataConfig) -> tuple[list[int], list[int]]:
     """ids and labels under TRL's two switches: data.assistant_only_loss (what the assistant writes; false: every
     token) and data.completion_only_loss (prompt-completion rows: the completion only; false: the prompt's own
@@ -281,8 +308,13 @@ def _with_options(messages: list[dict], tokenizer, tools, cfg: DataConfig) -> tu
     ids, _ = _sft_tokens(messages, tokenizer, tools)
     if not (prompt_turns and cfg.completion_only_loss):
         return ids, list(ids)
-    prompt = _render(tokenizer, messages[:prompt_turns], tools, generation_prompt=True)  # the completion: after it
-    cut = _common_prefix(tokenizer(prompt, add_special_tokens=False)["input_ids"], ids)  # TRL's completion mask
+    mistral = chat_templates.mistral_of(tokenizer)
+    if mistral is not None:  # the prompt's ids in Mistral's format (it ends with the user's turn)
+        prompt_ids = chat_templates.mistral_request(mistral, messages[:prompt_turns], tools)[1]
+    else:
+        prompt = _render(tokenizer, messages[:prompt_turns], tools, generation_prompt=True)  # the completion: after
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    cut = _common_prefix(prompt_ids, ids)  # TRL's completion mask
     return ids, [IGNORE_INDEX] * cut + ids[cut:]
 
 
