@@ -17,7 +17,7 @@ from .. import chat_templates
 from ..cli import exit_with, load_inputs
 from ..errors import UserError
 from . import check_fields, load_raw, split_train_val, tokenize
-from .formats import check_rows
+from .formats import check_rows, layout_of
 from .formats.sft import IGNORE_INDEX
 from .load import row_location
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         chat_templates.apply(cfg.chat_template, tokenizer, lambda text: print(text, file=sys.stderr), cfg.format)
     raw = load_raw(cfg)
     train_raw, _ = split_train_val(raw, cfg, recipe.train.seed)
+    cfg = layout_of(train_raw, cfg, lambda text: print(text, file=sys.stderr))
     check_fields(train_raw, cfg)
     head = train_raw.select(range(min(rows, len(train_raw))))
     check_rows(head, cfg, lambda number: row_location(cfg, cfg.train_split, len(train_raw), number))

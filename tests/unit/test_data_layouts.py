@@ -166,6 +166,29 @@ def test_a_missing_column_names_the_format_the_data_has(recipe, file, expected, 
     assert expected in str(error.value)
 
 
+@pytest.mark.parametrize("recipe,file,said", [
+    ("tiny/chat_sft", "prompt_completion.jsonl", "columns prompt, completion are the prompt-completion layout: read "
+                                                 "as data.format=prompt_response --data.response_field=completion"),
+    ("tiny/chat_sft", "prompt_completion_conversational.jsonl", "the conversational prompt-completion layout"),
+    ("tiny/sft", "chat.jsonl", "columns messages are the conversational layout: read as data.format=chat"),
+])
+def test_trls_sft_layouts_train_as_their_columns_say(recipe, file, said, tok, tmp_path):
+    """TRL's SFT layouts found from their columns as TRL finds them (issue 84): an SFT recipe given another SFT
+    layout stopped with a hint before; it now reads the columns as that layout, says so in the log, and tokenizes
+    exactly as the recipe naming that layout does."""
+    cfg = load_recipe(recipe, {"data": {"path": str(EXAMPLES / file), "val_fraction": 0.0,
+                                        "cache_dir": str(tmp_path / "c")}}).data
+    logged = []
+    found = data.prepare(cfg, tok, 128, 0, logged.append)
+    assert any(said in line for line in logged), logged
+    fmt = "chat" if file == "chat.jsonl" else "prompt_response"
+    named = data.prepare(DataConfig(**{**cfg.__dict__, "format": fmt,
+                                       "response_field": "response" if fmt == "chat" else "completion"}),
+                         tok, 128, 0)
+    for column in ("input_ids", "labels"):
+        assert [list(map(int, r)) for r in found.train[column]] == [list(map(int, r)) for r in named.train[column]]
+
+
 def test_a_dedented_key_names_its_section():
     with pytest.raises(UserError, match=r"'max_steps' at the top level \(it belongs in the train section: "
                                         r"train.max_steps; indent it under `train:`\)"):

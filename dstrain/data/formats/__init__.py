@@ -53,6 +53,37 @@ def looks_like(dataset) -> tuple[str, str] | None:
     return None
 
 
+SFT_FORMATS = ("chat", "prompt_response", "alpaca")  # one objective (next-token loss on the replies), three layouts
+
+
+def layout_of(dataset, cfg: DataConfig, log=lambda text: None) -> DataConfig:
+    """An SFT recipe's data.format, or the SFT layout its columns are when they are not that (found as TRL finds
+    them: `messages` are conversational, `prompt` and `completion` prompt-completion), said in the log. Only between
+    SFT formats, which train one objective: preference pairs, prompts for rewards and pretraining text stay the
+    recipe's choice (check_fields then names the format the columns look like)."""
+    import dataclasses
+
+    def has_fields(c: DataConfig) -> bool:
+        return all(name in dataset.column_names for name, _ in FORMATS[c.format].fields(c))
+
+    if cfg.format not in SFT_FORMATS or has_fields(cfg):
+        return cfg
+    guess = looks_like(dataset)
+    if not guess or guess[0] not in SFT_FORMATS:
+        return cfg
+    fields = dict(item.removeprefix("--data.").split("=", 1) for item in guess[1].split())
+    found = dataclasses.replace(cfg, format=guess[0], **fields)
+    if not has_fields(found):
+        return cfg
+    first = dataset[0] if len(dataset) else {}
+    columns = [name for name, _ in FORMATS[found.format].fields(found)]
+    kind = {"chat": "conversational", "alpaca": "Alpaca's"}.get(found.format, "conversational prompt-completion" if all(
+        isinstance(first.get(c), list) for c in columns) else "prompt-completion")
+    log(f"data: columns {', '.join(columns)} are the {kind} layout: read as data.format={found.format}{guess[1]} "
+        f"(the recipe said data.format={cfg.format}; set data.format to choose)")
+    return found
+
+
 def check_fields(dataset, cfg: DataConfig) -> None:
     columns = dataset.column_names
     for name, key in FORMATS[cfg.format].fields(cfg):
