@@ -23,10 +23,8 @@ class ShiftConfig(LlamaConfig):
         self.shift = shift
         super().__init__(**kwargs)
 '''
-MODELING = '''import torch
-from transformers import LlamaForCausalLM
-
-from .configuration_shift import ShiftConfig
+# the layer as source text: the remote-code model's own file here, exec'd by tests/unit/test_families.py
+TOKEN_SHIFT = '''import torch
 
 
 class TokenShift(torch.nn.Module):
@@ -38,6 +36,11 @@ class TokenShift(torch.nn.Module):
 
     def forward(self, x):
         return self.mlp(x) + 0.5 * torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+'''
+MODELING = TOKEN_SHIFT + '''
+from transformers import LlamaForCausalLM
+
+from .configuration_shift import ShiftConfig
 
 
 class ShiftForCausalLM(LlamaForCausalLM):

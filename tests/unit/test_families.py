@@ -77,19 +77,18 @@ def test_document_mask_cuts_the_window_as_transformers_does():
 
 
 # --------------------------------------------------------------------------- a family nobody has seen, at its run
-class _TokenShift(torch.nn.Module):
-    """An MLP plus half of the previous position's input: a layer that carries state across positions."""
-
-    def __init__(self, mlp):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x):
-        return self.mlp(x) + 0.5 * torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+def _token_shift():
+    """The layer tests/e2e/test_model_families.py's remote-code model carries: an MLP plus half of the previous
+    position's input, a layer that carries state across positions."""
+    from tests.e2e.test_model_families import TOKEN_SHIFT
+    namespace: dict = {}
+    exec(TOKEN_SHIFT, namespace)  # noqa: S102 - the test's own source text
+    return namespace["TokenShift"]
 
 
 def _register():
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    token_shift = _token_shift()
 
     class ShiftConfig(LlamaConfig):
         model_type = "probe_shift"
@@ -100,7 +99,7 @@ def _register():
         def __init__(self, config):
             super().__init__(config)
             for layer in self.model.layers:
-                layer.mlp = _TokenShift(layer.mlp)
+                layer.mlp = token_shift(layer.mlp)
 
     class PlainConfig(LlamaConfig):
         model_type = "probe_plain"
@@ -130,8 +129,8 @@ def test_an_unseen_family_that_carries_state_is_refused_at_its_first_run():
     shift, plain = _register()
     config = shift(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2)
-    for packing, sp, starts in ((True, 1, "data.packing with probe_shift: layer 0's mlp (_TokenShift)"),
-                                (False, 2, "sequence_parallel_size=2 with probe_shift: layer 0's mlp (_TokenShift)")):
+    for packing, sp, starts in ((True, 1, "data.packing with probe_shift: layer 0's mlp (TokenShift)"),
+                                (False, 2, "sequence_parallel_size=2 with probe_shift: layer 0's mlp (TokenShift)")):
         setup, _ = _setup(config, packing=packing, sp=sp)
         with pytest.raises(UserError) as e:
             families.check(setup)
