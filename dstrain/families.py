@@ -43,7 +43,7 @@ PROBE_ATTENTION = "dstrain_split_probe"
 
 @dataclass
 class Cell:
-    layout: str  # "packing" or "sequence split"
+    layout: str  # a key of CHECKS: "packing", "sequence split", "chunked loss", "activation checkpointing"
     difference: float
     culprit: str | None  # "layer 0's mamba (BambaMixer)": the first module whose output moved (or the error)
 
@@ -300,6 +300,57 @@ def check_packing(model, config) -> Cell:
     return Cell("packing", diff, culprit)
 
 
+def check_head(model, config) -> Cell:
+    """train.loss_chunk_tokens computes the loss from the output head applied to the base model's last hidden state
+    (components/chunked_loss.py, without the full logits): those must be the model's own logits. Families that scale,
+    cap or shift their logits after the head otherwise train on another loss than the model's."""
+    from .components import chunked_loss
+
+    why = chunked_loss.check(model)
+    if why:
+        return Cell("chunked loss", float("inf"), why)
+    ids = _rows(config, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = model(input_ids=ids).logits
+        ours = model.get_output_embeddings()(model.base_model(input_ids=ids)[0])
+    diff = (theirs - ours).abs().max().item() if theirs.shape == ours.shape else float("inf")
+    return Cell("chunked loss", diff, None if diff <= TOLERANCE else
+                "its logits are not the head applied to the last hidden state")
+
+
+def check_checkpointing(model, config) -> Cell:
+    """train.activation_checkpointing recomputes each layer's forward in backward (transformers' own, non-reentrant):
+    the gradients must be those of the plain backward (a layer whose forward draws random numbers or keeps state
+    would differ)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return Cell("activation checkpointing", float("inf"), f"{type(model).__name__} does not support it in "
+                                                              f"transformers")
+    ids = _rows(config, torch.Generator().manual_seed(3))
+
+    def gradients(checkpointed: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        try:
+            torch.manual_seed(0)
+            logits = model(input_ids=ids).logits[:, :-1]  # the loss as train.py takes it (from the logits)
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+        finally:
+            model.eval()
+            if checkpointed:
+                model.gradient_checkpointing_disable()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want, got = gradients(False), gradients(True)
+    model.zero_grad(set_to_none=True)
+    if len(want) != len(got):
+        return Cell("activation checkpointing", float("inf"), "it leaves some parameters without a gradient")
+    diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(got, want))
+    return Cell("activation checkpointing", diff, None if diff <= TOLERANCE else
+                "its recomputed forward differs from the first")
+
+
 def _tail(t: torch.Tensor, n: int) -> torch.Tensor | None:
     """The last n positions of a [batch, seq, ...] output (None when it is not laid out so)."""
     return t[:, -n:] if t.dim() >= 2 and t.shape[1] >= n and t.shape[0] == 1 else None
@@ -396,6 +447,10 @@ def layouts_of(recipe, layout) -> list[str]:
         wanted.append("packing")
     if layout.sequence_parallel > 1 or layout.context_parallel > 1:
         wanted.append("sequence split")
+    if recipe.train.loss_chunk_tokens:
+        wanted.append("chunked loss")
+    if recipe.train.activation_checkpointing:
+        wanted.append("activation checkpointing")
     return wanted
 
 
@@ -464,9 +519,13 @@ def _save(path: Path, verdict: dict) -> None:
 def run_check(name: str, model, config) -> Cell:
     """One cell; a forward that fails under the layout (sdpa refusing Gemma 2's soft-capping) does not hold."""
     try:
-        return check_packing(model, config) if name == "packing" else check_sequence_split(model, config)
+        return CHECKS[name](model, config)
     except Exception as e:  # noqa: BLE001 - the model's own error is what the refusal says
         return Cell(name, float("inf"), f"its forward ({_said(e)})")
+
+
+CHECKS = {"packing": check_packing, "sequence split": check_sequence_split, "chunked loss": check_head,
+          "activation checkpointing": check_checkpointing}
 
 
 def _said(e: BaseException) -> str:
@@ -479,7 +538,9 @@ def _decoder_count(model) -> int:
 
 
 def _names(wanted, layout) -> list[str]:
-    return ["data.packing" if w == "packing" else _split_name(layout) for w in wanted]
+    keys = {"packing": "data.packing", "chunked loss": "train.loss_chunk_tokens",
+            "activation checkpointing": "train.activation_checkpointing"}
+    return [keys.get(w) or _split_name(layout) for w in wanted]
 
 
 def _split_name(layout) -> str:
@@ -493,6 +554,13 @@ def refusal(family: str, cell: Cell, layout=None) -> str:
         return (f"data.packing with {family}: {what} moves information between packed documents (the second "
                 f"document's logits differ from the same document alone by {cell.difference:.1e}); set "
                 f"data.packing=false")
+    if cell.layout in ("chunked loss", "activation checkpointing"):
+        key, off, measure = (("train.loss_chunk_tokens", "set train.loss_chunk_tokens=0", "largest logit difference")
+                             if cell.layout == "chunked loss" else
+                             ("train.activation_checkpointing", "set train.activation_checkpointing=false",
+                              "largest relative gradient difference"))
+        by = f" ({measure} {cell.difference:.1e})" if cell.difference != float("inf") else ""
+        return f"{key} with {family}: {what}{by}; {off}"
     name = _split_name(layout) if layout is not None else "sequence parallelism"
     return (f"{name} with {family}: {what} does not give the same output on a sequence cut between ranks (largest "
             f"logit difference {cell.difference:.1e} against the whole sequence); train it without sequence or "
@@ -514,7 +582,7 @@ def verdict(family: str) -> dict:
     try:
         small, model = runnable_copy(AutoConfig.for_model(family, **REPRESENTATIVE.get(family, {})))
         row = {"family": family, "built": True, "attention": model.config._attn_implementation}
-        for layout in ("packing", "sequence split"):
+        for layout in CHECKS:
             cell = run_check(layout, model, small)
             row[layout] = {"holds": cell.holds, "culprit": cell.culprit, "difference": None
                            if cell.difference == float("inf") else float(f"{cell.difference:.2e}")}
@@ -530,11 +598,12 @@ def table(rows: list[dict]) -> str:
     """docs/models.md's table of the matrix."""
     def cell(c: dict) -> str:
         return "verified" if c["holds"] else f"refused: {c['culprit'] or 'differs'}".replace("|", "/")
-    lines = ["| family | packing | Ulysses / ring |", "|---|---|---|"]
+    lines = ["| family | packing | Ulysses / ring | chunked loss | activation checkpointing |", "|---|---|---|---|---|"]
     for r in rows:
         if r["built"]:
-            lines.append(f"| {r['family']} | {cell(r['packing'])} | {cell(r['sequence split'])} |")
+            lines.append(f"| {r['family']} | " + " | ".join(cell(r[name]) for name in CHECKS) + " |")
         else:
             why = r["why"][:80].replace("|", "/")
-            lines.append(f"| {r['family']} | not built small ({why}) | checked at the run |")
+            lines.append(f"| {r['family']} | not built small ({why}) | checked at the run | checked at the run | "
+                         f"checked at the run |")
     return "\n".join(lines)

@@ -201,6 +201,9 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kw
     if len(tokenizer) > getattr(embedding, "ds_shape", embedding.shape)[0]:
         model.resize_token_embeddings(len(tokenizer))
     if train.activation_checkpointing:
+        if not model.supports_gradient_checkpointing:  # transformers' ValueError was a traceback
+            raise UserError(f"train.activation_checkpointing: transformers cannot checkpoint "
+                            f"{type(model).__name__}; set train.activation_checkpointing=false")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model, hf_ds_config

@@ -63,12 +63,14 @@ def main() -> None:
         r = rows[-1]
         said = f"not built: {r['why']} ({r['where']})" if not r["built"] else " | ".join(
             f"{k} {'ok' if r[k]['holds'] else 'REFUSED ' + str(r[k]['culprit'])} ({r[k]['difference']})"
-            for k in ("packing", "sequence split"))
+            for k in families.CHECKS)
         print(f"{name:28s} {r['seconds']:5.1f}s {said}", flush=True)
     built = [r for r in rows if r["built"]]
     both = [r for r in built if r["packing"]["holds"] and r["sequence split"]["holds"]]
+    others = "; ".join(f"{k}: {sum(r[k]['holds'] for r in built)} verified, {sum(not r[k]['holds'] for r in built)} "
+                       f"refused" for k in ("chunked loss", "activation checkpointing"))
     print(f"{len(rows)} families: {len(built)} built small, {len(both)} verified under both layouts, "
-          f"{len(built) - len(both)} refused at least one; transformers {transformers.__version__}")
+          f"{len(built) - len(both)} refused at least one; {others}; transformers {transformers.__version__}")
     if args.write:
         (ROOT / "docs/family_matrix.json").write_text(json.dumps(
             {"transformers": transformers.__version__, "rows": rows}, indent=1) + "\n")
@@ -79,7 +81,8 @@ def main() -> None:
         summary = (f"{len(rows)} causal-LM families in transformers {transformers.__version__}: {len(built)} built "
                    f"small, {len(both)} verified under packing and a sequence split, {len(built) - len(both)} refused "
                    f"at least one, {len(rows) - len(built)} not built small (checked on the run's own config at its "
-                   f"first run).")
+                   f"first run). Of the {len(built)} built: {others} (default configs: a checkpoint whose config "
+                   f"scales its logits, e.g. Granite's logits_scaling, is refused the chunked loss at its run).")
         page.write_text(head + BEGIN + "\n" + summary + "\n\n" + families.table(rows) + "\n" + END + tail)
 
 

@@ -113,9 +113,10 @@ def _register():
     return ShiftConfig, PlainConfig
 
 
-def _setup(config, packing=False, sp=1, check=True):
+def _setup(config, packing=False, sp=1, check=True, chunk=0, checkpointing=False):
     said = []
-    recipe = SimpleNamespace(data=SimpleNamespace(packing=packing), model=SimpleNamespace(check_layouts=check))
+    recipe = SimpleNamespace(data=SimpleNamespace(packing=packing), model=SimpleNamespace(check_layouts=check),
+                             train=SimpleNamespace(loss_chunk_tokens=chunk, activation_checkpointing=checkpointing))
     layout = SimpleNamespace(sequence_parallel=sp, context_parallel=1)
     return SimpleNamespace(recipe=recipe, layout=layout, model_config=config, log=said.append), said
 
@@ -159,6 +160,69 @@ def test_nothing_is_checked_without_a_layout_that_cuts_sequences():
     assert said == []
 
 
+def _register_head_and_state_probes():
+    """Three families nobody has seen: logits doubled after the head (under no config field the chunked loss knows),
+    a layer whose output depends on how often it ran (state kept between calls), and one transformers cannot
+    checkpoint."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    class Counting(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp, self.calls = mlp, 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.mlp(x) * (1 + 0.1 * self.calls)
+
+    def family(name, **body):
+        config = type(f"{name}Config", (LlamaConfig,), {"model_type": name})
+        model = type(f"{name}ForCausalLM", (LlamaForCausalLM,), {"config_class": config, **body})
+        AutoConfig.register(name, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
+        return config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2)
+
+    def doubled(self, *args, **kwargs):
+        out = LlamaForCausalLM.forward(self, *args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    def counting(self, config):
+        LlamaForCausalLM.__init__(self, config)
+        for layer in self.model.layers:
+            layer.mlp = Counting(layer.mlp)
+
+    return (family("probe_scaled", forward=doubled), family("probe_counting", __init__=counting),
+            family("probe_no_checkpointing", supports_gradient_checkpointing=False))
+
+
+def test_the_chunked_loss_and_activation_checkpointing_are_checked_on_the_family():
+    """train.loss_chunk_tokens takes the loss from the head over the last hidden state: a family that changes its
+    logits after the head under a name the chunked loss does not list trained on another loss than the model's,
+    exit 0 (the config-field list was the only check). train.activation_checkpointing recomputes each layer: a layer
+    with state gave other gradients, and a family transformers cannot checkpoint stopped with its traceback. Each is
+    one line now; an attention-only family passes both, said in the log."""
+    scaled, counting, no_checkpointing = _register_head_and_state_probes()
+    for config, kwargs, line in (
+            (scaled, {"chunk": 64}, "train.loss_chunk_tokens with probe_scaled: its logits are not the head applied "
+                                    "to the last hidden state (largest logit difference "),
+            (counting, {"checkpointing": True}, "train.activation_checkpointing with probe_counting: its recomputed "
+                                                "forward differs from the first (largest relative gradient "
+                                                "difference "),
+            (no_checkpointing, {"checkpointing": True},
+             "train.activation_checkpointing with probe_no_checkpointing: probe_no_checkpointingForCausalLM does not "
+             "support it in transformers; set train.activation_checkpointing=false")):
+        with pytest.raises(UserError) as e:
+            families.check(_setup(config, **kwargs)[0])
+        assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)
+    _, plain = _register()
+    setup, said = _setup(plain(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2), chunk=64, checkpointing=True)
+    families.check(setup)
+    assert "chunked loss exact" in said[0] and "activation checkpointing exact" in said[0], said
+
+
 def test_a_sequence_classification_checkpoint_is_refused(tmp_path):
     """Issue 85: a reward model (Qwen2ForSequenceClassification) loaded as a causal LM, its score head dropped and a
     random lm_head in its place, trained and exported as one. Its config says what head it has."""
@@ -193,7 +257,7 @@ def _recheck(family: str) -> None:
     want = next(r for r in _matrix()["rows"] if r["family"] == family)
     got = families.verdict(family)
     assert got["built"] == want["built"], (got, want)
-    for layout in ("packing", "sequence split") if want["built"] else ():
+    for layout in families.CHECKS if want["built"] else ():
         assert (got[layout]["holds"], got[layout]["culprit"]) == (want[layout]["holds"], want[layout]["culprit"]), \
             (family, layout, got[layout], want[layout])
 
@@ -232,10 +296,13 @@ def test_every_familys_cells_are_what_the_matrix_says():
 def test_every_refused_cell_of_the_matrix_is_one_line_naming_family_module_and_fix():
     layout = SimpleNamespace(sequence_parallel=2, context_parallel=1)
     refused = [(r["family"], name, r[name]) for r in _matrix()["rows"] if r["built"]
-               for name in ("packing", "sequence split") if not r[name]["holds"]]
-    assert len(refused) > 60
+               for name in families.CHECKS if not r[name]["holds"]]
+    assert len(refused) > 90
+    fixes = {"packing": "set data.packing=false", "sequence split": "without sequence or context parallelism",
+             "chunked loss": "set train.loss_chunk_tokens=0",
+             "activation checkpointing": "set train.activation_checkpointing=false"}
     for family, name, cell in refused:
         line = families.refusal(family, families.Cell(name, cell["difference"] or float("inf"), cell["culprit"]),
                                 layout)
-        fix = "set data.packing=false" if name == "packing" else "without sequence or context parallelism"
+        fix = fixes[name]
         assert "\n" not in line and family in line and (cell["culprit"] or "a layer") in line and fix in line, line
