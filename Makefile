@@ -45,8 +45,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev]'
+	@# --no-compile: Python compiles the modules a run imports when it first imports them, not all of them now
+	@# (pip's byte-compiling of every installed file was half of installing torch and transformers: 44 s against
+	@# 20 s measured, issue 83)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
 	@$(PY) -c "import torch, deepspeed, transformers; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>/dev/null
 	@touch $@
 
@@ -73,8 +76,8 @@ packages:
 test:
 	@rm -rf .suite && mkdir -p .suite && date +%s.%N > .suite/started.at
 	@$(MAKE) --no-print-directory -j2 packages $(VENV)/.installed
-	@$(MAKE) --no-print-directory prebuild-ops
-	@$(MAKE) --no-print-directory lint docs
+	@# lint, then the docs build, beside the ops' compile (lint and docs keep one core busy where they ran alone)
+	@$(MAKE) --no-print-directory -j2 prebuild-ops lint docs
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
 	@date +%s.%N > .suite/parallel.at; rc=0; export DSTRAIN_TEST_LAUNCH_LOG=$(CURDIR)/.suite/launches.log; \
@@ -93,11 +96,11 @@ test-moe-matrix: setup
 test-family-matrix: setup
 	DSTRAIN_TEST_FAMILY_MATRIX=1 $(PY) -m pytest tests/unit/test_families.py -q -k every_family $(PYTEST_ARGS)
 
-test-fast: lint
+test-fast: setup lint
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
 # the documentation site (mkdocs.yml): reference pages regenerated from the code, then built with --strict
-docs: setup
+docs: $(VENV)/.installed
 	$(PY) scripts/gen_reference_docs.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
 
@@ -177,7 +180,7 @@ bench-slow-links: setup
 	$(PY) bench/slow_links.py --loss-seeds 1,2 --write $(BENCH_ARGS)
 	$(PY) bench/slow_links.py --corpus once --contrast powersgd,fp32,diloco200 --write $(BENCH_ARGS)
 
-lint: setup test-deps
+lint: $(VENV)/.installed test-deps
 	$(VENV)/bin/ruff check .
 	shellcheck -x launch/*.sh launch/*.sbatch
 

@@ -53,6 +53,14 @@ def main(folder: Path) -> None:
         now, before = Counter(r[0] for r in rows), Counter(r[1] for r in rows)
         print("launches through tests.helpers.launch: " + ", ".join(f"{k} {v}" for k, v in sorted(now.items())) +
               " (before warm launches: " + ", ".join(f"{k} {v}" for k, v in sorted(before.items())) + ")")
+        timed = [r for r in rows if len(r) >= 4]
+        if timed:  # where the launched tests' time goes: seconds per kind, and the files that launch the most
+            seconds, files = Counter(), Counter()
+            for r in timed:
+                seconds[r[0]] += float(r[2])
+                files[r[3].split("::")[0]] += float(r[2])
+            print("seconds in launches: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.most_common()) +
+                  "; most: " + ", ".join(f"{f} {v:.0f}" for f, v in files.most_common(8)))
     print("ten slowest tests (setup + call + teardown, seconds on a worker that shares the cores):")
     for seconds, name in slowest([folder / "parallel.xml", folder / "serial.xml"]):
         print(f"  {seconds:7.1f}  {name}")

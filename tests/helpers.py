@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -178,9 +179,18 @@ def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int
     if launcher in ("warm", "warm-python") and (os.environ.get("DSTRAIN_TEST_LAUNCH") == "real" or
                                                 not warm.can_fork(environ)):
         launcher = real
-    if os.environ.get("DSTRAIN_TEST_LAUNCH_LOG"):  # make test counts the launches of each kind (suite_report.py)
-        with open(os.environ["DSTRAIN_TEST_LAUNCH_LOG"], "a") as log:
-            log.write(f"{launcher}\t{real}\n")
+    began = time.monotonic()
+    try:
+        return _launch(args, environ, launcher, nproc, check, timeout)
+    finally:
+        if os.environ.get("DSTRAIN_TEST_LAUNCH_LOG"):  # make test counts the launches of each kind and their seconds
+            with open(os.environ["DSTRAIN_TEST_LAUNCH_LOG"], "a") as log:  # (suite_report.py)
+                test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+                log.write(f"{launcher}\t{real}\t{time.monotonic() - began:.1f}\t{test}\n")
+
+
+def _launch(args: list[str], environ: dict, launcher: str, nproc: int, check: bool,
+            timeout: int) -> subprocess.CompletedProcess:
     if launcher in ("warm", "warm-python"):
         port = free_port()
         try:
