@@ -281,10 +281,10 @@ def _mistral_tokens(mistral, messages: list[dict], tools, prompt_turns: int) -> 
 
     request, ids = chat_templates.mistral_request(mistral, messages, tools)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    asked = [m for m in request.messages if isinstance(m, AssistantMessage)]
+    asked = [(at, m) for at, m in enumerate(request.messages) if isinstance(m, AssistantMessage)]
     labels, cursor = [IGNORE_INDEX] * len(ids), 0
-    for n, message in enumerate(asked):
-        later_user = any(isinstance(m, UserMessage) for m in request.messages[request.messages.index(message) + 1:])
+    for n, (at, message) in enumerate(asked):
+        later_user = any(isinstance(m, UserMessage) for m in request.messages[at + 1:])
         part = mistral.instruct_tokenizer.encode_assistant_message(message, is_before_last_user_message=later_user)
         found = next((k for k in range(cursor, len(ids) - len(part) + 1) if ids[k:k + len(part)] == part), None)
         if found is None:
