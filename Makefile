@@ -45,11 +45,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
-	@# --no-compile: Python compiles the modules a run imports when it first imports them, not all of them now
-	@# (pip's byte-compiling of every installed file was half of installing torch and transformers: 44 s against
-	@# 20 s measured, issue 83)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	@# byte-compiled at install (pip's default), and kept so: --no-compile halved installing torch and transformers
+	@# (44 s against 20) but made the suite ~10 minutes slower where PYTHONDONTWRITEBYTECODE is set (this machine and
+	@# CI): no process may then write a .pyc, so every launch compiled its imports again (issue 83)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
 	@$(PY) -c "import torch, deepspeed, transformers; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>/dev/null
 	@touch $@
 
