@@ -272,8 +272,9 @@ def _save_model(model, model_files: Path, out: Path) -> None:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(model_files).save_pretrained(out)
     from ..chat_templates import mistral_file
-    if mistral_file(model_files) is not None:  # Mistral's own tokenizer file, which its inference reads
-        shutil.copy(mistral_file(model_files), out / mistral_file(model_files).name)
+    found = mistral_file(model_files)
+    if found is not None:  # Mistral's own tokenizer file, which its inference reads
+        shutil.copy(found, out / found.name)
     if (model_files / "generation_config.json").exists():
         generation = GenerationConfig.from_pretrained(model_files)
         if generation.use_cache is False:
