@@ -16,8 +16,8 @@ the first failing rank's, and the others are ended once one has failed. All rank
 (files opened for appending), interleaved line by line as through a launcher's inherited pipes.
 
 What a fork cannot give, and what therefore launches for real (tests.helpers.launch decides): an environment that
-differs from the forkserver's in a variable read at import or at a process's start (can_fork: the memory tests'
-MALLOC_MMAP_THRESHOLD_, the Hub's offline switch), and anything whose subject is the launcher, a signal, a killed
+differs from the forkserver's in a variable read at import or at a process's start (can_fork: LD_PRELOAD, glibc's
+other MALLOC_* tunables, the Hub's HF_* but its offline switches), and anything whose subject is the launcher, a signal, a killed
 process or a launcher's exit code.
 """
 from __future__ import annotations
@@ -63,6 +63,10 @@ def _set_by_import() -> dict:
 
 # read at import, but set again in each fork from the launch's environment as the import would have (_offline)
 _RESET_IN_FORK = {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}
+# read by glibc at a process's start, given to a fork by mallopt (_malloc) where the forkserver started without it:
+# the memory tests' MALLOC_MMAP_THRESHOLD_ (freed tensors leave RSS at once). mallopt cannot turn glibc's dynamic
+# threshold back on, so a forkserver started with it set launches every run without it for real.
+_SET_IN_FORK = {"MALLOC_MMAP_THRESHOLD_": -3}  # M_MMAP_THRESHOLD in glibc's malloc.h
 
 
 def can_fork(environ: dict) -> bool:
@@ -71,6 +75,8 @@ def can_fork(environ: dict) -> bool:
     started = _started_with if _started_with is not None else dict(os.environ)
 
     def runtime(name: str) -> bool:
+        if name in _SET_IN_FORK:
+            return name not in started
         return name in _RESET_IN_FORK or not name.startswith(_READ_AT_START) and (
             name in DOCUMENTED or name in _RUNTIME_NAMES or name.startswith(_RUNTIME_PREFIXES))
 
@@ -113,11 +119,22 @@ def _rank(argv: list[str], environ: dict, out: str, err: str) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
     _offline(environ)
+    _malloc(environ)
     import torch
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS") or 1))
     sys.argv = [str(ROOT / "train.py"), *argv]
     import runpy
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+def _malloc(environ: dict) -> None:
+    """glibc reads MALLOC_MMAP_THRESHOLD_ once, at a process's start: a fork sets it as that start would have
+    (mallopt, which also turns the dynamic threshold off, as the variable does)."""
+    for name, option in _SET_IN_FORK.items():
+        if environ.get(name):
+            import ctypes
+            if ctypes.CDLL(None).mallopt(option, int(environ[name])) != 1:
+                raise OSError(f"mallopt({option}, {environ[name]}) failed in a warm rank")
 
 
 def _offline(environ: dict) -> None:

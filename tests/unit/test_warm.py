@@ -66,10 +66,53 @@ def test_an_environment_a_fork_cannot_give_launches_for_real():
     assert warm.can_fork({**base, "DSTRAIN_FAULT": "step:stall:rank=1:step=5", "WANDB_MODE": "offline",
                           "OMP_NUM_THREADS": "2", "PYTEST_CURRENT_TEST": "another"})  # read when train.py asks
     assert warm.can_fork({**base, "HF_HUB_OFFLINE": "1" if base.get("HF_HUB_OFFLINE") != "1" else "0"})  # _offline
-    for name, value in (("MALLOC_MMAP_THRESHOLD_", "131072"), ("LD_PRELOAD", "x.so"),
+    # glibc's mmap threshold: set in a fork by mallopt (test below), where the forkserver started without it
+    assert warm.can_fork({**base, "MALLOC_MMAP_THRESHOLD_": "131072"}) == ("MALLOC_MMAP_THRESHOLD_" not in base)
+    for name, value in (("MALLOC_ARENA_MAX", "2"), ("LD_PRELOAD", "x.so"),
                         ("HF_DATASETS_CACHE", "/tmp/elsewhere"), ("TORCH_LOGS", "+dynamo")):
         value = value if base.get(name) != value else value + "0"  # a change, whatever the forkserver started with
         assert not warm.can_fork({**base, name: value}), name  # read at import or at a process's start
+
+
+# glibc's allocator after a 1 MiB block was freed: is a 256 KiB block then mmapped (a fixed threshold of 128 KiB, as
+# MALLOC_MMAP_THRESHOLD_=131072 sets it) or taken from the heap (the dynamic threshold, raised to 1 MiB by the free)?
+MMAP_PROBE = """
+import ctypes
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], Info
+libc.free(libc.malloc(1 << 20))
+before = libc.mallinfo2().hblks
+block = libc.malloc(256 << 10)
+mmapped = libc.mallinfo2().hblks > before
+libc.free(block)
+"""
+
+
+def _mmapped(rank: int, environ: dict) -> bool:
+    warm._malloc(environ)
+    scope = {}
+    exec(MMAP_PROBE, scope)
+    return scope["mmapped"]
+
+
+def test_a_fork_allocates_as_a_fresh_process_started_with_the_mmap_threshold():
+    """The memory tests set MALLOC_MMAP_THRESHOLD_ (freed tensors leave RSS at once) and run on warm ranks: glibc reads
+    it at a process's start, so a fork sets it with mallopt (warm._malloc). A fresh interpreter is the reference."""
+    import subprocess
+    import sys
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    fresh = {}
+    for value in ("", "131072"):
+        env = {**clean, **({"MALLOC_MMAP_THRESHOLD_": value} if value else {})}
+        fresh[value] = subprocess.run([sys.executable, "-c", MMAP_PROBE + "print(mmapped)"], env=env,
+                                      capture_output=True, text=True, check=True).stdout.strip()
+    assert fresh == {"": "False", "131072": "True"}  # the probe tells the two apart
+    for value in ("", "131072"):
+        got = warm.run_ranks(_mmapped, 1, {"MALLOC_MMAP_THRESHOLD_": value} if value else {})[0]
+        assert str(got) == fresh[value], value
 
 
 @pytest.mark.parametrize("switches", [{}, {"HF_HUB_OFFLINE": "1"}, {"TRANSFORMERS_OFFLINE": "yes",
