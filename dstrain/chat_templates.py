@@ -130,24 +130,29 @@ REASONING = ("reasoning_content", "thinking")
 SWITCHES = ("weight", "train", "loss", "trainable", "mask")
 
 
-def _content(content) -> str:
-    """A message's text: a string, or OpenAI's content parts with their text parts joined (an image part refused:
-    vision models are not trained yet)."""
+def _content(content, images: bool = False):
+    """A message's text: a string, or OpenAI's content parts with their text parts joined. With `images` (a chat
+    row, which a vision-language model may train on: dstrain/vision.py) parts holding an image stay parts,
+    `{"type": "image"}` and `{"type": "text", "text": ...}`; elsewhere an image part is refused."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(part, dict) for part in content):
         kinds = {part.get("type", "text" if "text" in part else None) for part in content}
+        if images and kinds == {"text", "image"} or images and kinds == {"image"}:
+            return [{"type": "image"} if part.get("type") == "image" else
+                    {"type": "text", "text": str(part.get("text", ""))} for part in content]
         if kinds - {"text"}:
             other = sorted(str(k) for k in kinds - {"text"})
-            raise UserError(f"a chat message holds content parts of type {', '.join(other)}; only text parts are "
-                            f"trained (vision-language models are not yet): remove those parts")
+            where = "text and image parts are" if images else "only text parts are"
+            raise UserError(f"a chat message holds content parts of type {', '.join(other)}; {where} trained "
+                            f"(images with data.format=chat and a vision-language model): remove those parts")
         return "".join(str(part.get("text", "")) for part in content)
     if content is None:
         return ""
     return str(content)
 
 
-def normalize(messages, role_map: dict) -> list[dict]:
+def normalize(messages, role_map: dict, images: bool = False) -> list[dict]:
     """role/content messages from role/content or ShareGPT's from/value, roles mapped (data.role_map first), the
     content as text (content parts joined), and everything a template renders kept (KEPT: tool calls, a tool reply's
     name and call id, the reasoning). An assistant turn may have no content when it holds tool calls."""
@@ -170,7 +175,7 @@ def normalize(messages, role_map: dict) -> list[dict]:
         if switch is not None:
             raise UserError(f"a chat message has '{switch}' (a per-turn training switch), which dstrain does not read: "
                             f"every assistant turn trains; remove the field, or the turns it marks untrained")
-        kept = {"role": mapped, "content": _content(content)}
+        kept = {"role": mapped, "content": _content(content, images)}
         kept.update({key: message[key] for key in KEPT if message.get(key) is not None})
         out.append(kept)
     return out

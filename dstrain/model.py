@@ -1,4 +1,5 @@
-"""Build any AutoModelForCausalLM (hub id, local dir, or config for a from-scratch run) and its tokenizer.
+"""Build any AutoModelForCausalLM (hub id, local dir, or config for a from-scratch run) and its tokenizer, or an
+image-text-to-text model and its processor (dstrain/vision.py).
 
 Under ZeRO-3 an HfDeepSpeedConfig is alive while the model is constructed, so transformers builds and
 loads it inside `deepspeed.zero.Init`: parameters are partitioned as they are created and no rank ever
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import vision
 from .config import ModelConfig, TrainConfig
 from .errors import UserError, closest
 from .hub import offline_unless_hub_reachable
@@ -73,10 +75,11 @@ def load_config(cfg: ModelConfig, seq_len: int):
                         f"e.g. a reward model), not a causal language model: its head would be dropped; train a "
                         f"causal LM checkpoint (the base it was made from)")
     remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal:
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not remote_causal and not vision.is_vision(config):
         raise UserError(f"'{cfg.name_or_path}' is a {config.model_type} model, which has no causal-LM head in "
                         f"transformers; choose a causal language model (Llama, GPT-2, Mistral, Qwen2, ...)")
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    text = vision.text_config(config)  # a vision-language model's language model
+    max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if max_positions is not None and seq_len > max_positions:
         raise UserError(f"train.seq_len={seq_len} exceeds the model's maximum positions ({max_positions}); "
                         f"set train.seq_len<={max_positions}")
@@ -84,6 +87,7 @@ def load_config(cfg: ModelConfig, seq_len: int):
 
 
 def hidden_size(config) -> int | None:
+    config = vision.text_config(config)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
 
 
@@ -106,15 +110,30 @@ def load_tokenizer(cfg: ModelConfig):
 
     name = cfg.tokenizer or cfg.name_or_path
     offline_unless_hub_reachable(name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(local_or_hub(name), trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise _unreachable(name, e) from None
+    config = _config_or_none(cfg)
+    if config is not None and vision.is_vision(config):  # its processor, whose tokenizer renders and tokenizes
+        processor = vision.load_processor(local_or_hub(name), cfg.trust_remote_code, config.model_type)
+        tokenizer = processor.tokenizer
+        tokenizer._dstrain_processor = processor
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(local_or_hub(name), trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise _unreachable(name, e) from None
     _check_encodes(tokenizer, name, cfg.tokenizer is None)
     _mistral_files(tokenizer, Path(local_or_hub(name)))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _config_or_none(cfg: ModelConfig):
+    """The model's config where it can be read (load_config says why where it cannot)."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(local_or_hub(cfg.name_or_path), trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None
 
 
 def _mistral_files(tokenizer, folder: Path) -> None:
@@ -173,10 +192,10 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kw
     `load_kwargs` (from components, e.g. QLoRA's quantization_config and dtype) go to from_pretrained.
     partition_at_build=False builds a ZeRO-3 model whole and lets deepspeed.initialize partition it: transformers'
     zero.Init partitions over the whole world, and DiLoCo's ZeRO-3 partitions within a replica."""
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     location, config = load_config(cfg, train.seq_len)
+    auto = vision.model_class(config)  # AutoModelForCausalLM, or AutoModelForImageTextToText
     zero3 = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0)) == 3 and partition_at_build
     hf_ds_config = HfDeepSpeedConfig(ds_cfg) if zero3 else None  # transformers now builds under zero.Init
     kwargs = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
@@ -185,11 +204,11 @@ def build(cfg: ModelConfig, train: TrainConfig, ds_cfg: dict, tokenizer, load_kw
     kwargs.update(load_kwargs or {})
     torch.manual_seed(train.seed)  # same random init on every rank for from-scratch runs
     if from_scratch(cfg, location):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model = auto.from_config(config, **kwargs)
         init_weights(model, train.seed, zero3)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(location, config=config, **kwargs)
+            model = auto.from_pretrained(location, config=config, **kwargs)
         except OSError as e:
             raise _unreachable(cfg.name_or_path, e) from None
     embedding = model.get_input_embeddings().weight
@@ -243,6 +262,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     # (deepspeed/moe/utils.py, under expert parallelism); elsewhere the names are ignored
     return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
             {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+
+
+def trainable_count(model: torch.nn.Module) -> int:
+    """Parameters that train (the whole tensor's size under zero.Init)."""
+    return sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

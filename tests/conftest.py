@@ -177,3 +177,61 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.relative_to(ROOT / "tests").as_posix()
         return -LONGEST_FIRST.get(name, 0), 0 if name.startswith(("e2e/", "cluster/")) else 1
     items.sort(key=weight)  # stable: a file's tests keep their order
+
+
+# a template for the tiny vision-language model: an image part renders as LLaVA's <image> placeholder
+VLM_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+                "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+                "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+VLM_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny LLaVA (CLIP vision tower 28 px / 7 px patches -> 16 image tokens, projector, the tiny Llama of 2
+    layers) with its processor, and `data/train.jsonl`: 48 rows in TRL's vision layout (an `images` column of paths
+    relative to the file, a user turn with an image part) asking the colour of a square of 3 sizes only the image
+    shows. Built from configs (no hub), seeded."""
+    import json
+    import random
+
+    from PIL import Image
+    from transformers import (
+        AutoConfig,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaProcessor,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    root = tmp_path_factory.mktemp("vlm")
+    tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tok, chat_template=VLM_TEMPLATE, patch_size=7,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    text = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+    text.num_hidden_layers, text.vocab_size = 2, len(tok)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=4, image_size=28, patch_size=7,
+                                                        projection_dim=64),
+                         text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(root / "model")
+    processor.save_pretrained(root / "model")
+    rng = random.Random(0)
+    (root / "data" / "images").mkdir(parents=True)
+    with open(root / "data" / "train.jsonl", "w") as f:
+        for i in range(48):
+            colour = rng.choice(list(VLM_COLOURS))
+            Image.new("RGB", rng.choice([(28, 28), (40, 30), (32, 48)]), VLM_COLOURS[colour]).save(
+                root / "data" / "images" / f"{i:03d}.png")
+            f.write(json.dumps({"images": [f"images/{i:03d}.png"], "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": f"It is {colour}."}]}]}) + "\n")
+    return root

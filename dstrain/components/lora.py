@@ -15,10 +15,12 @@ peft builds and runs the adapters; what this component adds is what peft leaves 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from .. import vision
 from ..config import LoraSection, Recipe
 from ..errors import UserError, closest
 from . import Component, Setup
@@ -47,11 +49,16 @@ class Lora(Component):
                             f"lora.r=0 to train every weight")
         if self.section.quantize:
             check_quantize(setup.precision)
-        vocab, tokens = setup.model_config.vocab_size, len(models.load_tokenizer(setup.recipe.model))
+        vocab = vision.text_config(setup.model_config).vocab_size
+        tokens = len(models.load_tokenizer(setup.recipe.model))
         if tokens > vocab:  # train.py would resize the embeddings: new random rows, frozen, lost at export
             raise UserError(f"the tokenizer has {tokens:,} tokens and the base's embeddings {vocab:,} rows: LoRA keeps "
                             f"the embeddings frozen, so the new rows would stay random; use the base's own tokenizer "
                             f"(model.tokenizer), or train in full (lora.r=0)")
+        if vision.is_vision(setup.model_config) and not self.section.vision_tower and \
+                "exclude_modules" not in self.section.options:  # the language model's layers only
+            options = {**self.section.options, "exclude_modules": vision.NOT_LANGUAGE_MODEL}
+            self.section = dataclasses.replace(self.section, options=options)
         if (setup.ds_cfg.get("expert_parallel") or {}).get("enabled"):
             self.section = adapters_beside_experts(setup.model_config, self.section, setup.log)
         self.total, self.trainable, _ = count_parameters(setup.model_config, self.section)
@@ -104,10 +111,9 @@ def count_parameters(model_config, section: LoraSection) -> tuple[int, int, int]
     stores in 4 bit) of the model a config describes: built on the meta device, adapters added by peft (a 70B
     model takes under a second, no memory)."""
     import peft
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(model_config)
+        base = vision.model_class(model_config).from_config(model_config)
         head = base.get_output_embeddings()
         linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head)
         check_targets(section.target_modules, [name for name, _ in base.named_modules()])
@@ -142,7 +148,6 @@ def adapters_beside_experts(model_config, section: LoraSection, log=print) -> Lo
     outside the MoE blocks whose names peft does not map onto the experts (the attention projections; a dense MLP's
     gate_proj shares its name with the experts' and is left out too). A list or pattern that adapts anything
     inside an MoE block is refused in one line."""
-    import dataclasses
 
     import peft
     from transformers import AutoModelForCausalLM

@@ -38,6 +38,12 @@ class ModelConfig:
     # the model config's own `router_aux_loss_coef`; 0: not added). Families without one (DeepSeek-V3 balances its
     # router with a bias) train without it
     router_aux_loss_coef: float | None = None
+    # a vision-language model (docs/vision.md): train its vision tower. Off by default, as LLaMA-Factory and ms-swift
+    # have it (TRL trains everything): the language model learns, the image features stay as pretrained
+    train_vision_tower: bool = False
+    # a vision-language model: train the projector between the vision tower and the language model (off by default,
+    # as LLaMA-Factory and ms-swift have it)
+    train_projector: bool = False
 
     def __post_init__(self) -> None:
         self.from_scratch = str(self.from_scratch).lower()
@@ -90,6 +96,10 @@ class DataConfig:
     # the function schemas of a conversation with tool calls (TRL's name; `format: chat`, `prompt_response`,
     # `preference` and `prompt`): a list or its JSON text, passed to the chat template as `tools`
     tools_field: str = "tools"
+    # `format: chat` with an image-text-to-text model (docs/vision.md): the row's images, in the order the messages'
+    # `{"type": "image"}` parts name them (TRL's name): file paths (relative to data.path's folder, or absolute), or
+    # datasets' Image feature
+    images_field: str = "images"
     instruction_field: str = "instruction"  # the instruction column (`format: alpaca`)
     input_field: str = "input"  # the optional input column (`format: alpaca`), joined to the instruction
     output_field: str = "output"  # the answer column (`format: alpaca`)
@@ -345,6 +355,8 @@ class LoraSection:
     # `4bit`: QLoRA, the frozen base stored in 4-bit NF4 by bitsandbytes (CUDA only; `pip install -e '.[qlora]'`)
     quantize: str | None = None
     options: dict = field(default_factory=dict)  # any other field of peft's `LoraConfig`, passed through (checked)
+    # a vision-language model: adapters on its vision tower and projector too (default: the language model's only)
+    vision_tower: bool = False
 
     def __post_init__(self) -> None:
         if self.r < 0:

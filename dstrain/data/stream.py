@@ -6,6 +6,7 @@ import torch
 
 from ..errors import UserError
 from ..parallel.layout import Layout, zigzag_order
+from .formats import images
 from .formats.sft import IGNORE_INDEX
 from .order import EpochOrder
 
@@ -14,6 +15,8 @@ def _stack(rows: dict) -> dict[str, torch.Tensor]:
     # floats: reference log-probs; not tensors: what data.format=prompt keeps for the reward functions (text,
     # messages, ragged prompt_ids), which the objective turns into tensors (objectives/rl.py)
     batch = {k: v if not isinstance(v, torch.Tensor) or v.is_floating_point() else v.long() for k, v in rows.items()}
+    if "pixel_values" in batch:  # a vision-language model's rows: their images as one tensor (dstrain/vision.py)
+        batch = images.batch(batch)
     if "labels" not in batch and "input_ids" in batch:  # pretraining rows; preference pairs carry their own
         batch["labels"] = batch["input_ids"].clone()
     return batch

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import moe
+from .. import moe, vision
 from ..data import IGNORE_INDEX
 from ..errors import UserError
 
@@ -41,7 +41,8 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sits at the end of a row, behind every real token, so a causal mask never lets a real token see it)."""
     if "position_ids" in batch:
         return {k: batch[k] for k in ("input_ids", "position_ids")}
-    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    # a vision-language model's rows add their images (pixel values, sizes) and per-token image marks
+    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", *vision.MODEL_KEYS)}
 
 
 def loss_sum(model, batch: dict[str, torch.Tensor], router: bool = False):
@@ -79,6 +80,8 @@ class CausalLM:
         self.counter = None  # moe.RoutingCounter on the engine's model: the routing figures of an MoE model
 
     def validate(self, setup) -> None:
+        if vision.is_vision(setup.model_config):  # its layouts and data format, or one line
+            vision.check(setup)
         self.router_aux = moe.router_aux_coefficient(setup.recipe.model.router_aux_loss_coef, setup.model_config)
         self.top_k = moe.routed_per_token(setup.model_config)
         self.experts_in_config = moe.routed_experts(setup.model_config)

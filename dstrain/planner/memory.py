@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from .. import env
+from .. import env, vision
 from ..parallel.layout import Layout
 
 GiB = 1024 ** 3
@@ -82,6 +82,7 @@ class Estimate:
 
 
 def dims(config) -> tuple[int, int, int, int]:
+    config = vision.text_config(config)  # a vision-language model: its language model's (the tower's not yet)
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden

@@ -560,6 +560,10 @@ def write_run_files(run_dir: Path, recipe, ds_cfg: dict, config, tokenizer, ctx:
     config.save_pretrained(out)
     _copy_remote_code(config, out)
     tokenizer.save_pretrained(out)
+    processor = getattr(tokenizer, "_dstrain_processor", None)
+    if processor is not None:  # a vision-language model: its processor (image processing, template) beside it
+        processor.chat_template = tokenizer.chat_template
+        processor.save_pretrained(out)
     if getattr(tokenizer, "mistral_common_file", None):  # Mistral's own tokenizer file: the format it trained on
         shutil.copy(tokenizer.mistral_common_file, out / Path(tokenizer.mistral_common_file).name)
     try:

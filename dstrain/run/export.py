@@ -192,8 +192,10 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
     """Write a Hugging Face model directory (safetensors) from a checkpoint; replaces out_dir atomically.
     A LoRA run's checkpoint (model_config/lora/ exists) holds only the adapters: they are loaded onto the base,
     written to adapter_dir in PEFT's format (when given), and merged into out_dir."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from ..vision import frozen_weights, model_class
 
     unset_hf_deepspeed_config()  # called after training: build a plain model, not a ZeRO-3-partitioned one
     model_files = ckpt.parent.parent / "model_config"
@@ -210,9 +212,11 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         # a QLoRA run's config records its 4-bit base: the export is the full-precision base with the adapters
         # merged (a 4-bit load here put bitsandbytes layers with plain weights under peft: seen on an H200)
         del config.quantization_config
+    auto = model_class(config)  # AutoModelForCausalLM, or AutoModelForImageTextToText
+
     def shapes() -> dict[str, torch.Size]:  # the target model's tensor shapes: an expert-parallel checkpoint's layout
         with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config, trust_remote_code=remote)
+            built = auto.from_config(config, trust_remote_code=remote)
             return {n: t.shape for n, t in built.state_dict().items()}
     adapters = (model_files / LORA_DIR / "adapter_config.json").exists()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -226,8 +230,11 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
         model = model.merge_and_unload()
     else:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=remote)
+            model = auto.from_config(config, dtype=torch.float32, trust_remote_code=remote)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        # a vision-language model's frozen tower: not in the checkpoint, read from where the run loaded it
+        model.load_state_dict(frozen_weights(model_files, still_meta, remote), strict=False, assign=True)
         model.tie_weights()
         still_meta = [n for n, p in model.named_parameters() if p.is_meta]
         if still_meta or unexpected:
@@ -241,14 +248,14 @@ def export_hf(ckpt: Path, out_dir: Path, dtype: torch.dtype = torch.float32, ada
 def _lora_model(model_files: Path, config, state: dict, ckpt: Path, remote: bool = False):
     """The base, reloaded from where training loaded it, with the checkpoint's adapters (fp32) on it."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from ..paths import local_or_hub
+    from ..vision import model_class
 
     lora = LoraConfig.from_pretrained(model_files / LORA_DIR)
     base_name = lora.base_model_name_or_path
     try:
-        base = AutoModelForCausalLM.from_pretrained(local_or_hub(base_name), config=config, dtype=torch.float32,
+        base = model_class(config).from_pretrained(local_or_hub(base_name), config=config, dtype=torch.float32,
                                                     trust_remote_code=remote)
     except OSError as e:
         raise UserError(f"{ckpt} holds LoRA adapters; their base {base_name} cannot be loaded "
@@ -270,7 +277,11 @@ def _save_model(model, model_files: Path, out: Path) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_files).save_pretrained(out)
+    if (model_files / "processor_config.json").exists():  # a vision-language model: its processor, tokenizer in it
+        from transformers import AutoProcessor
+        AutoProcessor.from_pretrained(model_files).save_pretrained(out)
+    else:
+        AutoTokenizer.from_pretrained(model_files).save_pretrained(out)
     from ..chat_templates import mistral_file
     found = mistral_file(model_files)
     if found is not None:  # Mistral's own tokenizer file, which its inference reads

@@ -15,13 +15,13 @@ import sys
 import time
 from dataclasses import replace
 
-from .. import components, data, env, flops, moe
+from .. import components, data, env, flops, moe, vision
 from .. import model as models
 from ..errors import EXIT_OK, UserError
 from ..metrics import Metrics
 from ..objectives import optional_part
 from ..parallel import comm_counter, ds_config, ds_internals
-from ..paths import weights_fingerprint
+from ..paths import local_or_hub, weights_fingerprint
 from ..planner import memory
 from ..run import checkpoint, events, export, faults, health, preempt, resume
 from . import schedule
@@ -96,14 +96,20 @@ class Trainer:
             self.recipe.model, name_or_path=str(base_weights), from_scratch="false")
         model, _hf_ds_config = models.build(self.model_source, cfg, r.ds_cfg, r.tokenizer,
                                             components.load_kwargs(r.features, r.setup), r.layout.replicas == 1)
+        frozen = vision.freeze(model, self.recipe.model)  # a vision-language model's tower and projector
+        if frozen:
+            self.log(frozen)
         self.params_total, params_local = models.parameter_counts(model)  # before the engine: what it held
         self.trained = components.trained_parameters(r.features)  # None: every parameter trains
         # a Mixture-of-Experts token runs top_k of each block's routed experts: only those count in its FLOPs
-        self.flops_per_token = flops.flops_per_token(r.model_config, self.params_total, cfg.seq_len, self.trained,
-                                                     moe.inactive_parameters(model))
+        # a vision-language model: the language model's FLOPs on every token, image tokens included (the vision
+        # tower's per image are not counted yet: said in the log)
+        self.flops_per_token = flops.flops_per_token(vision.text_config(r.model_config), self.params_total,
+                                                     cfg.seq_len, self.trained,
+                                                     moe.inactive_parameters(model) + vision.vision_parameters(model))
         checkpoint.write_run_files(self.run_dir, self.recipe, r.ds_cfg, model.config, r.tokenizer, self.ctx, {
             "parameters": self.params_total, "parameters_on_rank0_at_build": params_local,
-            "trainable_parameters": self.trained or self.params_total,
+            "trainable_parameters": self.trained or models.trainable_count(model),
             "activation_checkpointing": models.activation_checkpointing(model),
             "world_size": self.ctx.world_size, "data_parallel": r.layout.data_parallel,
             "data_cache": r.prepared.cache_path,
@@ -113,6 +119,8 @@ class Trainer:
             "data": r.prepared.summary, "chat_template": r.chat_template,
             "components": {f.name: f.describe() for f in r.features}, "flops_per_token": self.flops_per_token,
             "init_from": str(r.init_from) if r.init_from else None})
+        if frozen and self.ctx.is_main:  # export reads the frozen tower from where it was loaded
+            vision.record_frozen(model, local_or_hub(self.model_source.name_or_path), self.run_dir / "model_config")
         for feature in r.features:
             model = feature.convert(model, r.setup)
         return model
@@ -178,7 +186,9 @@ class Trainer:
             f"{'resumed from ' + str(r.start_from.path) if r.start_from else 'starting'} at step {self.start}; "
             f"{'reused' if r.prepared.cache_hit else 'wrote'} tokenized data {r.prepared.cache_path}; "
             f"MFU = tokens/s x {self.flops_per_token / 1e6:,.1f} MFLOP/token / ({self.ctx.world_size} x "
-            f"{self.peak.flops / 1e12:,.3g} TFLOP/s, {self.peak.source})")
+            f"{self.peak.flops / 1e12:,.3g} TFLOP/s, {self.peak.source})"
+            + ("; the language model's FLOPs on every token, image tokens included, not the vision tower's"
+               if vision.is_vision(r.model_config) else ""))
 
     # ---- the run's state besides DeepSpeed's: one contract for what a checkpoint's manifest keeps
     def state_dict(self, step: int) -> dict:
@@ -299,7 +309,8 @@ class Trainer:
         elif self.recipe.checkpoint.export_hf and not (self.start == last and (run_dir / "hf").exists()):
             export.at_end(final, run_dir / "hf", self.resolved.ds_cfg, self.ctx, say)
         if last >= cfg.max_steps and (run_dir / "hf").exists():
-            outcome.update(export=str(run_dir / "hf"), next=f"AutoModelForCausalLM.from_pretrained('{run_dir / 'hf'}'),"
+            loads = vision.model_class(self.resolved.model_config).__name__  # an image-text-to-text model's own
+            outcome.update(export=str(run_dir / "hf"), next=f"{loads}.from_pretrained('{run_dir / 'hf'}'),"
                            f" or train on from it: --model.name_or_path={run_dir / 'hf'}")
         return outcome
 

@@ -225,7 +225,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
                           "eos": tokenizer.eos_token, "bos": tokenizer.bos_token, "pad": tokenizer.pad_token,
                           "class": type(tokenizer).__name__,
                           **({"mistral": _file_hash(tokenizer.mistral_common_file)}
-                             if getattr(tokenizer, "mistral_common_file", None) else {})}, sort_keys=True)
+                             if getattr(tokenizer, "mistral_common_file", None) else {}),
+                          # a vision-language model's image processing (sizes, normalisation, tokens per image)
+                          **({"processor": tokenizer._dstrain_processor.to_json_string()}
+                             if getattr(tokenizer, "_dstrain_processor", None) is not None else {})},
+                         sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -1,0 +1,224 @@
+"""Rows with images for a vision-language model (issue 86; the model side is dstrain/vision.py): conversations whose
+messages hold `{"type": "image"}` parts and whose row names the images (TRL's vision layout: an `images` column).
+
+The conversation is rendered once by the chat template and its assistant spans found as for text (sft.py:
+assistant_spans); the text before, between and after the spans is tokenized piece by piece as there, except that a
+piece holding image placeholders goes through the model's processor with its images, which expands each placeholder
+into the model's image tokens and gives the pixels. Image tokens lie in the prompt's pieces, so the loss never falls
+on them. What the processor gives per image (pixel_values, image sizes or grids) is kept per row and concatenated over
+a micro-batch; what it gives per token (Gemma 3's token_type_ids: image tokens attend to each other both ways) is
+padded as the attention mask is.
+
+Written here, not taken from TRL: TRL's vision collator tokenizes whole conversations at each step and masks through
+`{% generation %}` templates only; this keeps dstrain's one tokenized cache, its masks without a template change, and
+its exact-resume data order.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...errors import UserError
+from ...vision import PER_IMAGE, PER_TOKEN, REFUSED, processor_of
+from .sft import IGNORE_INDEX, Conversation, _pad_id, assistant_spans
+
+
+def has_image_parts(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
+
+
+def open_images(value, base: Path | None, where: str) -> list:
+    """A row's images as RGB PIL images: file paths (relative to `base`, the dataset's folder, or absolute) or
+    datasets' Image feature (decoded, or {"bytes", "path"}). A missing or unreadable image is one line."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if value is None:
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for n, item in enumerate(items):
+        try:
+            if isinstance(item, Image.Image):
+                image = item
+            elif isinstance(item, dict) and item.get("bytes"):
+                image = Image.open(io.BytesIO(item["bytes"]))
+            elif isinstance(item, (str, dict)):
+                name = item if isinstance(item, str) else item.get("path")
+                path = Path(name)
+                if not path.is_absolute() and base is not None:
+                    path = base / path
+                if not path.is_file():
+                    raise UserError(f"{where}: image {n + 1} ({name}) is not a file (relative paths are read from "
+                                    f"{base}); fix the path or the row")
+                image = Image.open(path)
+            else:
+                raise UserError(f"{where}: image {n + 1} is a {type(item).__name__}, not a path or an image")
+            out.append(image.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as error:
+            raise UserError(f"{where}: image {n + 1} cannot be read ({str(error).splitlines()[0]}); fix or remove "
+                            f"it") from None
+    return out
+
+
+def tokens(messages: list[dict], images: list, tokenizer, processor, tools=None, prompt_turns: int = 0
+           ) -> tuple[list[int], list[int], dict[str, Any]]:
+    """A conversation's ids, labels (IGNORE_INDEX but on what the assistant writes) and the processor's image
+    inputs: per-image arrays, and per-token ones as lists of the row's length."""
+    import numpy as np
+
+    placeholder = processor.image_token
+    text, spans = assistant_spans(messages, tokenizer, tools)
+    if text.count(placeholder) != len(images):
+        raise ValueError(f"the conversation renders {text.count(placeholder)} image placeholders "
+                         f"({placeholder}) for its {len(images)} images")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = [piece for turn, pieces in zip(turns, spans) if turn >= prompt_turns for piece in pieces]
+    ids, labels, per_token, per_image, at, used = [], [], {}, {}, 0, 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, train in ((text[at:start], False), (text[start:end], True)):
+            if not piece:
+                continue
+            count = piece.count(placeholder)
+            if count and train:
+                raise ValueError("an image placeholder lies in what the assistant writes")
+            if count:
+                out = processor(text=[piece], images=images[used:used + count], add_special_tokens=False,
+                                return_tensors="np")
+                used += count
+                piece_ids = [int(i) for i in out["input_ids"][0]]
+                for key, value in out.items():
+                    if key in PER_TOKEN:
+                        per_token.setdefault(key, [0] * len(ids))
+                        per_token[key] += [int(v) for v in value[0]]
+                    elif key in PER_IMAGE:
+                        per_image.setdefault(key, []).append(np.asarray(value))
+            else:
+                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+            ids += piece_ids
+            labels += piece_ids if train else [IGNORE_INDEX] * len(piece_ids)
+            for key in per_token:
+                per_token[key] += [0] * (len(ids) - len(per_token[key]))
+        at = end
+    extras = {key: np.concatenate(parts).tolist() for key, parts in per_image.items()}
+    return ids, labels, extras | per_token
+
+
+def image_token_ids(processor) -> set[int]:
+    """The ids the processor writes for images (what a truncation must not cut)."""
+    tok = processor.tokenizer
+    found = {tok.convert_tokens_to_ids(processor.image_token)}
+    for name in ("boi_token", "eoi_token", "image_start_token", "image_end_token"):
+        value = getattr(processor, name, None) or getattr(tok, name, None)
+        if isinstance(value, str):
+            found.add(tok.convert_tokens_to_ids(value))
+    if getattr(processor, "image_token_id", None) is not None:
+        found.add(processor.image_token_id)
+    return found
+
+
+def fit(ids: list[int], labels: list[int], extras: dict, seq_len: int, pad: int, image_ids: set[int],
+        where: str) -> dict | None:
+    """Padded to seq_len, or truncated after the last image token (a cut image is one line naming the row)."""
+    if len(ids) > seq_len and any(i in image_ids for i in ids[seq_len:]):
+        last = max(k for k, i in enumerate(ids) if i in image_ids)
+        raise UserError(f"{where}: its images end at token {last + 1} and train.seq_len={seq_len} would cut an image; "
+                        f"raise train.seq_len, use smaller images (the processor's size), or drop the row")
+    ids, labels = ids[:seq_len], labels[:seq_len]
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return None
+    n_pad = seq_len - len(ids)
+    out = {"input_ids": ids + [pad] * n_pad, "labels": labels + [IGNORE_INDEX] * n_pad,
+           "attention_mask": [1] * len(ids) + [0] * n_pad}
+    for key, value in extras.items():
+        out[key] = value[:seq_len] + [0] * n_pad if key in PER_TOKEN else value
+    return out
+
+
+def batch(batch: dict) -> dict:
+    """A micro-batch's per-image inputs as one tensor (the rows' images in order), as the processor gives them for
+    several rows at once."""
+    import torch
+    for key in PER_IMAGE:
+        if key in batch:
+            value = batch[key]
+            rows = list(value) if isinstance(value, (list, tuple)) or value.dim() > 1 else [value]
+            rows = [torch.as_tensor(r) for r in rows if torch.as_tensor(r).numel()]
+            batch[key] = torch.cat(rows) if rows else None
+            if batch[key] is None:
+                del batch[key]
+            elif key == "pixel_values":
+                batch[key] = batch[key].float()
+    return batch
+
+
+def check_template(tokenizer, processor) -> None:
+    """The run's chat template renders an image part as the processor's placeholder, or one line."""
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+             {"role": "assistant", "content": "A square."}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception as error:  # noqa: BLE001 - a template that cannot render image parts
+        text = f"{type(error).__name__}: {error}"
+    if text.count(processor.image_token) != 1:
+        raise UserError(f"the chat template does not render an image part as the processor's image token "
+                        f"({processor.image_token}): the model would never see the images; use the model's own "
+                        f"template (data.chat_template: null)")
+
+
+def _images_base(cfg) -> Path | None:
+    from ...paths import local_or_hub
+    path = Path(local_or_hub(cfg.path))
+    return path.parent if path.is_file() else path if path.is_dir() else None
+
+
+def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_messages, to_tools
+             ) -> tuple[Any, dict]:
+    """A chat split for a vision-language model: input_ids / labels / attention_mask padded to seq_len, and the
+    processor's image inputs per row. Counts as sft.tokenize's (truncated, dropped, trained tokens)."""
+    import numpy as np
+
+    processor = processor_of(tokenizer)
+    check_template(tokenizer, processor)
+    if cfg.packing:
+        raise UserError(f"data.packing with a vision-language model: {REFUSED['packing'][1]}")
+    base, pad, image_ids = _images_base(cfg), _pad_id(tokenizer), image_token_ids(processor)
+    has_images = cfg.images_field in dataset.column_names
+
+    def fn(row, index):
+        where = f"{cfg.path} row {index + 1}"
+        messages = to_messages(row, cfg)
+        images = open_images(row.get(cfg.images_field), base, where) if has_images else []
+        placeholders = sum(p.get("type") == "image" for m in messages if isinstance(m["content"], list)
+                           for p in m["content"])
+        if placeholders != len(images):
+            raise UserError(f"{where}: its messages hold {placeholders} image parts and its '{cfg.images_field}' "
+                            f"{len(images)} images; each {{\"type\": \"image\"}} part takes the next image")
+        prompt_turns = getattr(messages, "prompt_turns", 0) if isinstance(messages, Conversation) else 0
+        if cfg.last_turn_only:
+            prompt_turns = max([prompt_turns] + [i for i, m in enumerate(messages) if m["role"] == "assistant"])
+        ids, labels, extras = tokens(messages, images, tokenizer, processor, to_tools(row, cfg), prompt_turns)
+        if not cfg.assistant_only_loss:
+            raise UserError("data.assistant_only_loss=false with a vision-language model: the loss would fall on "
+                            "image tokens; keep it true")
+        example = fit(ids, labels, extras, seq_len, pad, image_ids, where)
+        if example is None:
+            return {"input_ids": [], "labels": [], "attention_mask": [], "full_length": -len(ids), "has_reply":
+                    any(label != IGNORE_INDEX for label in labels)}
+        return example | {"full_length": len(ids), "has_reply": True}
+
+    marked = dataset.map(fn, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
+                         desc="tokenizing (images through the processor)")
+    lengths = np.asarray(marked["full_length"], dtype=np.int64)
+    kept = np.flatnonzero(lengths >= 0)
+    out = marked.select(kept).remove_columns(["full_length", "has_reply"])
+    stats = {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
+             "dropped": int((lengths < 0).sum()), "no_reply": int(len(dataset) - sum(marked["has_reply"]))}
+    if len(out):
+        stats["tokens"] = int(sum(sum(mask) for mask in out["attention_mask"]))
+        stats["trained_tokens"] = int(sum(sum(label != IGNORE_INDEX for label in labels) for labels in out["labels"]))
+        stats["padding"] = 1 - int(np.minimum(lengths[kept], seq_len).sum()) / (len(out) * seq_len)
+        stats["images"] = int(sum(len(v) for v in out["pixel_values"])) if "pixel_values" in out.column_names else 0
+    return out, stats

@@ -1,0 +1,221 @@
+"""Vision-language fine-tuning (issue 86): a tiny LLaVA trained by train.py on TRL's vision layout against a plain
+single-process loop that shares nothing with dstrain: its rows are the processor's own (transformers'
+apply_chat_template with the images, its assistant mask from the same template with `{% generation %}` tags), its
+model AutoModelForImageTextToText, torch AdamW over the whole global batch at once. fp32 on 2 CPU ranks, ZeRO-2 and
+ZeRO-3 (zero.Init with the vision tower). Then the export (model and processor, generating from an image) and the
+one-line refusals."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import VLM_TEMPLATE
+from tests.helpers import launch, metrics
+
+STEPS, LR, WARMUP, MIN_LR, SEQ = 6, 3e-3, 2, 0.1, 64
+RTOL = 2e-6  # fp32: what summation order alone moves (tests/e2e/test_vs_reference.py's bound)
+# the template with transformers' assistant-mask tags around what the assistant writes (its reply and end of turn)
+_CONTENT = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ eos_token }}")
+TAGGED = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}{% if message['role'] == 'assistant' %}"
+          "{% generation %}" + _CONTENT + "{% endgeneration %}{% else %}" + _CONTENT + "{% endif %}{% endfor %}")
+assert TAGGED.replace("{% generation %}", "").replace("{% endgeneration %}", "").replace(
+    "{% if message['role'] == 'assistant' %}" + _CONTENT + "{% else %}" + _CONTENT + "{% endif %}", _CONTENT) + \
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}" == VLM_TEMPLATE  # the run's template, tagged
+ARGS = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_steps={WARMUP}",
+        f"--train.min_lr_ratio={MIN_LR}", "--train.micro_batch_size=2", "--train.grad_accum_steps=2",
+        f"--train.seq_len={SEQ}", "--train.precision=fp32", "--data.format=chat", "--data.val_fraction=0",
+        "--eval.every=0", "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=0"]
+
+
+def processor_rows(root) -> list[dict]:
+    """Every row as transformers' processor makes it: ids, labels (its assistant mask), pixels, padded to SEQ."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(root / "model")
+    pad = processor.tokenizer.pad_token_id
+    rows = []
+    for line in (root / "data" / "train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        images = iter(Image.open(root / "data" / path).convert("RGB") for path in row["images"])
+        messages = [dict(m, content=[dict(p, image=next(images)) if p["type"] == "image" else p for p in m["content"]])
+                    for m in row["messages"]]
+        out = processor.apply_chat_template(messages, chat_template=TAGGED, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, return_tensors="pt")
+        ids, mask = out["input_ids"][0], out["assistant_masks"][0]
+        n = SEQ - len(ids)
+        rows.append({"input_ids": F.pad(ids, (0, n), value=pad), "labels": F.pad(torch.where(mask.bool(), ids, -100),
+                                                                               (0, n), value=-100),
+                     "attention_mask": F.pad(torch.ones_like(ids), (0, n)), "pixel_values": out["pixel_values"]})
+    return rows
+
+
+def plain_loop(model_dir, rows: list[dict], global_batch: int, frozen: bool, seed: int = 42,
+               record: dict | None = None, lora_r: int = 0):
+    """One process, the whole global batch per step: sample k of the stream is row permutation(seed, k // n)[k % n]
+    (the documented order), the loss the mean over the global batch's label tokens, AdamW (decay on matrices),
+    clipping at 1.0, linear warm-up then cosine to MIN_LR. `frozen`: LLaVA's vision tower and projector do not
+    train (the defaults, as LLaMA-Factory's and ms-swift's)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train()
+    if frozen:
+        for module in (model.model.vision_tower, model.model.multi_modal_projector):
+            module.requires_grad_(False)
+    if lora_r:  # peft's adapters on every linear layer of the language model, named one by one
+        from peft import LoraConfig, get_peft_model
+        targets = [f"model.language_model.{name}" for name, m in model.model.language_model.named_modules()
+                   if isinstance(m, torch.nn.Linear)]
+        torch.manual_seed(seed)
+        model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=16, target_modules=targets,
+                                                 task_type="CAUSAL_LM"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    n, losses = len(rows), []
+    for step in range(STEPS):
+        s = step + 1
+        factor = s / WARMUP if s <= WARMUP else \
+            MIN_LR + (1 - MIN_LR) * (1 + math.cos(math.pi * (s - WARMUP) / (STEPS - WARMUP))) / 2
+        for group in opt.param_groups:
+            group["lr"] = LR * factor
+        picked = [rows[int(np.random.default_rng([seed, k // n]).permutation(n)[k % n])]
+                  for k in range(step * global_batch, (step + 1) * global_batch)]
+        batch = {k: torch.cat([r[k] if k == "pixel_values" else r[k][None] for r in picked]) for k in picked[0]}
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        target = labels[:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100,
+                               reduction="sum") / (target != -100).sum()
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if record is not None:
+            record.setdefault("grad_norm", []).append(norm.item())
+    return losses, model
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_vlm):
+    rows, runs = processor_rows(tiny_vlm), {}
+
+    def get(frozen: bool, lora_r: int = 0):
+        if (frozen, lora_r) not in runs:
+            record = {}
+            losses, model = plain_loop(tiny_vlm / "model", rows, global_batch=8, frozen=frozen, record=record,
+                                       lora_r=lora_r)
+            runs[frozen, lora_r] = rows, losses, record, model
+        return runs[frozen, lora_r]
+    return get
+
+
+# ZeRO-2 with the defaults (the vision tower and projector frozen), ZeRO-3 (zero.Init) training all of it
+@pytest.mark.parametrize("ds_config,extra", [("zero2.json", []), ("zero3.json", ["--model.train_vision_tower=true",
+                                                                               "--model.train_projector=true"])])
+def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, cache, tiny_vlm, reference,
+                                                                    ds_config, extra):
+    rows, want, record, ref_model = reference(frozen=not extra)
+    run = tmp_path / "run"
+    proc = launch([*ARGS, f"--model.name_or_path={tiny_vlm / 'model'}", f"--data.path={tiny_vlm / 'data/train.jsonl'}",
+                   "--ds_config", ds_config, "--output_dir", str(run), *extra], cache)
+    got, _ = metrics(run)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in steps if "loss" in r]
+    print(f"{ds_config}: losses {got[0]:.4f} -> {got[-1]:.4f}, max relative gap "
+          f"{max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
+    assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
+    assert norms == pytest.approx(record["grad_norm"], rel=1e-5)
+    assert got[-1] < got[0] - 0.5  # it learns (the answer's words first)
+    # what the loss was taken on: the processor's own ids, assistant mask and pixels, row by row
+    import datasets
+    cached = datasets.load_from_disk(json.loads((run / "run_info.json").read_text())["data_cache"])["train"]
+    cached = cached.with_format("torch")
+    assert len(cached) == len(rows)
+    for mine, theirs in zip(cached, rows):
+        assert torch.equal(mine["input_ids"], theirs["input_ids"]) and torch.equal(mine["labels"], theirs["labels"])
+        assert torch.equal(mine["attention_mask"], theirs["attention_mask"])
+        assert torch.allclose(mine["pixel_values"], theirs["pixel_values"], atol=1e-6)
+    # the export: model and processor, loaded as a user would, equal to the plain loop's weights, and generating
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    model = AutoModelForImageTextToText.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(run / "hf")
+    theirs = ref_model.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.allclose(tensor, theirs[name], atol=2e-5), name
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (28, 28), (220, 30, 30))},
+                                             {"type": "text", "text": "What colour is it?"}]}]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 4
+    assert "AutoModelForImageTextToText" in proc.stderr  # the run's last words name the class that loads it
+    assert ("vision tower and the projector frozen" in proc.stderr) == (not extra), proc.stderr[-3000:]
+    info = json.loads((run / "run_info.json").read_text())
+    trained = sum(p.numel() for p in ref_model.parameters() if p.requires_grad)
+    assert info["trainable_parameters"] == trained and (trained < info["parameters"]) == (not extra)
+
+
+def test_vision_mistakes_are_one_line(tmp_path, cache, tiny_vlm, tiny_llama):
+    """Images given to a text model, packing with a vision model, a missing image: each one line, exit 2."""
+    data = tiny_vlm / "data" / "train.jsonl"
+    common = [*ARGS, f"--data.path={data}", "--output_dir"]
+    text_model = launch([*common, str(tmp_path / "a"), f"--model.name_or_path={tiny_llama}"], cache,
+                        launcher="warm-python", check=False)
+    assert text_model.returncode == 2 and "and the model is a text model" in text_model.stderr, text_model.stderr[-2000:]
+    packed = launch([*common, str(tmp_path / "b"), f"--model.name_or_path={tiny_vlm / 'model'}", "--data.packing=true"],
+                    cache, launcher="warm-python", check=False)
+    assert packed.returncode == 2 and "data.packing with a vision-language model (llava)" in packed.stderr, \
+        packed.stderr[-2000:]
+    broken = tmp_path / "broken.jsonl"
+    lines = data.read_text().splitlines()
+    row = json.loads(lines[5])
+    row["images"] = ["images/missing.png"]
+    broken.write_text("\n".join(lines[:5] + [json.dumps(row)] + lines[6:]) + "\n")
+    (tmp_path / "images").symlink_to(tiny_vlm / "data" / "images")
+    missing = launch([*ARGS, f"--data.path={broken}", "--output_dir", str(tmp_path / "c"),
+                      f"--model.name_or_path={tiny_vlm / 'model'}"], cache, launcher="warm-python", check=False)
+    assert missing.returncode == 2 and "row 6: image 1 (images/missing.png) is not a file" in missing.stderr, \
+        missing.stderr[-2000:]
+
+
+def test_vlm_stopped_and_resumed_on_one_rank_matches_the_plain_loop(tmp_path, cache, tiny_vlm, reference):
+    """Stopped after 3 of 6 steps on 2 ranks (ZeRO-2, the tower and projector frozen: left out of the checkpoint,
+    re-read from the model at resume) and finished on 1 rank (the same global batch, 4 micro-batches): the
+    uninterrupted plain loop's losses."""
+    _, want, _, _ = reference(frozen=True)
+    run = tmp_path / "run"
+    args = [*ARGS, f"--model.name_or_path={tiny_vlm / 'model'}", f"--data.path={tiny_vlm / 'data/train.jsonl'}",
+            "--ds_config", "zero2.json", "--output_dir", str(run), "--world_size=2"]
+    launch([*args, f"--train.exit_at_step={STEPS // 2}"], cache)
+    launch(args, cache, nproc=1)
+    got, _ = metrics(run)
+    assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
+
+
+def test_vlm_lora_on_the_language_model_matches_peft_and_merges(tmp_path, cache, tiny_vlm, reference):
+    """lora.r=8 under ZeRO-3: adapters on the language model's linear layers only (not the vision tower's or the
+    projector's), as peft adds them when named one by one; the export merges them into a model equal to peft's."""
+    _, want, _, ref_model = reference(frozen=True, lora_r=8)
+    run = tmp_path / "run"
+    proc = launch([*ARGS, f"--model.name_or_path={tiny_vlm / 'model'}", f"--data.path={tiny_vlm / 'data/train.jsonl'}",
+                   "--ds_config", "zero3.json", "--output_dir", str(run), "--lora.r=8"], cache)
+    got, _ = metrics(run)
+    assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
+    adapted = sum(p.numel() for p in ref_model.parameters() if p.requires_grad)
+    assert f"{adapted:,} trainable parameters" in proc.stderr, proc.stderr[-3000:]
+    from transformers import AutoModelForImageTextToText
+    merged = AutoModelForImageTextToText.from_pretrained(run / "hf", dtype=torch.float32).state_dict()
+    theirs = ref_model.merge_and_unload().state_dict()
+    for name, tensor in merged.items():
+        assert torch.allclose(tensor, theirs[name], atol=2e-5), name

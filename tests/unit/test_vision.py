@@ -1,0 +1,116 @@
+"""Vision-language rows and models in-process (issue 86): the data path against the processor's own output, the
+images as datasets' Image feature, the refusals, and which modules are the vision tower, the projector and the
+language model (what freezing and LoRA's exclusion act on) on LLaVA and on Qwen2-VL's naming."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from dstrain import vision
+from dstrain.config import DataConfig
+from dstrain.data.formats import images as rows_with_images
+from dstrain.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm):
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(tiny_vlm / "model")
+    processor.tokenizer._dstrain_processor = processor
+    return processor
+
+
+def _messages(*texts):
+    out = []
+    for n, text in enumerate(texts):
+        role = "user" if n % 2 == 0 else "assistant"
+        content = [{"type": "image"}, {"type": "text", "text": text}] if role == "user" else text
+        out.append({"role": role, "content": content})
+    return out
+
+
+def test_two_turns_two_images_train_on_the_replies_only(processor):
+    """Each image part becomes the processor's image tokens in the prompt's pieces; the labels are the replies
+    (and their end of turn) exactly, never an image token; the pixels are the processor's for the two images."""
+    from PIL import Image
+    tok = processor.tokenizer
+    pictures = [Image.new("RGB", (28, 28), (200, 0, 0)), Image.new("RGB", (40, 30), (0, 0, 200))]
+    messages = _messages("What colour?", "Red.", "And this one?", "Blue.")
+    ids, labels, extras = rows_with_images.tokens(messages, pictures, tok, processor)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    assert ids.count(image_id) == 32  # 16 a picture: (28 / 7)^2 patches
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    assert tok.decode(trained) == "Red.</s>Blue.</s>"
+    assert all(label == -100 for i, label in zip(ids, labels) if i == image_id)
+    whole = processor(text=[tok.apply_chat_template(messages, tokenize=False)], images=pictures, return_tensors="np")
+    assert ids == whole["input_ids"][0].tolist()  # the same ids as the processor on the whole conversation
+    assert torch.allclose(torch.tensor(extras["pixel_values"]), torch.tensor(whole["pixel_values"]))
+
+
+def test_images_as_datasets_image_feature_give_the_rows_paths_give(tiny_vlm, processor, tmp_path):
+    """The same rows with their images as files and as datasets' Image feature (decoded to PIL images, as a
+    save_to_disk or parquet dataset gives them) tokenize to the same ids, labels and pixels."""
+    import datasets
+    lines = [json.loads(line) for line in (tiny_vlm / "data/train.jsonl").read_text().splitlines()[:4]]
+    as_paths = datasets.Dataset.from_list(lines)
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()),
+                                  "messages": as_paths.features["messages"]})
+    as_feature = datasets.Dataset.from_dict(
+        {"images": [[str(tiny_vlm / "data" / p) for p in r["images"]] for r in lines],
+         "messages": [r["messages"] for r in lines]}, features=features)
+    as_feature.save_to_disk(str(tmp_path / "saved"))
+    as_feature = datasets.load_from_disk(str(tmp_path / "saved"))
+    from dstrain.data.formats.chat import to_messages, to_tools
+    out = []
+    for data, path in ((as_paths, tiny_vlm / "data/train.jsonl"), (as_feature, tmp_path / "saved")):
+        cfg = DataConfig(path=str(path), format="chat", val_fraction=0)
+        out.append(rows_with_images.tokenize(data, cfg, processor.tokenizer, 64, None, to_messages, to_tools)[0])
+    for a, b in zip(*out):
+        assert a == b
+
+
+def test_an_image_that_does_not_fit_and_a_template_without_images_are_one_line(tiny_vlm, processor):
+    from PIL import Image
+    tok = processor.tokenizer
+    ids, labels, extras = rows_with_images.tokens(_messages("What colour?", "Red."), [Image.new("RGB", (28, 28))],
+                                                  tok, processor)
+    with pytest.raises(UserError, match=r"row 3: its images end at token 17 and train.seq_len=10 would cut an image"):
+        rows_with_images.fit(ids, labels, extras, 10, 0, rows_with_images.image_token_ids(processor), "data row 3")
+    saved = tok.chat_template
+    try:
+        tok.chat_template = "{% for m in messages %}{{ m['content'] if m['content'] is string else '' }}{% endfor %}"
+        with pytest.raises(UserError, match=r"does not render an image part as the processor's image token \(<image>"):
+            rows_with_images.check_template(tok, processor)
+    finally:
+        tok.chat_template = saved
+
+
+def test_image_parts_reach_a_vision_model_and_are_refused_for_a_text_model():
+    from dstrain.chat_templates import normalize
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    assert normalize(messages, {}, images=True)[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Hi"}]
+    with pytest.raises(UserError, match="content parts of type image; only text parts are trained"):
+        normalize(messages, {})
+
+
+def test_tower_projector_and_language_model_are_told_apart(tiny_vlm):
+    """LLaVA's modules by our generic split, checked against its own attribute names; peft's exclusion pattern
+    matches the tower's and projector's linear layers and none of the language model's (Qwen2-VL's names too)."""
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm / "model")
+    parts = vision.vision_parts(model)
+    assert {id(p) for p in parts["tower"]} == {id(p) for p in model.model.vision_tower.parameters()}
+    assert {id(p) for p in parts["projector"]} == {id(p) for p in model.model.multi_modal_projector.parameters()}
+    assert vision.vision_parameters(model) == sum(p.numel() for part in parts.values() for p in part)
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    excluded = {n for n in linear if re.fullmatch(vision.NOT_LANGUAGE_MODEL, n)}
+    assert excluded == {n for n in linear if not n.startswith("model.language_model.")} and excluded
+    for name in ("model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0"):
+        assert re.fullmatch(vision.NOT_LANGUAGE_MODEL, name)
+    assert not re.fullmatch(vision.NOT_LANGUAGE_MODEL, "model.language_model.layers.0.self_attn.q_proj")
+    note = vision.freeze(model, type("Model", (), {"train_vision_tower": False, "train_projector": True})())
+    assert "the vision tower frozen" in note
+    assert not any(p.requires_grad for p in parts["tower"]) and all(p.requires_grad for p in parts["projector"])
