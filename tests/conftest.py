@@ -179,48 +179,63 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=weight)  # stable: a file's tests keep their order
 
 
-# a template for the tiny vision-language model: an image part renders as LLaVA's <image> placeholder
-VLM_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-                "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-                "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
-                "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+def vlm_template(placeholder: str) -> str:
+    """A template for the tiny vision-language models: an image part renders as the model's placeholder."""
+    return ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '" + placeholder + "' }}"
+            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
 VLM_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
+VLM_PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>"}
 
 
-@pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory) -> Path:
-    """A tiny LLaVA (CLIP vision tower 28 px / 7 px patches -> 16 image tokens, projector, the tiny Llama of 2
-    layers) with its processor, and `data/train.jsonl`: 48 rows in TRL's vision layout (an `images` column of paths
-    relative to the file, a user turn with an image part) asking the colour of a square of 3 sizes only the image
-    shows. Built from configs (no hub), seeded."""
+def _tiny_vlm(root: Path, family: str) -> Path:
+    """A tiny vision-language model of `family` with its processor, built from configs (no hub), seeded, on the
+    tiny Llama's tokenizer (image tokens added), and `data/train.jsonl`: 48 rows in TRL's vision layout (an
+    `images` column of paths relative to the file, a user turn with an image part) asking the colour of a square of
+    3 sizes only the image shows. llava: a CLIP tower (28 px, 7 px patches: 16 image tokens), a projector, the tiny
+    Llama of 2 layers. gemma3: a SigLIP tower pooled to 4 image tokens that attend to each other both ways
+    (token_type_ids), Gemma 3's text model with a sliding and a full attention layer."""
     import json
     import random
 
     from PIL import Image
-    from transformers import (
-        AutoConfig,
-        AutoModelForImageTextToText,
-        AutoTokenizer,
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaProcessor,
-    )
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-    root = tmp_path_factory.mktemp("vlm")
-    tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model")
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaProcessor(image_processor=images, tokenizer=tok, chat_template=VLM_TEMPLATE, patch_size=7,
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    text = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-    text.num_hidden_layers, text.vocab_size = 2, len(tok)
-    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                        num_attention_heads=4, image_size=28, patch_size=7,
-                                                        projection_dim=64),
-                         text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
-                         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True)
+    if family == "llava":
+        from transformers import CLIPVisionConfig, LlavaConfig, LlavaProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model")
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        processor = LlavaProcessor(image_processor=images, tokenizer=tok, chat_template=vlm_template("<image>"),
+                                   patch_size=7, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+        text = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
+        text.num_hidden_layers, text.vocab_size = 2, len(tok)
+        config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                            num_attention_heads=4, image_size=28, patch_size=7,
+                                                            projection_dim=64),
+                             text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                             vision_feature_select_strategy="default", vision_feature_layer=-1,
+                             tie_word_embeddings=True)
+    else:
+        from transformers import Gemma3Config, Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+        tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model", extra_special_tokens={
+            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+        processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+                                    tokenizer=tok, chat_template=vlm_template("<start_of_image>"), image_seq_length=4)
+        text = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                                sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                bos_token_id=1, eos_token_id=2, pad_token_id=3)
+        config = Gemma3Config(text_config=text, vision_config=SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=7), mm_tokens_per_image=4, boi_token_index=tok.boi_token_id,
+            eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"), image_token_index=tok.image_token_id)
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(config).save_pretrained(root / "model")
     processor.save_pretrained(root / "model")
@@ -235,3 +250,15 @@ def tiny_vlm(tmp_path_factory) -> Path:
                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": f"It is {colour}."}]}]}) + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny LLaVA and its rows (_tiny_vlm)."""
+    return _tiny_vlm(tmp_path_factory.mktemp("vlm"), "llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 (image tokens attending both ways) and its rows (_tiny_vlm)."""
+    return _tiny_vlm(tmp_path_factory.mktemp("vlm-gemma3"), "gemma3")

@@ -14,28 +14,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import VLM_TEMPLATE
+from tests.conftest import VLM_PLACEHOLDER, vlm_template
 from tests.helpers import launch, metrics
 
 STEPS, LR, WARMUP, MIN_LR, SEQ = 6, 3e-3, 2, 0.1, 64
 RTOL = 2e-6  # fp32: what summation order alone moves (tests/e2e/test_vs_reference.py's bound)
 # the template with transformers' assistant-mask tags around what the assistant writes (its reply and end of turn)
-_CONTENT = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-            "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
-            "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ eos_token }}")
-TAGGED = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}{% if message['role'] == 'assistant' %}"
-          "{% generation %}" + _CONTENT + "{% endgeneration %}{% else %}" + _CONTENT + "{% endif %}{% endfor %}")
-assert TAGGED.replace("{% generation %}", "").replace("{% endgeneration %}", "").replace(
-    "{% if message['role'] == 'assistant' %}" + _CONTENT + "{% else %}" + _CONTENT + "{% endif %}", _CONTENT) + \
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}" == VLM_TEMPLATE  # the run's template, tagged
+def tagged(placeholder: str) -> str:
+    """The run's template (conftest.vlm_template) with transformers' assistant-mask tags around what the assistant
+    writes: its reply and end of turn."""
+    content = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+               "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '" + placeholder + "' }}"
+               "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ eos_token }}")
+    template = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+                "{% if message['role'] == 'assistant' %}{% generation %}" + content + "{% endgeneration %}{% else %}" +
+                content + "{% endif %}{% endfor %}")
+    untagged = template.replace("{% generation %}", "").replace("{% endgeneration %}", "").replace(
+        "{% if message['role'] == 'assistant' %}" + content + "{% else %}" + content + "{% endif %}", content)
+    assert untagged + "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}" == vlm_template(placeholder)
+    return template
+
+
 ARGS = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_steps={WARMUP}",
         f"--train.min_lr_ratio={MIN_LR}", "--train.micro_batch_size=2", "--train.grad_accum_steps=2",
         f"--train.seq_len={SEQ}", "--train.precision=fp32", "--data.format=chat", "--data.val_fraction=0",
         "--eval.every=0", "--log.wandb=false", "--log.progress_bar=false", "--checkpoint.every=0"]
 
 
-def processor_rows(root) -> list[dict]:
-    """Every row as transformers' processor makes it: ids, labels (its assistant mask), pixels, padded to SEQ."""
+def processor_rows(root, family: str) -> list[dict]:
+    """Every row as transformers' processor makes it: ids, labels (its assistant mask), pixels, Gemma 3's
+    token_type_ids, padded to SEQ."""
     from PIL import Image
     from transformers import AutoProcessor
 
@@ -47,13 +55,15 @@ def processor_rows(root) -> list[dict]:
         images = iter(Image.open(root / "data" / path).convert("RGB") for path in row["images"])
         messages = [dict(m, content=[dict(p, image=next(images)) if p["type"] == "image" else p for p in m["content"]])
                     for m in row["messages"]]
-        out = processor.apply_chat_template(messages, chat_template=TAGGED, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, return_tensors="pt")
+        out = processor.apply_chat_template(messages, chat_template=tagged(VLM_PLACEHOLDER[family]), tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
         ids, mask = out["input_ids"][0], out["assistant_masks"][0]
         n = SEQ - len(ids)
         rows.append({"input_ids": F.pad(ids, (0, n), value=pad), "labels": F.pad(torch.where(mask.bool(), ids, -100),
                                                                                (0, n), value=-100),
-                     "attention_mask": F.pad(torch.ones_like(ids), (0, n)), "pixel_values": out["pixel_values"]})
+                     "attention_mask": F.pad(torch.ones_like(ids), (0, n)), "pixel_values": out["pixel_values"],
+                     **({"token_type_ids": F.pad(out["token_type_ids"][0], (0, n))} if "token_type_ids" in out
+                        else {})})
     return rows
 
 
@@ -106,32 +116,37 @@ def plain_loop(model_dir, rows: list[dict], global_batch: int, frozen: bool, see
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_vlm):
-    rows, runs = processor_rows(tiny_vlm), {}
+def reference(request):
+    runs = {}
 
-    def get(frozen: bool, lora_r: int = 0):
-        if (frozen, lora_r) not in runs:
-            record = {}
-            losses, model = plain_loop(tiny_vlm / "model", rows, global_batch=8, frozen=frozen, record=record,
+    def get(frozen: bool, lora_r: int = 0, family: str = "llava"):
+        if (frozen, lora_r, family) not in runs:
+            root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
+            rows, record = processor_rows(root, family), {}
+            losses, model = plain_loop(root / "model", rows, global_batch=8, frozen=frozen, record=record,
                                        lora_r=lora_r)
-            runs[frozen, lora_r] = rows, losses, record, model
-        return runs[frozen, lora_r]
+            runs[frozen, lora_r, family] = rows, losses, record, model
+        return runs[frozen, lora_r, family]
     return get
 
 
-# ZeRO-2 with the defaults (the vision tower and projector frozen), ZeRO-3 (zero.Init) training all of it
-@pytest.mark.parametrize("ds_config,extra", [("zero2.json", []), ("zero3.json", ["--model.train_vision_tower=true",
-                                                                               "--model.train_projector=true"])])
-def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, cache, tiny_vlm, reference,
+# LLaVA under ZeRO-2 with the defaults (the vision tower and projector frozen) and under ZeRO-3 (zero.Init) training
+# all of it; Gemma 3 (image tokens attending both ways, a sliding-window layer) under ZeRO-3 with the defaults
+@pytest.mark.parametrize("family,ds_config,extra", [
+    ("llava", "zero2.json", []),
+    ("llava", "zero3.json", ["--model.train_vision_tower=true", "--model.train_projector=true"]),
+    ("gemma3", "zero3.json", [])])
+def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, cache, request, reference, family,
                                                                     ds_config, extra):
-    rows, want, record, ref_model = reference(frozen=not extra)
+    root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
+    rows, want, record, ref_model = reference(frozen=not extra, family=family)
     run = tmp_path / "run"
-    proc = launch([*ARGS, f"--model.name_or_path={tiny_vlm / 'model'}", f"--data.path={tiny_vlm / 'data/train.jsonl'}",
+    proc = launch([*ARGS, f"--model.name_or_path={root / 'model'}", f"--data.path={root / 'data/train.jsonl'}",
                    "--ds_config", ds_config, "--output_dir", str(run), *extra], cache)
     got, _ = metrics(run)
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     norms = [r["grad_norm"] for r in steps if "loss" in r]
-    print(f"{ds_config}: losses {got[0]:.4f} -> {got[-1]:.4f}, max relative gap "
+    print(f"{family} {ds_config}: losses {got[0]:.4f} -> {got[-1]:.4f}, max relative gap "
           f"{max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
     assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
     assert norms == pytest.approx(record["grad_norm"], rel=1e-5)
@@ -145,6 +160,8 @@ def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, ca
         assert torch.equal(mine["input_ids"], theirs["input_ids"]) and torch.equal(mine["labels"], theirs["labels"])
         assert torch.equal(mine["attention_mask"], theirs["attention_mask"])
         assert torch.allclose(mine["pixel_values"], theirs["pixel_values"], atol=1e-6)
+        assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in ("token_type_ids",)
+                                                if k in theirs)
     # the export: model and processor, loaded as a user would, equal to the plain loop's weights, and generating
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -157,7 +174,7 @@ def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, ca
                                              {"type": "text", "text": "What colour is it?"}]}]
     inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                            return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
     assert "AutoModelForImageTextToText" in proc.stderr  # the run's last words name the class that loads it
     assert ("vision tower and the projector frozen" in proc.stderr) == (not extra), proc.stderr[-3000:]

@@ -110,7 +110,7 @@ def image_token_ids(processor) -> set[int]:
     """The ids the processor writes for images (what a truncation must not cut)."""
     tok = processor.tokenizer
     found = {tok.convert_tokens_to_ids(processor.image_token)}
-    for name in ("boi_token", "eoi_token", "image_start_token", "image_end_token"):
+    for name in ("image_token", "boi_token", "eoi_token", "image_start_token", "image_end_token"):
         value = getattr(processor, name, None) or getattr(tok, name, None)
         if isinstance(value, str):
             found.add(tok.convert_tokens_to_ids(value))
