@@ -195,8 +195,8 @@ VLM_PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>"}
 def _tiny_vlm(root: Path, family: str) -> Path:
     """A tiny vision-language model of `family` with its processor, built from configs (no hub), seeded, on the
     tiny Llama's tokenizer (image tokens added), and `data/train.jsonl`: 48 rows in TRL's vision layout (an
-    `images` column of paths relative to the file, a user turn with an image part) asking the colour of a square of
-    3 sizes only the image shows. llava: a CLIP tower (28 px, 7 px patches: 16 image tokens), a projector, the tiny
+    `images` column of paths relative to the file, a user turn with image parts) asking the colours of one or two
+    squares of 3 sizes only the images show, or, a third of them, no image at all. llava: a CLIP tower (28 px, 7 px patches: 16 image tokens), a projector, the tiny
     Llama of 2 layers. gemma3: a SigLIP tower pooled to 4 image tokens that attend to each other both ways
     (token_type_ids), Gemma 3's text model with a sliding and a full attention layer."""
     import json
@@ -242,13 +242,19 @@ def _tiny_vlm(root: Path, family: str) -> Path:
     rng = random.Random(0)
     (root / "data" / "images").mkdir(parents=True)
     with open(root / "data" / "train.jsonl", "w") as f:
-        for i in range(48):
-            colour = rng.choice(list(VLM_COLOURS))
-            Image.new("RGB", rng.choice([(28, 28), (40, 30), (32, 48)]), VLM_COLOURS[colour]).save(
-                root / "data" / "images" / f"{i:03d}.png")
-            f.write(json.dumps({"images": [f"images/{i:03d}.png"], "messages": [
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": f"It is {colour}."}]}]}) + "\n")
+        for i in range(48):  # one image, two, or none: micro-batches hold different numbers of images
+            count = (1, 2, 0)[i % 3]
+            colours = [rng.choice(list(VLM_COLOURS)) for _ in range(count)]
+            names = []
+            for k, colour in enumerate(colours):
+                names.append(f"images/{i:03d}_{k}.png")
+                Image.new("RGB", rng.choice([(28, 28), (40, 30), (32, 48)]), VLM_COLOURS[colour]).save(
+                    root / "data" / names[-1])
+            question = {0: "Say hello.", 1: "What colour is it?", 2: "What colours are they?"}[count]
+            answer = " and ".join(colours) if colours else "Hello"
+            f.write(json.dumps({"images": names, "messages": [
+                {"role": "user", "content": [{"type": "image"}] * count + [{"type": "text", "text": question}]},
+                {"role": "assistant", "content": [{"type": "text", "text": f"{answer}."}]}]}) + "\n")
     return root
 
 

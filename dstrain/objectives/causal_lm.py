@@ -74,6 +74,7 @@ class CausalLM:
     perplexity = True
 
     def __init__(self) -> None:
+        self.fake_image = None  # a vision-language model's blank image for micro-batches without one
         self.router_aux = 0.0  # the load-balancing loss's weight (validate: 0 for a dense model)
         self.top_k = 0  # routed experts per token, and per MoE layer (the config's; the first step's logits)
         self.experts_in_config = 0
@@ -82,6 +83,10 @@ class CausalLM:
     def validate(self, setup) -> None:
         if vision.is_vision(setup.model_config):  # its layouts and data format, or one line
             vision.check(setup)
+            from ..data.formats.images import fake_image
+            from ..model import load_tokenizer
+            tokenizer = load_tokenizer(setup.recipe.model)
+            self.fake_image = fake_image(vision.processor_of(tokenizer), tokenizer.pad_token_id)
         self.router_aux = moe.router_aux_coefficient(setup.recipe.model.router_aux_loss_coef, setup.model_config)
         self.top_k = moe.routed_per_token(setup.model_config)
         self.experts_in_config = moe.routed_experts(setup.model_config)
@@ -109,7 +114,11 @@ class CausalLM:
 
     def host_batch(self, batch: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
         """The chunked loss's label positions are found on the host, so the device never has to report how many
-        there are (no sync in the step)."""
+        there are (no sync in the step). A vision-language model's micro-batch without images gets a blank one that
+        the loss never sees (data/formats/images.py: with_fake_image)."""
+        if self.fake_image is not None:
+            from ..data.formats.images import with_fake_image
+            batch = with_fake_image(batch, self.fake_image)
         if chunked_loss(model):
             from ..components.chunked_loss import label_positions_of
             shifted = "shift_labels" in batch

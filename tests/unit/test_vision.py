@@ -114,3 +114,43 @@ def test_tower_projector_and_language_model_are_told_apart(tiny_vlm):
     note = vision.freeze(model, type("Model", (), {"train_vision_tower": False, "train_projector": True})())
     assert "the vision tower frozen" in note
     assert not any(p.requires_grad for p in parts["tower"]) and all(p.requires_grad for p in parts["projector"])
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_a_blank_image_after_an_imageless_micro_batch_changes_nothing_but_runs_the_tower(request, family):
+    """with_fake_image: the real tokens' logits are the same to fp32 rounding with the blank image appended, the
+    loss's gradient reaches the vision tower as exact zeros (its parameters all get a gradient, as every rank's
+    collectives need), and the per-token inputs mark the blank image's tokens only."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from dstrain.data.formats.images import fake_image, with_fake_image
+    root = request.getfixturevalue("tiny_vlm" if family == "llava" else "tiny_gemma3_vlm")
+    processor = AutoProcessor.from_pretrained(root / "model")
+    model = AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32).train()
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."},
+                                                    {"role": "assistant", "content": "Hello."}], tokenize=False)
+    enc = processor.tokenizer([text, text[:-8]], padding="max_length", max_length=24, return_tensors="pt")
+    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+             "labels": torch.where(enc["attention_mask"].bool(), enc["input_ids"], -100)}
+    if family == "gemma3":
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    faked = with_fake_image(batch, fake_image(processor, processor.tokenizer.pad_token_id))
+    assert "pixel_values" in faked and faked["input_ids"].shape[1] > 24
+    assert torch.equal(faked["input_ids"][:, :24], batch["input_ids"]) and faked["attention_mask"][:, 24:].sum() == 0
+    if family == "gemma3":
+        assert faked["token_type_ids"][0, 24:].sum() == 4 and faked["token_type_ids"][:, :24].sum() == 0
+    plain = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    with_blank = model(**{k: v for k, v in faked.items() if k != "labels"}).logits
+    real = batch["attention_mask"].bool()
+    assert torch.allclose(with_blank[:, :24][real], plain[real], atol=1e-5)
+    logits, labels = with_blank[:, :-1], faked["labels"][:, 1:]
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1)).backward()
+    tower = dict(model.model.vision_tower.named_parameters())
+    reached = {n for n, p in tower.items() if p.grad is not None}
+    assert all(torch.count_nonzero(tower[n].grad) == 0 for n in reached)
+    model.zero_grad(set_to_none=True)  # the parameters a real image's loss reaches: the same ones
+    from PIL import Image
+    pictured = processor(text=[processor.image_token + "Red."], images=[Image.new("RGB", (28, 28), (200, 0, 0))],
+                         return_tensors="pt")
+    model(**pictured, labels=pictured["input_ids"]).loss.backward()
+    assert reached == {n for n, p in tower.items() if p.grad is not None} and reached

@@ -119,6 +119,54 @@ def image_token_ids(processor) -> set[int]:
     return found
 
 
+def model_keys(processor) -> list[str]:
+    """What the processor gives for a piece with an image, per image and per token: the columns every row holds."""
+    from PIL import Image
+    out = processor(text=[processor.image_token], images=[Image.new("RGB", (32, 32))], add_special_tokens=False,
+                    return_tensors="np")
+    return [key for key in out if key in PER_IMAGE or key in PER_TOKEN]
+
+
+def fake_image(processor, pad: int) -> dict:
+    """A blank image as the processor gives it (its image tokens, per-image and per-token inputs), for
+    with_fake_image."""
+    from PIL import Image
+    out = processor(text=[processor.image_token], images=[Image.new("RGB", (32, 32))], add_special_tokens=False,
+                    return_tensors="pt")
+    return {"input_ids": out["input_ids"][0], "pad": pad, **{k: out[k] for k in PER_IMAGE if k in out},
+            **{k: out[k][0] for k in PER_TOKEN if k in out}}
+
+
+def with_fake_image(batch: dict, fake: dict) -> dict:
+    """A micro-batch without images, given a blank image the loss never sees: every rank must run the vision tower
+    and projector in every micro-batch (under ZeRO-3 their forward gathers and their gradients' reductions are
+    collectives; a rank whose micro-batch held no image skipped them and the job stopped: seen, exit -6). The
+    image's tokens are appended after every row's end (row 0 holds them; the others padding), masked out of
+    attention and of the labels: under causal attention no real token can see them, and the tower's gradient from
+    them is zero. LLaMA-Factory adds such a fake image to text-only rows for the same reason; here only to a
+    micro-batch that has none, at the end, so real tokens keep their positions."""
+    import torch
+    if "pixel_values" in batch:
+        return batch
+    ids = fake["input_ids"]
+    n, rows = len(ids), batch["input_ids"].shape[0]
+
+    def widen(tensor, value):
+        return torch.cat([tensor, tensor.new_full((rows, n), value)], dim=1)
+    out = dict(batch, input_ids=widen(batch["input_ids"], fake["pad"]), labels=widen(batch["labels"], IGNORE_INDEX),
+               attention_mask=widen(batch["attention_mask"], 0))
+    out["input_ids"][0, -n:] = ids
+    for key in PER_TOKEN:
+        if key in fake:
+            base = batch[key] if key in batch else torch.zeros_like(batch["input_ids"])
+            out[key] = widen(base, 0)
+            out[key][0, -n:] = fake[key]
+    for key in PER_IMAGE:
+        if key in fake:
+            out[key] = fake[key]
+    return out
+
+
 def fit(ids: list[int], labels: list[int], extras: dict, seq_len: int, pad: int, image_ids: set[int],
         where: str) -> dict | None:
     """Padded to seq_len, or truncated after the last image token (a cut image is one line naming the row)."""
@@ -185,6 +233,7 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
     if cfg.packing:
         raise UserError(f"data.packing with a vision-language model: {REFUSED['packing'][1]}")
     base, pad, image_ids = _images_base(cfg), _pad_id(tokenizer), image_token_ids(processor)
+    keys = model_keys(processor)  # every row holds them, a row without images as empty lists or zeros
     has_images = cfg.images_field in dataset.column_names
 
     def fn(row, index):
@@ -203,10 +252,11 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
         if not cfg.assistant_only_loss:
             raise UserError("data.assistant_only_loss=false with a vision-language model: the loss would fall on "
                             "image tokens; keep it true")
+        extras = {key: extras.get(key, [0] * len(ids) if key in PER_TOKEN else []) for key in keys}
         example = fit(ids, labels, extras, seq_len, pad, image_ids, where)
         if example is None:
-            return {"input_ids": [], "labels": [], "attention_mask": [], "full_length": -len(ids), "has_reply":
-                    any(label != IGNORE_INDEX for label in labels)}
+            return {"input_ids": [], "labels": [], "attention_mask": [], **{key: [] for key in keys},
+                    "full_length": -len(ids), "has_reply": any(label != IGNORE_INDEX for label in labels)}
         return example | {"full_length": len(ids), "has_reply": True}
 
     marked = dataset.map(fn, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
