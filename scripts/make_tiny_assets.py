@@ -20,6 +20,10 @@ Outputs (all small enough to ship in git):
   recipes/tiny/model/                          config.json + tokenizer files of a tiny Llama
   recipes/tiny/moe_model/                      config.json of a tiny Mixture-of-Experts model (Mixtral's
                                                architecture, 8 experts, 2 per token; the tokenizer above)
+  recipes/tiny/vlm_model/                      a tiny LLaVA's config and processor (the tokenizer above with
+                                               <image>), no weights: tiny/vlm_sft.yaml starts from random ones
+  data/tiny_vlm/                               {"images", "messages"} in TRL's vision layout, PNG squares whose
+                                               colour only the image shows
 """
 from __future__ import annotations
 
@@ -275,11 +279,64 @@ def make_moe_config(vocab_size: int, tokenizer):
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
+# the tiny vision-language model's template: CHAT_TEMPLATE with an image part rendered as LLaVA's <image>
+VLM_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+VLM_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
+
+
+def make_vlm(tokenizer_dir: Path, out: Path, data_dir: Path, n: int, seed: int) -> None:
+    """recipes/tiny/vlm_model/: a tiny LLaVA's config (a CLIP vision tower of 28-pixel images in 7-pixel patches:
+    16 image tokens, a projector, the tiny Llama's shape in 2 layers) and its processor (the tiny tokenizer with
+    <image> added, CLIP's image processing, VLM_TEMPLATE); no weights (the recipe starts from random ones).
+    data/tiny_vlm/: `n` rows in TRL's vision layout, a square of one of four colours on a white or black
+    background, asked for the square's colour: the answer is in the image alone (the text is the same for every row)."""
+    from PIL import Image, ImageDraw
+    from transformers import AutoTokenizer, CLIPVisionConfig, LlavaConfig, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tok, chat_template=VLM_TEMPLATE, patch_size=7, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1)
+    text = make_model_config(len(tok), tok)
+    text.num_hidden_layers = 2
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=4, image_size=28, patch_size=7,
+                                                        projection_dim=64),
+                         text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    processor.save_pretrained(out)
+    rng = random.Random(seed)
+    (data_dir / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        square, background = rng.choice(list(VLM_COLOURS)), rng.choice(("white", "black"))
+        image = Image.new("RGB", (28, 28), {"white": (255, 255, 255), "black": (0, 0, 0)}[background])
+        x, y = rng.randint(0, 8), rng.randint(0, 8)
+        ImageDraw.Draw(image).rectangle([x, y, x + 19, y + 19], fill=VLM_COLOURS[square])
+        image.save(data_dir / "images" / f"{i:04d}.png", optimize=False)
+        rows.append({"images": [f"images/{i:04d}.png"], "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": f"{square}."}]}]})
+    _write_jsonl(data_dir / "train.jsonl", rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", type=Path, default=ROOT / "data")
     parser.add_argument("--model_dir", type=Path, default=ROOT / "recipes" / "tiny" / "model")
     parser.add_argument("--moe_dir", type=Path, default=ROOT / "recipes" / "tiny" / "moe_model")
+    parser.add_argument("--vlm_dir", type=Path, default=ROOT / "recipes" / "tiny" / "vlm_model")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--vocab_size", type=int, default=1024)
     args = parser.parse_args()
@@ -295,7 +352,8 @@ def main() -> None:
     tokenizer.save_pretrained(args.model_dir)
     make_model_config(len(tokenizer), tokenizer).save_pretrained(args.model_dir)
     make_moe_config(len(tokenizer), tokenizer).save_pretrained(args.moe_dir)
-    print(f"wrote {args.data_dir}, {args.model_dir} and {args.moe_dir} (vocab {len(tokenizer)})")
+    make_vlm(args.model_dir, args.vlm_dir, args.data_dir / "tiny_vlm", n=800, seed=args.seed + 3)
+    print(f"wrote {args.data_dir}, {args.model_dir}, {args.moe_dir} and {args.vlm_dir} (vocab {len(tokenizer)})")
 
 
 if __name__ == "__main__":

@@ -196,8 +196,8 @@ def _tiny_vlm(root: Path, family: str) -> Path:
     """A tiny vision-language model of `family` with its processor, built from configs (no hub), seeded, on the
     tiny Llama's tokenizer (image tokens added), and `data/train.jsonl`: 48 rows in TRL's vision layout (an
     `images` column of paths relative to the file, a user turn with image parts) asking the colours of one or two
-    squares of 3 sizes only the images show, or, a third of them, no image at all. llava: a CLIP tower (28 px, 7 px patches: 16 image tokens), a projector, the tiny
-    Llama of 2 layers. gemma3: a SigLIP tower pooled to 4 image tokens that attend to each other both ways
+    squares of 3 sizes only the images show, or, a third of them, no image at all. llava: recipes/tiny/vlm_model's
+    (a CLIP tower of 28 px in 7 px patches: 16 image tokens, a projector, the tiny Llama of 2 layers). gemma3: a SigLIP tower pooled to 4 image tokens that attend to each other both ways
     (token_type_ids), Gemma 3's text model with a sliding and a full attention layer."""
     import json
     import random
@@ -205,22 +205,11 @@ def _tiny_vlm(root: Path, family: str) -> Path:
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-    if family == "llava":
-        from transformers import CLIPVisionConfig, LlavaConfig, LlavaProcessor
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-        tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model")
-        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-        images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-        processor = LlavaProcessor(image_processor=images, tokenizer=tok, chat_template=vlm_template("<image>"),
-                                   patch_size=7, vision_feature_select_strategy="default", num_additional_image_tokens=1)
-        text = AutoConfig.from_pretrained(ROOT / "recipes/tiny/model")
-        text.num_hidden_layers, text.vocab_size = 2, len(tok)
-        config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                            num_attention_heads=4, image_size=28, patch_size=7,
-                                                            projection_dim=64),
-                             text_config=text, image_token_id=tok.convert_tokens_to_ids("<image>"),
-                             vision_feature_select_strategy="default", vision_feature_layer=-1,
-                             tie_word_embeddings=True)
+    if family == "llava":  # the tiny vision-language recipe's model (scripts/make_tiny_assets.py: make_vlm)
+        from transformers import AutoProcessor
+        config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/vlm_model")
+        processor = AutoProcessor.from_pretrained(ROOT / "recipes/tiny/vlm_model")
+        assert processor.chat_template == vlm_template("<image>")
     else:
         from transformers import Gemma3Config, Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil

@@ -239,3 +239,23 @@ def test_vlm_lora_on_the_language_model_matches_peft_and_merges(tmp_path, cache,
     theirs = ref_model.merge_and_unload().state_dict()
     for name, tensor in merged.items():
         assert torch.allclose(tensor, theirs[name], atol=2e-5), name
+
+
+def test_the_docs_tiny_vlm_recipe_learns_what_only_the_image_shows(tmp_path, cache):
+    """docs/vision.md's first command, as written: recipes/tiny/vlm_sft.yaml on data/tiny_vlm, where every row asks
+    the same question and only the image tells one of four colours. Text alone cannot beat ln 4 nats per answer,
+    spread over each answer's trained tokens; the run ends under half of that."""
+    import datasets
+
+    from tests.helpers import ROOT, doc_commands, train_argv
+    found = [c for _, c in doc_commands([ROOT / "docs/vision.md"]) if "tiny/vlm_sft" in c]
+    assert found, "docs/vision.md shows no tiny/vlm_sft command"
+    run = tmp_path / "run"
+    launch([*train_argv(found[0]), "--output_dir", str(run), "--log.wandb=false", "--log.progress_bar=false"], cache)
+    _, evals = metrics(run)
+    val = datasets.load_from_disk(json.loads((run / "run_info.json").read_text())["data_cache"])["validation"]
+    trained = sum(sum(label != -100 for label in labels[1:]) for labels in val["labels"]) / len(val)
+    floor = math.log(4) / trained
+    print(f"tiny/vlm_sft: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.4f}; text alone >= "
+          f"{floor:.3f} ({trained:.1f} trained tokens an answer)")
+    assert evals[0]["eval_loss"] > 5 and evals[-1]["eval_loss"] < 0.5 * floor
