@@ -212,9 +212,9 @@ class ChunkedLoss(Component):
             raise UserError("train.loss_chunk_tokens is not supported with pipeline stages or tensor parallelism "
                             "(their heads are split or staged); set train.loss_chunk_tokens=0")
         check_precision(self.tokens, setup.precision)
-        from transformers import AutoModelForCausalLM
+        from ..vision import model_class
         with torch.device("meta"):  # the model's shape without its weights: nothing is built or read
-            shape = AutoModelForCausalLM.from_config(setup.model_config)
+            shape = model_class(setup.model_config).from_config(setup.model_config)
         check_model(shape, self.tokens)
 
     def describe(self) -> dict:

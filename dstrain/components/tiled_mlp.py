@@ -37,9 +37,9 @@ class TiledMlp(Component):
         if setup.layout.splits_model or setup.recipe.train.compile:
             raise UserError("train.mlp_chunk_tokens is not supported with pipeline stages, tensor parallelism or "
                             "train.compile; set train.mlp_chunk_tokens=0")
-        from transformers import AutoModelForCausalLM
+        from ..vision import model_class
         with torch.device("meta"):  # the model's shape without its weights
-            shape = AutoModelForCausalLM.from_config(setup.model_config)
+            shape = model_class(setup.model_config).from_config(setup.model_config)
         found = mlps(shape)
         if not found or not all(hasattr(m, name) for m in found for name in GATED):
             raise UserError(f"train.mlp_chunk_tokens needs decoder layers with a gated MLP (gate_proj, up_proj, "

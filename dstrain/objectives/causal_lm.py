@@ -81,8 +81,7 @@ class CausalLM:
         self.counter = None  # moe.RoutingCounter on the engine's model: the routing figures of an MoE model
 
     def validate(self, setup) -> None:
-        if vision.is_vision(setup.model_config):  # its layouts and data format, or one line
-            vision.check(setup)
+        if vision.is_vision(setup.model_config):  # (vision.check has passed: trainer/resolve.py)
             from ..data.formats.images import fake_image
             from ..model import load_tokenizer
             tokenizer = load_tokenizer(setup.recipe.model)

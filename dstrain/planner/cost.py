@@ -552,13 +552,13 @@ def _recipe_for(recipe, candidate: Candidate):
 def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Workload:
     """The recipe's model counted on the meta device (any size, no memory)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ..components.compression import embedding_shapes
+    from ..vision import model_class
 
     if model is None:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config)
+            model = model_class(model_config).from_config(model_config)
     parameters = sum(p.numel() for p in model.parameters())
     trained = quantized = None
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]

@@ -93,10 +93,12 @@ def count_parameters(config) -> int:
     """Parameters of the model a config describes, built on the meta device (no memory, any size). The class is
     built directly: inside a ZeRO-3 run (the teacher's count for memory.json) from_config would take transformers'
     zero.Init path, which cannot initialise meta tensors."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, AutoModelForCausalLM
 
     with torch.device("meta"):
-        if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        if vision.is_vision(config):  # the vision tower and projector count too
+            model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config)
+        elif type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
             model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
         else:  # a model whose code comes with it (trust_remote_code)
             model = AutoModelForCausalLM.from_config(config)
@@ -200,11 +202,9 @@ def _routed_experts(config) -> tuple[int, int, int]:
     """(the routed experts' parameters, the experts a token runs, an expert's width F) of an MoE model, from the
     model built on the meta device (dstrain/moe.py reads every family alike; down_proj is [E, H, F] or, in the
     transposed families, [E, F, H])."""
-    from transformers import AutoModelForCausalLM
-
     from .. import moe
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = vision.model_class(config).from_config(config)
     blocks = moe.moe_blocks(model)
     if not blocks:
         return 0, 0, 0
@@ -426,7 +426,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                  f"rank, {copy * ranks_per_node / GiB:,.1f} GiB per node{locked}, "
                  f"kept between saves (checkpoint.background=false saves without it, the step waiting for the write)")
     longest = longest_seq_len(config, parameters, recipe, resolved, layout, trained, quantized or 0, capacity)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    lm = vision.text_config(config)  # a vision-language model: its language model's
+    positions = getattr(lm, "max_position_embeddings", None) or getattr(lm, "n_positions", None)
     if longest and positions and longest > positions:
         text += (f"\nlongest train.seq_len that fits with this config: {positions:,} (the model's maximum positions; "
                  f"memory would allow {longest:,})")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import chat_templates, cli, components, data, env, families, objectives
+from .. import chat_templates, cli, components, data, env, families, objectives, vision
 from .. import model as models
 from ..config import Recipe
 from ..parallel import ds_config
@@ -81,6 +81,8 @@ def resolve(args, recipe: Recipe, raw_ds: dict, run_dir: Path, ctx, init_from: P
                              start_from.manifest.get("world_size") if start_from and start_from.universal else None)
     features = components.build(recipe, raw_ds)
     objective = objectives.make(recipe)  # what a step minimises: next-token loss, DPO and its kin, or rewards
+    if vision.is_vision(model_config):  # a vision-language model's layouts and data format, before the components'
+        vision.check(setup)
     components.validate_all(features + [objective], setup)
     families.check(setup)  # packing and sequence splits exact for this family, or refused in one line
     checkpoint.check_background(recipe.checkpoint, ds_cfg)

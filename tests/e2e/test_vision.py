@@ -197,6 +197,10 @@ def test_vision_mistakes_are_one_line(tmp_path, cache, tiny_vlm, tiny_llama):
                     cache, launcher="warm-python", check=False)
     assert packed.returncode == 2 and "data.packing with a vision-language model (llava)" in packed.stderr, \
         packed.stderr[-2000:]
+    chunked = launch([*common, str(tmp_path / "d"), f"--model.name_or_path={tiny_vlm / 'model'}",
+                      "--train.loss_chunk_tokens=64"], cache, launcher="warm-python", check=False)
+    assert chunked.returncode == 2 and "train.loss_chunk_tokens with a vision-language model (llava)" in \
+        chunked.stderr, chunked.stderr[-2000:]
     broken = tmp_path / "broken.jsonl"
     lines = data.read_text().splitlines()
     row = json.loads(lines[5])
@@ -259,3 +263,15 @@ def test_the_docs_tiny_vlm_recipe_learns_what_only_the_image_shows(tmp_path, cac
     print(f"tiny/vlm_sft: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.4f}; text alone >= "
           f"{floor:.3f} ({trained:.1f} trained tokens an answer)")
     assert evals[0]["eval_loss"] > 5 and evals[-1]["eval_loss"] < 0.5 * floor
+
+
+def test_preflight_counts_the_vision_tower(cache, tiny_vlm):
+    """--preflight on a vision-language recipe: every parameter (tower and projector too), the language model's
+    maximum positions."""
+    from transformers import AutoModelForImageTextToText
+    total = sum(p.numel() for p in AutoModelForImageTextToText.from_pretrained(tiny_vlm / "model").parameters())
+    out = launch(["--recipe", "tiny/vlm_sft", "--preflight", "--world_size", "2"], cache, launcher="warm-python",
+                 check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"preflight: {total / 1e6:.1f}M parameters, zero2.json" in out.stdout, out.stdout[-2000:]
+    assert "512 (the model's maximum positions" in out.stdout
