@@ -154,3 +154,36 @@ def test_a_blank_image_after_an_imageless_micro_batch_changes_nothing_but_runs_t
                          return_tensors="pt")
     model(**pictured, labels=pictured["input_ids"]).loss.backward()
     assert reached == {n for n, p in tower.items() if p.grad is not None} and reached
+
+
+def test_llavas_layout_trains_as_trls(tiny_vlm, processor, tmp_path):
+    """LLaVA's layout (`image`: one path; ShareGPT `conversations` with `<image>` in the human turn's text) gives the
+    same rows as the same data in TRL's vision layout; given to a text model, its image column is one line."""
+    import datasets
+
+    from dstrain.data.formats import chat
+    lines = [json.loads(line) for line in (tiny_vlm / "data/train.jsonl").read_text().splitlines()[:6]]
+    lines = [r for r in lines if len(r["images"]) == 1]
+    llava = []
+    for r in lines:
+        user, reply = r["messages"]
+        question = "".join("<image>" if p["type"] == "image" else p["text"] for p in user["content"])
+        llava.append({"image": r["images"][0], "conversations": [
+            {"from": "human", "value": question}, {"from": "gpt", "value": reply["content"][0]["text"]}]})
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(llava))
+    (tmp_path / "images").symlink_to(tiny_vlm / "data" / "images")
+    out = []
+    for data, cfg in ((datasets.Dataset.from_list(lines), DataConfig(path=str(tiny_vlm / "data/train.jsonl"),
+                                                                     format="chat", val_fraction=0)),
+                      (datasets.Dataset.from_list(llava), DataConfig(path=str(path), format="chat", val_fraction=0,
+                                                                     messages_field="conversations"))):
+        out.append(chat.tokenize(data, cfg, processor.tokenizer, 64, None)[0])
+    assert len(out[0]) == len(out[1]) == len(lines) > 0
+    for a, b in zip(*out):
+        assert a == b
+    from transformers import AutoTokenizer
+    text_model = AutoTokenizer.from_pretrained(tiny_vlm / "model")
+    cfg = DataConfig(path=str(path), format="chat", val_fraction=0, messages_field="conversations")
+    with pytest.raises(UserError, match=r"has images \(its 'image' column\), and the model is a text model"):
+        chat.tokenize(datasets.Dataset.from_list(llava), cfg, text_model, 64, None)

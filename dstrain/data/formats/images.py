@@ -127,6 +127,34 @@ def model_keys(processor) -> list[str]:
     return [key for key in out if key in PER_IMAGE or key in PER_TOKEN]
 
 
+LLAVA_IMAGE = "image"  # LLaVA's data layout: the row's image, `<image>` where it goes in a message's text
+LLAVA_PLACEHOLDER = "<image>"
+
+
+def inline_images(messages: list[dict]) -> list[dict]:
+    """LLaVA's layout as TRL's: each `<image>` in a message's text becomes an image part where it stands (the text
+    around it kept as text parts); messages that already hold parts are left as they are."""
+    if any(isinstance(m["content"], list) for m in messages):
+        return messages
+    out = []
+    for message in messages:
+        text = message["content"]
+        if LLAVA_PLACEHOLDER not in text:
+            out.append(message)
+            continue
+        parts = []
+        for n, piece in enumerate(text.split(LLAVA_PLACEHOLDER)):
+            if n:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append(dict(message, content=parts))
+    result = type(messages)(out)  # a Conversation keeps where its prompt ends
+    if hasattr(messages, "prompt_turns"):
+        result.prompt_turns = messages.prompt_turns
+    return result
+
+
 def fake_image(processor, pad: int) -> dict:
     """A blank image as the processor gives it (its image tokens, per-image and per-token inputs), for
     with_fake_image."""
@@ -234,12 +262,17 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
         raise UserError(f"data.packing with a vision-language model: {REFUSED['packing'][1]}")
     base, pad, image_ids = _images_base(cfg), _pad_id(tokenizer), image_token_ids(processor)
     keys = model_keys(processor)  # every row holds them, a row without images as empty lists or zeros
-    has_images = cfg.images_field in dataset.column_names
+    # TRL's `images` (data.images_field), or LLaVA's layout: one `image` per row, `<image>` in the conversation's text
+    column = cfg.images_field if cfg.images_field in dataset.column_names else \
+        LLAVA_IMAGE if LLAVA_IMAGE in dataset.column_names else None
+    has_images = column is not None
 
     def fn(row, index):
         where = f"{cfg.path} row {index + 1}"
         messages = to_messages(row, cfg)
-        images = open_images(row.get(cfg.images_field), base, where) if has_images else []
+        images = open_images(row.get(column), base, where) if has_images else []
+        if column == LLAVA_IMAGE:
+            messages = inline_images(messages)
         placeholders = sum(p.get("type") == "image" for m in messages if isinstance(m["content"], list)
                            for p in m["content"])
         if placeholders != len(images):
