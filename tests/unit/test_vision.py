@@ -187,3 +187,29 @@ def test_llavas_layout_trains_as_trls(tiny_vlm, processor, tmp_path):
     cfg = DataConfig(path=str(path), format="chat", val_fraction=0, messages_field="conversations")
     with pytest.raises(UserError, match=r"has images \(its 'image' column\), and the model is a text model"):
         chat.tokenize(datasets.Dataset.from_list(llava), cfg, text_model, 64, None)
+
+
+def test_lora_adapts_the_language_model_alone_unless_asked(tiny_vlm):
+    """Lora.validate's default on a vision-language model: adapters on the language model's linear layers only
+    (r x (in + out) each); lora.vision_tower=true puts them on the tower's and projector's too."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from dstrain.components.lora import Lora
+    from dstrain.config import LoraSection, Recipe
+    config = AutoConfig.from_pretrained(tiny_vlm / "model")
+    model = AutoModelForImageTextToText.from_config(config)
+    language = sum(8 * (m.in_features + m.out_features) for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n.startswith("model.language_model."))
+    everywhere = sum(8 * (m.in_features + m.out_features) for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    counted = {}
+    for on in (False, True):
+        recipe = Recipe()
+        recipe.model.name_or_path, recipe.lora = str(tiny_vlm / "model"), LoraSection(r=8, vision_tower=on)
+        setup = type("Setup", (), {"recipe": recipe, "model_config": config, "init_from": None, "precision": "fp32",
+                                   "ds_cfg": {}, "log": print,
+                                   "layout": type("Layout", (), {"is_pipeline": False, "tensor_parallel": 1})()})()
+        lora = Lora(recipe.lora)
+        lora.validate(setup)
+        counted[on] = lora.trainable
+    assert counted == {False: language, True: everywhere} and language < everywhere
