@@ -54,8 +54,12 @@ def vision_parameters(model) -> int:
     config = getattr(model, "config", None)
     if config is None or not is_vision(config):
         return 0
-    return sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for part in vision_parts(model).values()
-               for p in part)
+    return _whole(p for part in vision_parts(model).values() for p in part)
+
+
+def _whole(params) -> int:
+    """Elements of the whole tensors (under zero.Init a rank holds a partition)."""
+    return sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in params)
 
 
 # where transformers' vision-language models keep the module between the vision tower and the language model (LLaVA,
@@ -90,7 +94,7 @@ def freeze(model, cfg) -> str | None:
             param.requires_grad_(False)
     if not frozen:
         return None
-    count = sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for n in frozen for p in parts[n])
+    count = _whole(p for n in frozen for p in parts[n])
     return (f"vision-language model: the {' and the '.join('vision tower' if n == 'tower' else n for n in frozen)} "
             f"frozen ({count:,} parameters; model.train_vision_tower / model.train_projector to train them)")
 

@@ -229,7 +229,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
                           # a vision-language model's image processing (sizes, normalisation, tokens per image)
                           **({"processor": tokenizer._dstrain_processor.to_json_string()}
                              if getattr(tokenizer, "_dstrain_processor", None) is not None else {})},
-                         sort_keys=True, default=str)
+                         sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -23,11 +23,6 @@ from ...vision import PER_IMAGE, PER_TOKEN, REFUSED, processor_of
 from .sft import IGNORE_INDEX, Conversation, _pad_id, assistant_spans
 
 
-def has_image_parts(messages: list[dict]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
-               for m in messages)
-
-
 def open_images(value, base: Path | None, where: str) -> list:
     """A row's images as RGB PIL images: file paths (relative to `base`, the dataset's folder, or absolute) or
     datasets' Image feature (decoded, or {"bytes", "path"}). A missing or unreadable image is one line."""
@@ -117,14 +112,6 @@ def image_token_ids(processor) -> set[int]:
     if getattr(processor, "image_token_id", None) is not None:
         found.add(processor.image_token_id)
     return found
-
-
-def model_keys(processor) -> list[str]:
-    """What the processor gives for a piece with an image, per image and per token: the columns every row holds."""
-    from PIL import Image
-    out = processor(text=[processor.image_token], images=[Image.new("RGB", (32, 32))], add_special_tokens=False,
-                    return_tensors="np")
-    return [key for key in out if key in PER_IMAGE or key in PER_TOKEN]
 
 
 LLAVA_IMAGE = "image"  # LLaVA's data layout: the row's image, `<image>` where it goes in a message's text
@@ -220,13 +207,13 @@ def batch(batch: dict) -> dict:
     for key in PER_IMAGE:
         if key in batch:
             value = batch[key]
-            rows = list(value) if isinstance(value, (list, tuple)) or value.dim() > 1 else [value]
-            rows = [torch.as_tensor(r) for r in rows if torch.as_tensor(r).numel()]
-            batch[key] = torch.cat(rows) if rows else None
-            if batch[key] is None:
+            rows = [torch.as_tensor(r) for r in (value if isinstance(value, (list, tuple)) or value.dim() > 1
+                                                 else [value])]
+            rows = [r for r in rows if r.numel()]  # a row without images holds an empty list
+            if not rows:
                 del batch[key]
-            elif key == "pixel_values":
-                batch[key] = batch[key].float()
+                continue
+            batch[key] = torch.cat(rows).float() if key == "pixel_values" else torch.cat(rows)
     return batch
 
 
@@ -260,8 +247,12 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
     check_template(tokenizer, processor)
     if cfg.packing:
         raise UserError(f"data.packing with a vision-language model: {REFUSED['packing'][1]}")
+    if not cfg.assistant_only_loss:
+        raise UserError("data.assistant_only_loss=false with a vision-language model: the loss would fall on image "
+                        "tokens; keep it true")
     base, pad, image_ids = _images_base(cfg), _pad_id(tokenizer), image_token_ids(processor)
-    keys = model_keys(processor)  # every row holds them, a row without images as empty lists or zeros
+    # what the processor gives for an image, per image and per token: every row holds them (empty or zeros without)
+    keys = [key for key in fake_image(processor, pad) if key in PER_IMAGE or key in PER_TOKEN]
     # TRL's `images` (data.images_field), or LLaVA's layout: one `image` per row, `<image>` in the conversation's text
     column = cfg.images_field if cfg.images_field in dataset.column_names else \
         LLAVA_IMAGE if LLAVA_IMAGE in dataset.column_names else None
@@ -282,9 +273,6 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
         if cfg.last_turn_only:
             prompt_turns = max([prompt_turns] + [i for i, m in enumerate(messages) if m["role"] == "assistant"])
         ids, labels, extras = tokens(messages, images, tokenizer, processor, to_tools(row, cfg), prompt_turns)
-        if not cfg.assistant_only_loss:
-            raise UserError("data.assistant_only_loss=false with a vision-language model: the loss would fall on "
-                            "image tokens; keep it true")
         extras = {key: extras.get(key, [0] * len(ids) if key in PER_TOKEN else []) for key in keys}
         example = fit(ids, labels, extras, seq_len, pad, image_ids, where)
         if example is None:
