@@ -20,7 +20,8 @@ from ..config import DataConfig
 from ..errors import UserError
 from ..parallel.ds_internals import dataset_fingerprint
 from ..paths import local_or_hub
-from .formats import check_fields, check_rows, failing_row, layout_of, report, tokenize, tokenizer_fingerprint
+from ..vision import processor_of
+from .formats import check_fields, check_rows, failing_row, images, layout_of, report, tokenize, tokenizer_fingerprint
 from .load import load_raw, row_location, split_train_val
 
 STATS = "stats.json"  # counts of a tokenized cache: documents/examples, sequences, truncated, dropped
@@ -67,6 +68,8 @@ def prepare(cfg: DataConfig, tokenizer, seq_len: int, seed: int, log=lambda text
     train_raw, val_raw = split_train_val(raw, cfg, seed)
     cfg = layout_of(train_raw, cfg, log)  # TRL's SFT layouts read as their columns say
     check_fields(train_raw, cfg)  # on every rank, so a bad field fails everywhere instead of leaving one waiting
+    if processor_of(tokenizer) is None:  # images in the rows of a text model: one line, not trained without them
+        images.refuse_for_text_model(train_raw, cfg)
     fingerprints = [dataset_fingerprint(d) for d in (train_raw, val_raw) if d is not None]
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     path = root / cache_key(cfg, seq_len, seed, tokenizer, fingerprints)

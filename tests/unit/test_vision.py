@@ -185,8 +185,12 @@ def test_llavas_layout_trains_as_trls(tiny_vlm, processor, tmp_path):
     from transformers import AutoTokenizer
     text_model = AutoTokenizer.from_pretrained(tiny_vlm / "model")
     cfg = DataConfig(path=str(path), format="chat", val_fraction=0, messages_field="conversations")
+    assert vision.processor_of(text_model) is None
     with pytest.raises(UserError, match=r"has images \(its 'image' column\), and the model is a text model"):
-        chat.tokenize(datasets.Dataset.from_list(llava), cfg, text_model, 64, None)
+        rows_with_images.refuse_for_text_model(datasets.Dataset.from_list(llava), cfg)
+    preference = datasets.Dataset.from_list([{"prompt": "Which?", "chosen": "a", "rejected": "b", "images": ["x.png"]}])
+    with pytest.raises(UserError, match=r"has images \(its 'images' column\)"):  # any data format
+        rows_with_images.refuse_for_text_model(preference, DataConfig(path="pairs.jsonl", format="preference"))
 
 
 def test_lora_adapts_the_language_model_alone_unless_asked(tiny_vlm):

@@ -42,11 +42,6 @@ def to_tools(row: dict, cfg: DataConfig) -> list | None:
 def tokenize(dataset, cfg: DataConfig, tokenizer, seq_len: int, num_proc: int | None) -> tuple[Any, dict]:
     if processor_of(tokenizer) is not None:  # a vision-language model: images through its processor
         return images.tokenize(dataset, cfg, tokenizer, seq_len, num_proc, to_messages, to_tools)
-    for column in (cfg.images_field, images.LLAVA_IMAGE):  # TRL's layout, or LLaVA's
-        if column in dataset.column_names and any(dataset[column]):
-            raise UserError(f"{cfg.path} has images (its '{column}' column), and the model is a text model: they "
-                            f"would be dropped and the text trained alone; train an image-text-to-text model "
-                            f"(docs/vision.md), or remove the column")
     return sft.tokenize(dataset, cfg, tokenizer, seq_len, num_proc, _text_messages, to_tools)
 
 

@@ -118,6 +118,16 @@ LLAVA_IMAGE = "image"  # LLaVA's data layout: the row's image, `<image>` where i
 LLAVA_PLACEHOLDER = "<image>"
 
 
+def refuse_for_text_model(dataset, cfg) -> None:
+    """Images given to a text model (TRL's `images` column or LLaVA's `image`, in any data format) are one line: they
+    would be dropped and the text trained alone."""
+    for column in (cfg.images_field, LLAVA_IMAGE):
+        if column in dataset.column_names and any(dataset[column]):
+            raise UserError(f"{cfg.path} has images (its '{column}' column), and the model is a text model: they "
+                            f"would be dropped and the text trained alone; train an image-text-to-text model "
+                            f"(docs/vision.md), or remove the column")
+
+
 def inline_images(messages: list[dict]) -> list[dict]:
     """LLaVA's layout as TRL's: each `<image>` in a message's text becomes an image part where it stands (the text
     around it kept as text parts); messages that already hold parts are left as they are."""
