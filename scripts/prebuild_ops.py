@@ -11,12 +11,13 @@ import time
 
 from deepspeed.accelerator import get_accelerator
 
-from dstrain.parallel.ds_internals import announce_jit_builds
+from dstrain.parallel.ds_internals import announce_jit_builds, remember_cpu_info
 
 
 def main(names: list[str]) -> None:
     accelerator = get_accelerator()
     announce_jit_builds(print)  # the same keyed build directories the runs load from
+    remember_cpu_info()  # the runs read the machine's answer instead of asking py-cpuinfo again
     for name in names:
         builder = accelerator.create_op_builder(name)
         if builder is None or not builder.is_compatible(verbose=False):

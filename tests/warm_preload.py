@@ -2,6 +2,7 @@
 before its first step in the suite's runs. Importing starts no thread and initialises no device or process group
 (tests/unit/test_warm.py checks the forkserver holds one thread), so each fork begins as a fresh process would after
 its imports."""
+import importlib
 import os
 
 _BEFORE = dict(os.environ)
@@ -21,6 +22,13 @@ import dstrain.cli  # noqa: F401, E402
 import dstrain.parallel.dist  # noqa: F401, E402
 import dstrain.run.watchdog  # noqa: F401, E402
 import dstrain.trainer  # noqa: F401, E402
+
+# imported later in a rank, each costing every launch again (py-spy over test_vs_reference + test_moe: 6.5% of all
+# samples): the loss plot's pyplot at the run's end (rank 0, Agg as dstrain.metrics.plot_losses sets it),
+# transformers' Mistral-format check that every AutoTokenizer load imports, DeepSpeed's op builders' setuptools
+importlib.import_module("matplotlib").use("Agg")
+for _name in ("matplotlib.pyplot", "setuptools", "transformers.integrations.mistral.tokenizer"):
+    importlib.import_module(_name)
 
 # what the imports set in the environment (tests/unit/test_warm.py compares it with warm._set_by_import)
 ADDED = {name: value for name, value in os.environ.items() if _BEFORE.get(name) != value}

@@ -360,6 +360,40 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
 
 
+def test_py_cpuinfo_is_asked_once_per_machine(tmp_path, monkeypatch):
+    """DeepSpeed's CPU op builders ask py-cpuinfo in cpu_arch and simd_width (each JIT load) and DeepSpeedCPUAdam
+    asks once more; each answer took a child process spinning 1.2 CPU-seconds, three per rank of an offload run.
+    remember_cpu_info: the first question measures and writes the cache root's file; every later one, in this
+    process or another, is read from it (a planted answer is what a fresh process's builder sees)."""
+    import cpuinfo
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import cpu_adam
+
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    for where in (type(builder).cpu_arch, type(builder).simd_width, cpu_adam.DeepSpeedCPUAdam.__init__):
+        assert "from cpuinfo import get_cpu_info" in inspect.getsource(where), moved(where.__qualname__)
+    real = cpuinfo.get_cpu_info
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", real)  # the pytest process's own, restored after
+    monkeypatch.setenv("DSTRAIN_CACHE", str(tmp_path))
+    asked = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or real())
+    ds_internals.remember_cpu_info()
+    flags = [builder.cpu_arch(), builder.simd_width(), builder.cpu_arch()]
+    assert len(asked) == 1 and flags[0] == flags[2], asked  # measured once, by the first question
+    cached = json.loads((tmp_path / ds_internals.ops.CPU_INFO_CACHE).read_text())
+    assert list(cached) == [ds_internals.ops.cpu_info_key()] and cached[ds_internals.ops.cpu_info_key()]["flags"]
+
+    cached[ds_internals.ops.cpu_info_key()] = {"arch": "riscv64", "flags": []}
+    (tmp_path / ds_internals.ops.CPU_INFO_CACHE).write_text(json.dumps(cached))
+    child = subprocess.run([sys.executable, "-c", (
+        "import cpuinfo; from deepspeed.accelerator import get_accelerator; from dstrain.parallel import ds_internals\n"
+        "ds_internals.remember_cpu_info()\n"
+        "print(get_accelerator().create_op_builder('CPUAdamBuilder').cpu_arch())")],
+        cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.splitlines()[-1] == "-march=rv64gc", child.stdout  # the planted answer, not measured
+
+
 def test_a_build_lock_left_by_a_killed_process_is_removed_not_waited_for(tmp_path, monkeypatch):
     """On an H100, a run killed during ZeRO++'s quantizer build left torch's lock file, and the next launch hung
     silently until its limit: torch waits forever while <build dir>/lock exists, for a build *or* a load. A real

@@ -54,14 +54,16 @@ def test_a_peak_measured_on_a_busy_machine_gives_way_to_the_best_seen(tmp_path, 
     """Issue 29 item 5: the peak measured while the other ranks imported was 5-10x low, and MFU read 107-233%.
     The best rate ever measured for the machine is cached and used when a measurement comes out lower."""
     monkeypatch.setenv("DSTRAIN_CACHE", str(tmp_path))
-    rates = iter([2e10, 5e9])  # an idle machine, then a busy one
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda precision, device: next(rates))
+    rates, took = iter([2e10, 5e9]), []  # an idle machine, then a busy one
+    monkeypatch.setattr(flops, "measure_matmul_peak",
+                        lambda precision, device, seconds: took.append(seconds) or next(rates))
     idle = flops.device_peak(torch.device("cpu"), "fp32")
     busy = flops.device_peak(torch.device("cpu"), "fp32")
+    assert took == [0.3, 0.1]  # a figure cached: a shorter measurement, only to raise it
     assert idle.flops == 2e10 and "measured fp32 matmul" in idle.source
     assert busy.flops == 2e10 and "cached" in busy.source and "0.005 TFLOP/s now" in busy.source
     flops.record_achieved(torch.device("cpu"), "fp32", 3e10)  # a step beat the peak: the cache learns
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda precision, device: 1e9)
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda precision, device, seconds: 1e9)
     assert flops.device_peak(torch.device("cpu"), "fp32").flops == 3e10
     assert flops.device_peak(torch.device("cpu"), "bf16").flops == 1e9  # another key: its own figure
 

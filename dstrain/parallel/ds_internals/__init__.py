@@ -72,6 +72,7 @@ from .ops import (  # noqa: F401
     jit_build_dir_root,
     jit_build_key,
     jit_build_needed,
+    remember_cpu_info,
     settle_flags,
 )
 from .torch_apis import (  # noqa: F401
@@ -105,6 +106,7 @@ __all__ = [
     "announce_jit_builds",
     "build_turn",
     "settle_flags",
+    "remember_cpu_info",
     "cuda_arch_list_deepspeed_parses",
     "replace_zero0_allreduce",
     "replace_zero1_reduction",

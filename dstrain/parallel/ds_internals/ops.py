@@ -124,6 +124,67 @@ def build_turn(build_dir: Path) -> Iterator[Path | None]:
         os.close(fd)  # releases the flock
 
 
+CPU_INFO_CACHE = "cpu_info.json"
+
+
+def cpu_info_key() -> str:
+    """What py-cpuinfo's answer depends on: the processor's identity and flags as the kernel lists them (not its
+    current clock), the core count and py-cpuinfo's version."""
+    import platform
+
+    import cpuinfo
+
+    kept = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU implementer",
+            "CPU part")
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    first = text.split("\n\n", 1)[0].splitlines()
+    lines = [line for line in first if line.split(":", 1)[0].strip() in kept]
+    parts = [platform.machine(), os.cpu_count(), getattr(cpuinfo, "CPUINFO_VERSION_STRING", ""), *lines]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def remember_cpu_info() -> None:
+    """py-cpuinfo's get_cpu_info, answered once per machine. DeepSpeed calls it from its CPU op builders (cpu_arch
+    and simd_width, each JIT load) and from DeepSpeedCPUAdam's constructor; every call starts a Python process that
+    times the clock by spinning: 1.2 CPU-seconds a call here (measured), three per rank of every offload run, as
+    many as there are ranks at once. The answer (what DeepSpeed reads of it: the flags, the architecture, the vendor)
+    is the machine's: kept in the cache root per cpu_info_key, read by every later call in any process. Written by
+    hand: py-cpuinfo keeps no cache of its own."""
+    import functools
+
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "dstrain_remembers", False):
+        return
+    measure = cpuinfo.get_cpu_info
+
+    @functools.cache
+    def get_cpu_info() -> dict:
+        path = env.cache_root() / CPU_INFO_CACHE
+        key = cpu_info_key()
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if isinstance(known.get(key), dict):
+            return known[key]
+        info = measure()
+        try:  # another process may write at the same moment: each writes a whole file, the last one stays
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**known, key: info}, default=str))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache: measured again next time, as without this
+        return info
+
+    get_cpu_info.dstrain_remembers = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def settle_flags(builder) -> None:
     """The op's compiler flags, computed once for this builder. DeepSpeed's CPU builders probe the CPU (py-cpuinfo)
     in every cxx_args() call, 2.3 s each here (CPUAdam, AsyncIO), and a JIT load asked twice: the build key, then
