@@ -45,11 +45,13 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
-	@# byte-compiled at install (pip's default), and kept so: --no-compile halved installing torch and transformers
-	@# (44 s against 20) but made the suite ~10 minutes slower where PYTHONDONTWRITEBYTECODE is set (this machine and
-	@# CI): no process may then write a .pyc, so every launch compiled its imports again (issue 83)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev]'
+	@# every module byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (this machine and CI) no process
+	@# may write a .pyc later, and every launch compiled its imports again (the suite ~10 minutes slower, issue 83).
+	@# pip compiles file by file on one core (half of installing torch and transformers: 44 s against 20);
+	@# compileall after it uses every core, with the same .pyc files
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	@$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
 	@$(PY) -c "import torch, deepspeed, transformers; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__)" 2>/dev/null
 	@touch $@
 

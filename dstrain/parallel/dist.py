@@ -78,11 +78,12 @@ def init() -> DistContext:
         torch.cuda.set_device(ctx.local_rank)
     else:
         share_cores(ctx)
-    from .ds_internals import announce_jit_builds, remember_cpu_info
+    from .ds_internals import announce_jit_builds, cpu_devices_are_the_nodes_ranks, remember_cpu_info
     # every rank: they must agree on the op's build directory; ranks take turns (build_turn), so only the one that
     # builds says so, once per node
     announce_jit_builds(lambda text: print(text, file=sys.stderr, flush=True))
     remember_cpu_info()  # DeepSpeed's CPU ops ask py-cpuinfo, 1.2 CPU-seconds a question: asked once per machine
+    cpu_devices_are_the_nodes_ranks(env.ranks_per_node())  # as DeepSpeed's launcher says it, under every launcher
     try:
         deepspeed.init_distributed(dist_init_required=True, verbose=False)
     except Exception as error:  # DistNetworkError's traceback told users nothing they could act on

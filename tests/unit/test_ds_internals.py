@@ -360,6 +360,27 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     assert builder.jit_load() == "loaded" and said and "building DeepSpeed's cpu_adam op" in said[0]
 
 
+def test_cpu_devices_are_the_nodes_ranks_under_every_launcher(monkeypatch):
+    """DeepSpeed's CPU accelerator reads LOCAL_SIZE, which only its own launcher sets; without it device_count() ran
+    `numactl --hardware` in a child process at every ZeRO-3 gradient reduce-scatter and answered the NUMA nodes."""
+    import subprocess as sp
+
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        pytest.skip("DeepSpeed's CPU accelerator only")
+    assert "LOCAL_SIZE" in inspect.getsource(type(accelerator).device_count), moved("CPU_Accelerator.device_count")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "LOCAL_SIZE"})
+    started, real = [], sp.check_output
+    monkeypatch.setattr(sp, "check_output", lambda *a, **k: started.append(a) or real(*a, **k))
+    ds_internals.cpu_devices_are_the_nodes_ranks(3)
+    assert accelerator.device_count() == 3 and started == []
+    os.environ["LOCAL_SIZE"] = "2"  # DeepSpeed's launcher said it: kept
+    ds_internals.cpu_devices_are_the_nodes_ranks(3)
+    assert accelerator.device_count() == 2
+
+
 def test_py_cpuinfo_is_asked_once_per_machine(tmp_path, monkeypatch):
     """DeepSpeed's CPU op builders ask py-cpuinfo in cpu_arch and simd_width (each JIT load) and DeepSpeedCPUAdam
     asks once more; each answer took a child process spinning 1.2 CPU-seconds, three per rank of an offload run.

@@ -3,6 +3,8 @@ environment variable read in dstrain/env.py (documented: tests/unit/test_docs.py
 import re
 from pathlib import Path
 
+import pytest
+
 from dstrain import errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,3 +135,18 @@ def test_every_import_of_ours_resolves():
                 if not hasattr(found, alias.name) and importlib.util.find_spec(f"{module}.{alias.name}") is None:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {module}.{alias.name}")
     assert bad == []
+
+
+def test_make_setup_byte_compiled_the_installed_packages():
+    """`make setup` installs with pip's --no-compile and byte-compiles afterwards on every core (compileall -j 0).
+    Without the .pyc files, where PYTHONDONTWRITEBYTECODE is set (this machine and CI) every launch compiles its
+    imports again: the suite took ~10 minutes longer (issue 83). Modules no test imports, so no run wrote them."""
+    import importlib.util
+    import sysconfig
+
+    site = Path(sysconfig.get_path("purelib"))
+    if not (site / "torch").is_dir() or not str(site).startswith(str(ROOT)):
+        pytest.skip("not the project's own .venv")
+    for source in ("torch/_inductor/codegen/rocm/rocm_kernel.py", "transformers/models/bert/modeling_bert.py",
+                   "deepspeed/inference/v2/engine_v2.py", "datasets/packaged_modules/xml/xml.py"):
+        assert Path(importlib.util.cache_from_source(str(site / source))).exists(), f"{source} has no .pyc"

@@ -21,6 +21,7 @@ from .checkpoints import (  # noqa: F401
 from .comm import (  # noqa: F401
     collective_work_type,
     comm_backend,
+    cpu_devices_are_the_nodes_ranks,
     replace_zero0_allreduce,
     replace_zero1_reduction,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "build_turn",
     "settle_flags",
     "remember_cpu_info",
+    "cpu_devices_are_the_nodes_ranks",
     "cuda_arch_list_deepspeed_parses",
     "replace_zero0_allreduce",
     "replace_zero1_reduction",
