@@ -565,7 +565,8 @@ def workload(recipe, raw_ds: dict, world: int, model_config, model=None) -> Work
     first = [tuple(p.shape) for name, p in model.named_parameters() if ".0." in name]
     if recipe.lora.enabled:
         from ..components.lora import count_parameters as lora_counts
-        _, trained, linear = lora_counts(model_config, recipe.lora)
+        from ..components.lora import language_model_only
+        _, trained, linear = lora_counts(model_config, language_model_only(model_config, recipe.lora))
         quantized = linear if recipe.lora.quantize else 0
         shapes = first = [(trained,)]  # adapters: many small matrices, counted as one uncompressed vector
     global_batch = global_batch_of(recipe, raw_ds, world)

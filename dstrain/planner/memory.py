@@ -392,7 +392,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
     trained = quantized = None
     if recipe.lora.enabled:  # a frozen base (4-bit with lora.quantize) and adapters with full training states
         from ..components.lora import count_parameters as lora_counts
-        _, trained, linear = lora_counts(config, recipe.lora)
+        from ..components.lora import language_model_only
+        _, trained, linear = lora_counts(config, language_model_only(config, recipe.lora))
         quantized = linear if recipe.lora.quantize else 0
     est = estimate(config, parameters, recipe, resolved, layout, trained, quantized or 0)
     text = report(est, recipe, ds_name, layout, capacity, capacity_name, resolved)

@@ -217,3 +217,69 @@ def test_lora_adapts_the_language_model_alone_unless_asked(tiny_vlm):
         lora.validate(setup)
         counted[on] = lora.trainable
     assert counted == {False: language, True: everywhere} and language < everywhere
+
+
+@pytest.fixture(scope="module")
+def real_vlm_configs(tmp_path_factory):
+    """The hub configs of the two vision recipes' models (their published shapes), saved locally: no hub here."""
+    from transformers import AutoConfig
+
+    q25 = tmp_path_factory.mktemp("qwen2.5-vl-7b")
+    AutoConfig.for_model(
+        "qwen2_5_vl", image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        tie_word_embeddings=False,
+        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                         rope_theta=1000000.0, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_chans=3,
+                           out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+                           hidden_act="silu")).save_pretrained(q25)
+    q3 = tmp_path_factory.mktemp("qwen3-vl-8b")
+    AutoConfig.for_model(
+        "qwen3_vl", image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        tie_word_embeddings=False,
+        text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                         rope_theta=5000000.0, tie_word_embeddings=False,
+                         rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
+                                       "mrope_interleaved": True}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+                           out_hidden_size=4096, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                           hidden_act="gelu_pytorch_tanh")).save_pretrained(q3)
+    return {"qwen2.5-vl-7b/lora_sft.yaml": q25, "qwen3-vl-8b/sft_zero3.yaml": q3}
+
+
+# the published sizes: Qwen2.5-VL-7B-Instruct 8.29B, Qwen3-VL-8B-Instruct 8.77B (their model cards)
+@pytest.mark.parametrize("name,published", [("qwen2.5-vl-7b/lora_sft.yaml", 8.29e9),
+                                            ("qwen3-vl-8b/sft_zero3.yaml", 8.77e9)])
+def test_the_vision_recipes_fit_the_hardware_they_name(real_vlm_configs, name, published):
+    """Each shipped vision-language recipe passes --preflight on the GPUs its first lines name (one node of 8 H100
+    80GB), counting the whole model: vision tower and projector with the language model."""
+    from pathlib import Path
+
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.parallel import ds_config as dsc
+    from dstrain.planner import memory
+
+    path = Path(__file__).parents[2] / "recipes" / name
+    assert "--device h100-80gb" in path.read_text() and f"--recipe {name}" in path.read_text()
+    recipe = load_recipe(name, parse_overrides([f"--model.name_or_path={real_vlm_configs[name]}",
+                                                "--model.tokenizer=recipes/tiny/model"]))
+    gpu = dsc.DeviceCaps("cuda", bf16=True, fp16=True)
+    fits, text = memory.preflight(recipe, dsc.load(recipe.ds_config), recipe.ds_config, 8, 8, gpu,
+                                  memory.target_device("h100-80gb", None))
+    assert fits, text
+    counted = [float(n.replace(",", "")) * 1e6 for n in re.findall(r"([\d,]+\.\d)M parameters", text)]
+    assert counted and abs(counted[0] - published) < 0.01 * published, text  # the tower counted too
+    if recipe.lora.enabled:  # adapters on the language model's linear layers alone, as the run puts them (the
+        # preflight counted the tower's and projector's too: 51.8M against the run's 40.4M)
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(real_vlm_configs[name])
+        with torch.device("meta"):
+            language_model = vision.model_class(config).from_config(config).model.language_model
+        adapters = sum(recipe.lora.r * (m.in_features + m.out_features) for m in language_model.modules()
+                       if isinstance(m, torch.nn.Linear))
+        assert f"LoRA r={recipe.lora.r}: {adapters / 1e6:,.1f}M adapter parameters train" in text, text
