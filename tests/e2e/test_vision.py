@@ -132,16 +132,23 @@ def reference(request):
     return get
 
 
-# LLaVA under ZeRO-2 with the defaults (the vision tower and projector frozen) and under ZeRO-3 (zero.Init) training
-# all of it; Gemma 3 (image tokens attending both ways, a sliding-window layer) under ZeRO-3 with the defaults
+TRAIN_ALL = ["--model.train_vision_tower=true", "--model.train_projector=true"]
+
+
+# LLaVA under ZeRO-2 with the defaults (the vision tower and projector frozen), under ZeRO-3 (zero.Init) training
+# all of it, and under ZeRO-3 with parameters and optimizer on the CPU (DeepSpeedCPUAdam) and activation
+# checkpointing (the tower's and the language model's layers recomputed); Gemma 3 (image tokens attending both ways,
+# a sliding-window layer) under ZeRO-3 with the defaults. fp32: every cell to the plain loop's losses within RTOL
 @pytest.mark.parametrize("family,ds_config,extra", [
     ("llava", "zero2.json", []),
-    ("llava", "zero3.json", ["--model.train_vision_tower=true", "--model.train_projector=true"]),
+    ("llava", "zero3.json", TRAIN_ALL),
+    ("llava", "zero3_offload.json", [*TRAIN_ALL, "--train.activation_checkpointing=true"]),
     ("gemma3", "zero3.json", [])])
 def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, cache, request, reference, family,
                                                                     ds_config, extra):
     root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
-    rows, want, record, ref_model = reference(frozen=not extra, family=family)
+    trained = TRAIN_ALL[0] in extra
+    rows, want, record, ref_model = reference(frozen=not trained, family=family)
     run = tmp_path / "run"
     proc = launch([*ARGS, f"--model.name_or_path={root / 'model'}", f"--data.path={root / 'data/train.jsonl'}",
                    "--ds_config", ds_config, "--output_dir", str(run), *extra], cache)
@@ -180,10 +187,11 @@ def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, ca
     out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
     assert "AutoModelForImageTextToText" in proc.stderr  # the run's last words name the class that loads it
-    assert ("vision tower and the projector frozen" in proc.stderr) == (not extra), proc.stderr[-3000:]
+    assert ("vision tower and the projector frozen" in proc.stderr) == (not trained), proc.stderr[-3000:]
     info = json.loads((run / "run_info.json").read_text())
-    trained = sum(p.numel() for p in ref_model.parameters() if p.requires_grad)
-    assert info["trainable_parameters"] == trained and (trained < info["parameters"]) == (not extra)
+    count = sum(p.numel() for p in ref_model.parameters() if p.requires_grad)
+    assert info["trainable_parameters"] == count and (count < info["parameters"]) == (not trained)
+    assert info["activation_checkpointing"] is ("--train.activation_checkpointing=true" in extra)
 
 
 def test_vision_mistakes_are_one_line(tmp_path, cache, tiny_vlm, tiny_llama):
