@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-family-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-family-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-vlm bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -150,6 +150,10 @@ bench-dpo: setup
 # GRPO through train.py and through TRL's GRPOTrainer on make train's export (prompts/s, memory)
 bench-grpo: setup
 	$(PY) bench/grpo.py --write $(BENCH_ARGS)
+
+# vision-language SFT (the tiny recipe's job) through train.py and through TRL's SFTTrainer (rows/s, memory; ~5 min)
+bench-vlm: setup
+	$(PY) bench/vlm.py --write $(BENCH_ARGS)
 
 # the planner's predictions against trials on a 100 Mbit/s and an unshaped veth link between two network namespaces
 # (root, iproute2; about 20 min on 2 cores), and against published Megatron-LM runs

@@ -71,6 +71,47 @@ def engine_of(trainer) -> dict:
             "zero_stage": engine.zero_optimization_stage() if is_engine else None}
 
 
+def peer_parser(ints: dict, floats: dict, paths=("model", "data", "ds_config", "output_dir", "result")):
+    """A Trainer peer's arguments: the required `paths`, integer and float settings with their defaults, the
+    precision, and the deepspeed launcher's --local_rank."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    for name in paths:
+        parser.add_argument(f"--{name}", required=True)
+    for kind, defaults in ((int, ints), (float, floats)):
+        for name, default in defaults.items():
+            parser.add_argument(f"--{name}", type=kind, default=default)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's
+    return parser
+
+
+def write_result(path: str, started: float, record, trainer, **figures) -> None:
+    """A Trainer peer's result.json, from rank 0: its step end times and losses (`record`, step_recorder's), the
+    peak RSS of this rank, whether a DeepSpeed engine was built, its CUDA peak, and any other per-step `figures`."""
+    import json
+    import os
+    import resource
+    from pathlib import Path
+
+    import torch
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    Path(path).write_text(json.dumps({
+        "started": started, "step_end": record.step_end, "losses": record.losses, **figures,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **engine_of(trainer),
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}))
+
+
+def train_and_write(trainer_class, result: str, started: float, **kwargs) -> None:
+    """A Trainer peer's run: `trainer_class(**kwargs)` with a step recorder, trained, its result.json written."""
+    record = step_recorder()
+    trainer = trainer_class(**kwargs, callbacks=[record])
+    trainer.train()
+    write_result(result, started, record, trainer)
+
+
 def leave() -> None:
     """End a peer rank skipping interpreter teardown, as train.py does (dstrain.parallel.dist.leave): destroying gloo's
     threads there aborted a finished Trainer rank ("terminate called without an active exception", SIGABRT)."""

@@ -18,8 +18,6 @@ Llama-3.2-1B shape, and the table adds each side's torch.cuda.max_memory_allocat
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,13 +26,13 @@ from pathlib import Path
 from common import free_port, make_llama, write_section
 from speed import (
     PRESETS,
+    alternating_runs,
     bench_ds_config,
-    dstrain_side,
-    gpu_count,
-    launch_measured,
+    measured_side,
+    peer_arguments,
     peer_machine,
     peer_medians,
-    peer_side,
+    peer_table,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,22 +62,8 @@ def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -
                         f"--max_steps={args.steps}", f"--max_length={args.seq_len}",
                         f"--micro_batch_size={args.micro_batch_size}", f"--lr={lr}", f"--beta={beta}",
                         f"--precision={args.precision}", *(["--fast"] if system == "trl_fast" else [])]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
-               HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    # no MALLOC_MMAP_THRESHOLD_ default (it slows CPU steps ~1.5x, docs/planning.md): both sides get the caller's
-    launched, memory = launch_measured(system, index, cmd, out, port, env, ROOT)
-    if system == "dstrain":
-        rows, cuda_peak = dstrain_side(out)
-        ends, losses = [r["time"] for r in rows], [r["loss"] for r in rows]
-    else:
-        result = peer_side(out)
-        ends, losses, cuda_peak = result["step_end"], result["losses"], result.get("peak_cuda_bytes") or 0
-    if len(ends) != args.steps:
-        raise SystemExit(f"{system} run {index}: {len(ends)} step times for {args.steps} steps")
-    return {"system": system, "run": index,
-            "pairs_per_s": pairs * (args.steps - args.skip) / (ends[-1] - ends[args.skip - 1]),
-            "first_step_s": ends[0] - launched, "final_loss": statistics.mean(losses[-5:]),
-            "peak_rss_bytes": max(memory.rss.values() or [0]), "peak_cuda_bytes": cuda_peak}
+    return measured_side(system, index, cmd, out, port, args.steps, args.skip, pairs, ("loss", "losses"),
+                         ("pairs_per_s", "final_loss"))
 
 
 def main() -> None:
@@ -93,12 +77,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq_len", type=int, default=64, help="dstrain's train.seq_len, TRL's max_length")
     parser.add_argument("--micro_batch_size", type=int, default=8, help="pairs per rank per step")
-    parser.add_argument("--ds_config", default="zero2.json")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    args.ranks = gpu_count() or 2
-    args.precision = "bf16" if gpu_count() else "fp32"
+    args = peer_arguments(parser, SYSTEMS)
     sizes = PRESETS["gpu-1b"]["sizes"] if args.preset == "gpu-1b" else dict(
         hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875), num_hidden_layers=args.layers,
         num_attention_heads=4, num_key_value_heads=2)
@@ -106,14 +85,8 @@ def main() -> None:
         work = Path(tmp)
         params = make_llama(work / "model", **sizes)
         ds_json = bench_ds_config(args.ds_config, args.precision, work / "ds_config.json")
-        runs = []
-        for index in range(args.repeats):
-            for system in args.systems:
-                runs.append(run(system, args, work / "model", ds_json, work, index))
-                r = runs[-1]
-                print(f"{system} {index}: {r['pairs_per_s']:.1f} pairs/s, first step {r['first_step_s']:.1f} s, "
-                      f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, final loss {r['final_loss']:.4f}",
-                      flush=True)
+        runs = alternating_runs(args, lambda system, index: run(system, args, work / "model", ds_json, work, index),
+                                ("pairs_per_s", "pairs/s", 1), ("final_loss", "final loss", 4))
     got = peer_medians(runs, args.systems, ("pairs_per_s", "first_step_s", "peak_rss_bytes", "final_loss", "peak_cuda_bytes"))
     machine = peer_machine(args.ranks)
     lines = [f"{time.strftime('%Y-%m-%d')}, {machine}, `{args.ds_config}` (scheduler dropped), {args.precision}; "
@@ -121,22 +94,8 @@ def main() -> None:
              f"data/tiny_dpo; "
              f"{args.micro_batch_size} pairs per rank per step, seq_len/max_length {args.seq_len}; {args.steps} "
              f"steps, pairs/s over steps {args.skip + 1}-{args.steps}; medians of {args.repeats} alternating runs.",
-             "", "| | pairs/s | launch to first step, s | peak RSS per rank, MiB | final loss (last 5) |"
-             + (" max allocated GiB (rank 0) |" if gpu_count() else ""),
-             "|---|---|---|---|---|" + ("---|" if gpu_count() else "")]
-    for s in args.systems:
-        g = got[s]
-        lines.append(f"| {SYSTEMS[s]} | {g['pairs_per_s']:.1f} | {g['first_step_s']:.1f} | "
-                     f"{g['peak_rss_bytes'] / 2**20:,.0f} | {g['final_loss']:.4f} |"
-                     + (f" {g['peak_cuda_bytes'] / 2**30:.1f} |" if gpu_count() else ""))
-    if "dstrain" in got:
-        lines.append("")
-        for peer in ("trl", "trl_fast"):
-            if peer in got:
-                ratio = got["dstrain"]["pairs_per_s"] / got[peer]["pairs_per_s"]
-                lines.append(f"- dstrain / {SYSTEMS[peer]}: pairs/s {ratio:.2f}x, "
-                             f"peak RSS {got['dstrain']['peak_rss_bytes'] / got[peer]['peak_rss_bytes']:.2f}x, "
-                             f"time to first step {got['dstrain']['first_step_s'] / got[peer]['first_step_s']:.2f}x")
+             "", *peer_table(got, {s: SYSTEMS[s] for s in args.systems}, ("pairs_per_s", "pairs/s"),
+                             ("final_loss", "final loss (last 5)"))]
     body = "\n".join(lines) + "\n"
     print(body)
     if args.write:

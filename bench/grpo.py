@@ -16,15 +16,21 @@ of docs/benchmarks.md. On a GPU machine the table adds each side's torch.cuda.ma
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from common import free_port, make_llama, write_section
-from speed import bench_ds_config, dstrain_side, gpu_count, launch_measured, peer_machine, peer_medians, peer_side
+from speed import (
+    alternating_runs,
+    bench_ds_config,
+    gpu_count,
+    measured_side,
+    peer_arguments,
+    peer_machine,
+    peer_medians,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -56,23 +62,8 @@ def run(system: str, args, model: Path, ds_json: Path, work: Path, index: int) -
                         "--result", str(out / "result.json"), f"--max_steps={args.steps}",
                         f"--prompts_per_rank={args.prompts}", f"--num_generations={args.generations}",
                         f"--max_completion_length={args.completion}", f"--lr={lr}", f"--precision={args.precision}"]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
-               HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               TRL_EXPERIMENTAL_SILENCE="1")
-    launched, memory = launch_measured(system, index, cmd, out, port, env, ROOT)
-    if system == "dstrain":
-        rows, cuda_peak = dstrain_side(out)
-        ends, rewards = [r["time"] for r in rows], [r["reward"] for r in rows]
-    else:
-        result = peer_side(out)
-        ends, rewards, cuda_peak = result["step_end"], result["rewards"], result.get("peak_cuda_bytes") or 0
-    if len(ends) != args.steps:
-        raise SystemExit(f"{system} run {index}: {len(ends)} step times for {args.steps} steps")
-    prompts = args.prompts * args.ranks
-    return {"system": system, "run": index,
-            "prompts_per_s": prompts * (args.steps - args.skip) / (ends[-1] - ends[args.skip - 1]),
-            "first_step_s": ends[0] - launched, "final_reward": statistics.mean(rewards[-5:]),
-            "peak_rss_bytes": max(memory.rss.values() or [0]), "peak_cuda_bytes": cuda_peak}
+    return measured_side(system, index, cmd, out, port, args.steps, args.skip, args.prompts * args.ranks,
+                         ("reward", "rewards"), ("prompts_per_s", "final_reward"), {"TRL_EXPERIMENTAL_SILENCE": "1"})
 
 
 def main() -> None:
@@ -88,12 +79,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
     parser.add_argument("--seq_len", type=int, default=96, help="dstrain's train.seq_len (prompt + completion)")
-    parser.add_argument("--ds_config", default="zero2.json")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    args.ranks = gpu_count() or 2
-    args.precision = "bf16" if gpu_count() else "fp32"
+    args = peer_arguments(parser, SYSTEMS)
     with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
         work = Path(tmp)
         if args.random:
@@ -107,14 +93,8 @@ def main() -> None:
                 raise SystemExit(f"{model} is not a model directory: run `make train` first, or pass --random")
             described = f"{model.relative_to(ROOT) if model.is_relative_to(ROOT) else model}"
         ds_json = bench_ds_config(args.ds_config, args.precision, work / "ds_config.json")
-        runs = []
-        for index in range(args.repeats):
-            for system in args.systems:
-                runs.append(run(system, args, model, ds_json, work, index))
-                r = runs[-1]
-                print(f"{system} {index}: {r['prompts_per_s']:.2f} prompts/s, first step {r['first_step_s']:.1f} s, "
-                      f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, final reward {r['final_reward']:.3f}",
-                      flush=True)
+        runs = alternating_runs(args, lambda system, index: run(system, args, model, ds_json, work, index),
+                                ("prompts_per_s", "prompts/s", 2), ("final_reward", "final reward", 3))
     got = peer_medians(runs, args.systems, ("prompts_per_s", "first_step_s", "peak_rss_bytes", "final_reward", "peak_cuda_bytes"))
     machine = peer_machine(args.ranks)
     lines = [f"{time.strftime('%Y-%m-%d')}, {machine}, `{args.ds_config}` (scheduler dropped), {args.precision}; "

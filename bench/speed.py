@@ -116,6 +116,79 @@ def launch_measured(system: str, index: int, cmd: list[str], out: Path, port: in
     return launched, memory
 
 
+def measured_side(system: str, index: int, cmd: list[str], out: Path, port: int, steps: int, skip: int,
+                  per_step: float, figure: tuple[str, str], names: tuple[str, str],
+                  extra_env: dict | None = None) -> dict:
+    """One run of a peer bench (bench/dpo.py, grpo.py, vlm.py): `cmd` launched in the repository with empty caches,
+    then its step end times and a per-step figure, from train.py's metrics.jsonl (`figure[0]`, e.g. loss) or the
+    peer's result.json (`figure[1]`, e.g. losses). Returns, under `names`, the rate (per_step units over the steps
+    after `skip`) and the figure's mean over the last 5 steps, with launch to first step and the peak memory."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
+               HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               **(extra_env or {}))
+    # no MALLOC_MMAP_THRESHOLD_ default (it slows CPU steps ~1.5x, docs/planning.md): both sides get the caller's
+    launched, memory = launch_measured(system, index, cmd, out, port, env, ROOT)
+    if system == "dstrain":
+        rows, cuda_peak = dstrain_side(out)
+        ends, values = [r["time"] for r in rows], [r[figure[0]] for r in rows]
+    else:
+        result = peer_side(out)
+        ends, values, cuda_peak = result["step_end"], result[figure[1]], result.get("peak_cuda_bytes") or 0
+    if len(ends) != steps:
+        raise SystemExit(f"{system} run {index}: {len(ends)} step times for {steps} steps")
+    return {"system": system, "run": index, names[0]: per_step * (steps - skip) / (ends[-1] - ends[skip - 1]),
+            "first_step_s": ends[0] - launched, names[1]: statistics.mean(values[-5:]),
+            "peak_rss_bytes": max(memory.rss.values() or [0]), "peak_cuda_bytes": cuda_peak}
+
+
+def peer_table(got: dict, systems: dict, rate: tuple[str, str], final: tuple[str, str]) -> list[str]:
+    """A peer bench's table and its ratio lines: a row per system (`systems`: key -> name) of the medians in `got`,
+    the rate column (`rate`: key, heading such as pairs/s) and the final figure (`final`: key, heading); then
+    dstrain against each other system."""
+    gpus = gpu_count()
+    lines = [f"| | {rate[1]} | launch to first step, s | peak RSS per rank, MiB | {final[1]} |"
+             + (" max allocated GiB (rank 0) |" if gpus else ""), "|---|---|---|---|---|" + ("---|" if gpus else "")]
+    for s in got:
+        g = got[s]
+        lines.append(f"| {systems[s]} | {g[rate[0]]:.1f} | {g['first_step_s']:.1f} | "
+                     f"{g['peak_rss_bytes'] / 2**20:,.0f} | {g[final[0]]:.4f} |"
+                     + (f" {g['peak_cuda_bytes'] / 2**30:.1f} |" if gpus else ""))
+    if "dstrain" in got:
+        lines.append("")
+        ours = got["dstrain"]
+        for peer in (s for s in got if s != "dstrain"):
+            lines.append(f"- dstrain / {systems[peer]}: {rate[1]} {ours[rate[0]] / got[peer][rate[0]]:.2f}x, "
+                         f"peak RSS {ours['peak_rss_bytes'] / got[peer]['peak_rss_bytes']:.2f}x, "
+                         f"time to first step {ours['first_step_s'] / got[peer]['first_step_s']:.2f}x")
+    return lines
+
+
+def peer_arguments(parser, systems: dict):
+    """The arguments every peer bench ends with (its DeepSpeed JSON, the systems to run, --write), parsed, with the
+    ranks (every GPU, or 2 CPU ranks) and the precision (bf16 on GPUs, fp32 on CPUs) the machine gives."""
+    parser.add_argument("--ds_config", default="zero2.json")
+    parser.add_argument("--systems", nargs="+", default=list(systems))
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    args.ranks = gpu_count() or 2
+    args.precision = "bf16" if gpu_count() else "fp32"
+    return args
+
+
+def alternating_runs(args, one, rate: tuple[str, str, int], final: tuple[str, str, int]) -> list[dict]:
+    """Every system once per repeat, in turn (A B, A B, ...): `one(system, index)` measures a run, whose rate
+    (key, unit, decimals) and final figure (key, label, decimals) are printed as it ends."""
+    runs = []
+    for index in range(args.repeats):
+        for system in args.systems:
+            r = one(system, index)
+            runs.append(r)
+            print(f"{system} {index}: {r[rate[0]]:.{rate[2]}f} {rate[1]}, first step {r['first_step_s']:.1f} s, "
+                  f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, {final[1]} {r[final[0]]:.{final[2]}f}",
+                  flush=True)
+    return runs
+
+
 def peer_medians(runs: list[dict], systems: list[str], keys: tuple) -> dict:
     """A peer bench's figures: per system, the median of each key over its runs."""
     return {s: {k: statistics.median(r[k] for r in runs if r["system"] == s) for k in keys} for s in systems}

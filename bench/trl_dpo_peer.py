@@ -11,29 +11,17 @@ the logged losses, the peak RSS of this rank, and whether a DeepSpeed engine was
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import resource
 import time
 from pathlib import Path
 
 import torch
-from common import engine_of, leave, step_recorder
+from common import leave, peer_parser, train_and_write
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("model", "data", "ds_config", "output_dir", "result"):
-        parser.add_argument(f"--{name}", required=True)
-    for name, default in (("max_length", 48), ("micro_batch_size", 8), ("grad_accum_steps", 1), ("max_steps", 20),
-                          ("warmup_steps", 2), ("seed", 42)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    for name, default in (("lr", 5e-4), ("beta", 0.1), ("weight_decay", 0.0)):
-        parser.add_argument(f"--{name}", type=float, default=default)
+    parser = peer_parser({"max_length": 48, "micro_batch_size": 8, "grad_accum_steps": 1, "max_steps": 20,
+                          "warmup_steps": 2, "seed": 42}, {"lr": 5e-4, "beta": 0.1, "weight_decay": 0.0})
     parser.add_argument("--fast", action="store_true", help="TRL's own speed settings")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher's
     args = parser.parse_args()
     started = time.time()
 
@@ -53,16 +41,8 @@ def main() -> None:
         bf16=args.precision == "bf16",
         save_strategy="no", eval_strategy="no", report_to=[], seed=args.seed, disable_tqdm=True, **extra)
 
-    record = step_recorder()
-    trainer = DPOTrainer(model=args.model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[record])
-    trainer.train()
-
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.result).write_text(json.dumps({
-            "started": started, "step_end": record.step_end, "losses": record.losses,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **engine_of(trainer),
-            "peak_cuda_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}))
+    train_and_write(DPOTrainer, args.result, started,
+                    model=args.model, args=training_args, train_dataset=dataset, processing_class=tokenizer)
 
 
 if __name__ == "__main__":
