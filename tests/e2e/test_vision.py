@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import VLM_PLACEHOLDER, vlm_template
-from tests.helpers import launch, metrics
+from tests.helpers import kill_rank_after_checkpoint, launch, metrics
 
 STEPS, LR, WARMUP, MIN_LR, SEQ = 6, 3e-3, 2, 0.1, 64
 RTOL = 2e-6  # fp32: what summation order alone moves (tests/e2e/test_vs_reference.py's bound)
@@ -243,16 +243,18 @@ def test_vision_mistakes_are_one_line(tmp_path, cache, tiny_vlm, tiny_llama):
         missing.stderr[-2000:]
 
 
-def test_vlm_stopped_and_resumed_on_one_rank_matches_the_plain_loop(tmp_path, cache, tiny_vlm, reference):
-    """Stopped after 3 of 6 steps on 2 ranks (ZeRO-2, the tower and projector frozen: left out of the checkpoint,
-    re-read from the model at resume) and finished on 1 rank (the same global batch, 4 micro-batches): the
-    uninterrupted plain loop's losses."""
+def test_vlm_killed_then_resumed_on_one_rank_matches_the_plain_loop(tmp_path, cache, tiny_vlm, reference):
+    """kill -9 of rank 1 under the deepspeed runner once the step-3 checkpoint of 6 is published (2 ranks, ZeRO-2,
+    the tower and projector frozen: left out of the checkpoint, re-read from the model at resume), then the same
+    command finished on 1 rank (the same global batch, 4 micro-batches): the uninterrupted plain loop's losses."""
     _, want, _, _ = reference(frozen=True)
     run = tmp_path / "run"
     args = [*ARGS, f"--model.name_or_path={tiny_vlm / 'model'}", f"--data.path={tiny_vlm / 'data/train.jsonl'}",
-            "--ds_config", "zero2.json", "--output_dir", str(run), "--world_size=2"]
-    launch([*args, f"--train.exit_at_step={STEPS // 2}"], cache)
-    launch(args, cache, nproc=1)
+            "--ds_config", "zero2.json", "--output_dir", str(run), "--world_size=2", f"--checkpoint.every={STEPS // 2}"]
+    killed = kill_rank_after_checkpoint(args, run, cache, step=STEPS // 2, rank=1)
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    resumed = launch(args, cache, nproc=1)
+    assert f"step_{STEPS // 2:08d}" in resumed.stderr, resumed.stderr[-3000:]  # from the checkpoint the kill left
     got, _ = metrics(run)
     assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
 
