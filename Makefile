@@ -151,7 +151,7 @@ bench-dpo: setup
 bench-grpo: setup
 	$(PY) bench/grpo.py --write $(BENCH_ARGS)
 
-# vision-language SFT (the tiny recipe's job) through train.py and through TRL's SFTTrainer (rows/s, memory; ~5 min)
+# vision-language SFT (the tiny recipe's job) through train.py and through TRL's SFTTrainer (rows/s, memory; ~6 min)
 bench-vlm: setup
 	$(PY) bench/vlm.py --write $(BENCH_ARGS)
 

@@ -124,11 +124,11 @@ def measured_side(system: str, index: int, cmd: list[str], out: Path, port: int,
     peer's result.json (`figure[1]`, e.g. losses). Returns, under `names`, the rate (per_step units over the steps
     after `skip`) and the figure's mean over the last 5 steps, with launch to first step and the peak memory."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", DSTRAIN_CACHE=str(out / "cache"),
-               HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               **(extra_env or {}))
+               HF_DATASETS_CACHE=str(out / "hf_datasets"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.update(extra_env or {})
     # no MALLOC_MMAP_THRESHOLD_ default (it slows CPU steps ~1.5x, docs/planning.md): both sides get the caller's
     launched, memory = launch_measured(system, index, cmd, out, port, env, ROOT)
-    if system == "dstrain":
+    if system.startswith("dstrain"):
         rows, cuda_peak = dstrain_side(out)
         ends, values = [r["time"] for r in rows], [r[figure[0]] for r in rows]
     else:
@@ -153,11 +153,13 @@ def peer_table(got: dict, systems: dict, rate: tuple[str, str], final: tuple[str
         lines.append(f"| {systems[s]} | {g[rate[0]]:.1f} | {g['first_step_s']:.1f} | "
                      f"{g['peak_rss_bytes'] / 2**20:,.0f} | {g[final[0]]:.4f} |"
                      + (f" {g['peak_cuda_bytes'] / 2**30:.1f} |" if gpus else ""))
-    if "dstrain" in got:
+    mine = [s for s in got if s.startswith("dstrain")]
+    if mine:
         lines.append("")
-        ours = got["dstrain"]
-        for peer in (s for s in got if s != "dstrain"):
-            lines.append(f"- dstrain / {systems[peer]}: {rate[1]} {ours[rate[0]] / got[peer][rate[0]]:.2f}x, "
+    for me in mine:
+        ours = got[me]
+        for peer in (s for s in got if not s.startswith("dstrain")):
+            lines.append(f"- {'dstrain' if me == 'dstrain' else systems[me]} / {systems[peer]}: {rate[1]} {ours[rate[0]] / got[peer][rate[0]]:.2f}x, "
                          f"peak RSS {ours['peak_rss_bytes'] / got[peer]['peak_rss_bytes']:.2f}x, "
                          f"time to first step {ours['first_step_s'] / got[peer]['first_step_s']:.2f}x")
     return lines
