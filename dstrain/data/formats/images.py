@@ -97,7 +97,7 @@ def tokens(messages: list[dict], images: list, tokenizer, processor, tools=None,
             for key in per_token:
                 per_token[key] += [0] * (len(ids) - len(per_token[key]))
         at = end
-    extras = {key: np.concatenate(parts).tolist() for key, parts in per_image.items()}
+    extras = {key: np.concatenate(parts) for key, parts in per_image.items()}
     return ids, labels, extras | per_token
 
 
@@ -262,7 +262,13 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
                         "tokens; keep it true")
     base, pad, image_ids = _images_base(cfg), _pad_id(tokenizer), image_token_ids(processor)
     # what the processor gives for an image, per image and per token: every row holds them (empty or zeros without)
-    keys = [key for key in fake_image(processor, pad) if key in PER_IMAGE or key in PER_TOKEN]
+    probe = fake_image(processor, pad)
+    keys = [key for key in probe if key in PER_IMAGE or key in PER_TOKEN]
+    # a row without images holds empty arrays of the per-image shape: the rows' arrays go to arrow as numpy, not as
+    # Python lists (.tolist() of every row's pixels was rank 0's peak while building the cache: bench/vlm.py's
+    # tiny job 690 MiB against 584), and arrow takes a batch of them only if every row's has the same rank
+    empty = {key: np.zeros((0, *probe[key].shape[1:]), dtype=probe[key].numpy().dtype) for key in keys
+             if key in PER_IMAGE}
     # TRL's `images` (data.images_field), or LLaVA's layout: one `image` per row, `<image>` in the conversation's text
     column = cfg.images_field if cfg.images_field in dataset.column_names else \
         LLAVA_IMAGE if LLAVA_IMAGE in dataset.column_names else None
@@ -283,10 +289,10 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
         if cfg.last_turn_only:
             prompt_turns = max([prompt_turns] + [i for i, m in enumerate(messages) if m["role"] == "assistant"])
         ids, labels, extras = tokens(messages, images, tokenizer, processor, to_tools(row, cfg), prompt_turns)
-        extras = {key: extras.get(key, [0] * len(ids) if key in PER_TOKEN else []) for key in keys}
+        extras = {key: extras.get(key, [0] * len(ids) if key in PER_TOKEN else empty[key]) for key in keys}
         example = fit(ids, labels, extras, seq_len, pad, image_ids, where)
         if example is None:
-            return {"input_ids": [], "labels": [], "attention_mask": [], **{key: [] for key in keys},
+            return {"input_ids": [], "labels": [], "attention_mask": [], **{key: empty.get(key, []) for key in keys},
                     "full_length": -len(ids), "has_reply": any(label != IGNORE_INDEX for label in labels)}
         return example | {"full_length": len(ids), "has_reply": True}
 
