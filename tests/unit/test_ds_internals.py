@@ -512,7 +512,7 @@ def test_cuda_arch_suffixes_are_dropped_for_jit_builds(monkeypatch):
     assert seen[-1] == "8.0;9.0+PTX"
 
 
-def test_jit_loads_probe_the_flags_once_and_async_io_builds_without_debug_info(monkeypatch):
+def test_jit_loads_probe_the_flags_once_and_cpu_ops_build_without_debug_info(monkeypatch):
     """Issue 30: the AsyncIO op's 12 files at -O0 -g were 175 s of `make setup` on 2 cores; 119 s without -g. And
     each cxx_args() of the CPU builders probes the CPU (2.3 s): a JIT load asked twice, on every offload rank."""
     import cpuinfo
@@ -533,9 +533,13 @@ def test_jit_loads_probe_the_flags_once_and_async_io_builds_without_debug_info(m
     flags, key = seen[0]
     assert flags == [flag for flag in plain_flags if flag != "-g"] and "-O0" in flags and key != plain_key
     assert 0 < len(probes) <= 2, moved("the CPU builders' cxx_args") + f": {len(probes)} CPU probes for one load"
-    other = get_accelerator().create_op_builder("CPUAdamBuilder")
-    other.jit_load()
-    assert "-g" in seen[1][0]  # the other ops keep DeepSpeed's flags
+    adam = get_accelerator().create_op_builder("CPUAdamBuilder")
+    assert "-g" in adam.cxx_args() and "-O3" in adam.cxx_args()
+    adam.jit_load()
+    assert "-g" not in seen[1][0] and "-O3" in seen[1][0]  # CPUAdam: 92 -> 70 CPU-s, the same code
+    shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    shm.jit_load()
+    assert seen[2][0] == shm.cxx_args()  # the others keep DeepSpeed's flags
 
 
 def test_jit_builds_with_other_flags_go_to_their_own_directory(monkeypatch, tmp_path):
