@@ -43,7 +43,7 @@ PROBE_ATTENTION = "dstrain_split_probe"
 
 @dataclass
 class Cell:
-    layout: str  # a key of CHECKS: "packing", "sequence split", "chunked loss", "activation checkpointing"
+    layout: str  # a key of CHECKS: "packing", "sequence split", "chunked loss", "activation checkpointing", "pipeline"
     difference: float
     culprit: str | None  # "layer 0's mamba (BambaMixer)": the first module whose output moved (or the error)
 
@@ -351,6 +351,24 @@ def check_checkpointing(model, config) -> Cell:
                 "its recomputed forward differs from the first")
 
 
+def check_pipeline(model, config) -> Cell:
+    """Pipeline stages pass hidden states only: each decoder layer's wrapper rebuilds positions, rotary embeddings and
+    its mask (components/pipeline.py). The stages run one after another must give the model's own logits: a window
+    the wrapper left out (Mistral's, a Qwen's sliding layers) trained with full attention past it (issue 85)."""
+    from .components import pipeline
+
+    family = getattr(config, "model_type", type(config).__name__)
+    if family not in pipeline.SUPPORTED:
+        built = ", ".join(sorted(pipeline.SUPPORTED))
+        return Cell("pipeline", float("inf"), f"no stage layout (stages are built for {built} only)")
+    ids = _rows(config, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = pipeline.stages_chained(model, ids)
+    diff = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
+    return Cell("pipeline", diff, None if diff <= TOLERANCE else "its decoder layers cut into stages")
+
+
 def _tail(t: torch.Tensor, n: int) -> torch.Tensor | None:
     """The last n positions of a [batch, seq, ...] output (None when it is not laid out so)."""
     return t[:, -n:] if t.dim() >= 2 and t.shape[1] >= n and t.shape[0] == 1 else None
@@ -451,6 +469,8 @@ def layouts_of(recipe, layout) -> list[str]:
         wanted.append("chunked loss")
     if recipe.train.activation_checkpointing:
         wanted.append("activation checkpointing")
+    if layout.pipeline_stages > 1:
+        wanted.append("pipeline")
     return wanted
 
 
@@ -525,7 +545,7 @@ def run_check(name: str, model, config) -> Cell:
 
 
 CHECKS = {"packing": check_packing, "sequence split": check_sequence_split, "chunked loss": check_head,
-          "activation checkpointing": check_checkpointing}
+          "activation checkpointing": check_checkpointing, "pipeline": check_pipeline}
 
 
 def _said(e: BaseException) -> str:
@@ -539,7 +559,7 @@ def _decoder_count(model) -> int:
 
 def _names(wanted, layout) -> list[str]:
     keys = {"packing": "data.packing", "chunked loss": "train.loss_chunk_tokens",
-            "activation checkpointing": "train.activation_checkpointing"}
+            "activation checkpointing": "train.activation_checkpointing", "pipeline": "pipeline.stages"}
     return [keys.get(w) or _split_name(layout) for w in wanted]
 
 
@@ -561,6 +581,11 @@ def refusal(family: str, cell: Cell, layout=None) -> str:
                               "largest relative gradient difference"))
         by = f" ({measure} {cell.difference:.1e})" if cell.difference != float("inf") else ""
         return f"{key} with {family}: {what}{by}; {off}"
+    if cell.layout == "pipeline":
+        by = f" (largest logit difference {cell.difference:.1e} against the model's forward)" \
+            if cell.difference != float("inf") else ""
+        return (f"pipeline stages with {family}: {what}{by}; use a ds_config without a pipeline section (ZeRO) or "
+                f"tensor_parallel")
     name = _split_name(layout) if layout is not None else "sequence parallelism"
     return (f"{name} with {family}: {what} does not give the same output on a sequence cut between ranks (largest "
             f"logit difference {cell.difference:.1e} against the whole sequence); train it without sequence or "
@@ -598,12 +623,13 @@ def table(rows: list[dict]) -> str:
     """docs/models.md's table of the matrix."""
     def cell(c: dict) -> str:
         return "verified" if c["holds"] else f"refused: {c['culprit'] or 'differs'}".replace("|", "/")
-    lines = ["| family | packing | Ulysses / ring | chunked loss | activation checkpointing |", "|---|---|---|---|---|"]
+    lines = ["| family | packing | Ulysses / ring | chunked loss | activation checkpointing | pipeline |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if r["built"]:
             lines.append(f"| {r['family']} | " + " | ".join(cell(r[name]) for name in CHECKS) + " |")
         else:
             why = r["why"][:80].replace("|", "/")
             lines.append(f"| {r['family']} | not built small ({why}) | checked at the run | checked at the run | "
-                         f"checked at the run |")
+                         f"checked at the run | checked at the run |")
     return "\n".join(lines)

@@ -68,7 +68,7 @@ def main() -> None:
     built = [r for r in rows if r["built"]]
     both = [r for r in built if r["packing"]["holds"] and r["sequence split"]["holds"]]
     others = "; ".join(f"{k}: {sum(r[k]['holds'] for r in built)} verified, {sum(not r[k]['holds'] for r in built)} "
-                       f"refused" for k in ("chunked loss", "activation checkpointing"))
+                       f"refused" for k in ("chunked loss", "activation checkpointing", "pipeline"))
     print(f"{len(rows)} families: {len(built)} built small, {len(both)} verified under both layouts, "
           f"{len(built) - len(both)} refused at least one; {others}; transformers {transformers.__version__}")
     if args.write:

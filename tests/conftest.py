@@ -112,6 +112,12 @@ def tiny_gemma3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_window(tmp_path_factory) -> Path:
+    """Mistral with a sliding window of 16 under the tests' 64-token rows (Mistral-7B-v0.1's 4096, scaled down)."""
+    return _tiny_family(tmp_path_factory, "mistral", "tiny-mistral-window", sliding_window=16)
+
+
+@pytest.fixture(scope="session")
 def tiny_bamba(tmp_path_factory) -> Path:
     """Bamba: a Mamba-2 layer then an attention layer (a state-space hybrid)."""
     return _tiny_family(tmp_path_factory, "bamba", "tiny-bamba", attn_layer_indices=[1], mamba_n_heads=16,

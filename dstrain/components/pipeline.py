@@ -32,21 +32,34 @@ class Existing(nn.Module):
         return module
 
 
+def sliding(config: Any, index: int) -> bool:
+    """Whether decoder layer `index` attends within a sliding window, as the model's own forward decides it:
+    `layer_types` where the config has them (Qwen2/Qwen3 with use_sliding_window), else any `sliding_window` set
+    (Mistral). Under sdpa and eager the window lives in the mask only: a wrapper that built the plain causal mask
+    trained a Mistral (window 4096) or a windowed Qwen with full attention past the window, exit 0 (issue 85)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index] == "sliding_attention"
+    return getattr(config, "sliding_window", None) is not None
+
+
 class DecoderPipe(nn.Module):
     """One decoder layer, taking and returning hidden states only."""
 
-    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None = None):
+    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None = None, index: int = 0):
         super().__init__()
         self.layer = layer
         self.config = config
         self.rotary = [rotary]  # a list keeps the shared rotary module out of this layer's parameters
+        self.sliding = sliding(config, index)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        masking = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        mask = masking(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                       position_ids=position_ids)
         kwargs = {"attention_mask": mask}
         if self.rotary[0] is not None:
             kwargs.update(position_embeddings=self.rotary[0](hidden, position_ids), position_ids=position_ids)
@@ -113,7 +126,7 @@ def _specs(model: nn.Module) -> tuple[list, dict[int, str]]:
         body, embed, layers, norm = model.model, model.model.embed_tokens, model.model.layers, model.model.norm
         add(TiedLayerSpec("embed", Existing, embed) if tied else LayerSpec(Existing, embed), "model.embed_tokens.")
         for i, layer in enumerate(layers):
-            add(LayerSpec(DecoderPipe, layer, config, body.rotary_emb), f"model.layers.{i}.")
+            add(LayerSpec(DecoderPipe, layer, config, body.rotary_emb, i), f"model.layers.{i}.")
         add(LayerSpec(Existing, norm), "model.norm.")
     else:  # gpt2
         body = model.transformer
@@ -127,6 +140,20 @@ def _specs(model: nn.Module) -> tuple[list, dict[int, str]]:
     else:
         add(LayerSpec(Existing, model.get_output_embeddings()), "lm_head.")
     return specs, names
+
+
+def stages_chained(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """What the pipeline's stages compute one after another for `input_ids`: its layers as _specs builds them (the
+    loaded modules, the tied head), run in order in this process. families.check_pipeline holds it against the
+    model's own forward."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    hidden = input_ids
+    for spec in _specs(model)[0]:
+        layer = spec.build()
+        tied_forward = isinstance(spec, TiedLayerSpec) and spec.forward_fn
+        hidden = spec.forward_fn(layer, hidden) if tied_forward else layer(hidden)
+    return hidden
 
 
 def strip_wrapper(key: str) -> str:

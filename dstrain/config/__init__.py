@@ -30,9 +30,10 @@ class ModelConfig:
     config_overrides: dict = field(default_factory=dict)  # applied to the config, e.g. `{num_hidden_layers: 2}`
     trust_remote_code: bool = False  # transformers' flag, for models whose code lives on the Hub
     attn_implementation: str | None = None  # `sdpa`, `eager`, `flash_attention_2`; null: transformers' choice
-    # before a run that packs or splits sequences (data.packing, sequence or context parallelism): check on a small
-    # random copy of the model's config that the layout is exact for its family (seconds on CPU; a family whose
-    # layers carry state across positions is refused in one line). `false` skips it, said in the log
+    # before a run that packs or splits sequences (data.packing, sequence or context parallelism), or that uses the
+    # chunked loss, activation checkpointing or pipeline stages: check on a small random copy of the model's config
+    # that the layout is exact for its family (seconds on CPU; a family whose layers carry state across positions is
+    # refused packing and splits in one line). `false` skips it, said in the log
     check_layouts: bool = True
     # Mixture-of-Experts models: the weight of the router's load-balancing loss added to the training loss (null:
     # the model config's own `router_aux_loss_coef`; 0: not added). Families without one (DeepSeek-V3 balances its

@@ -45,8 +45,11 @@ def tied_in_config_only(tmp_path_factory, tiny_llama):
     return out
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gpt2", "tied_in_config_only"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gpt2", "tied_in_config_only", "tiny_mistral_window"])
 def test_two_stages_match_reference_and_export(tmp_path, cache, family, request):
+    """tiny_mistral_window: each stage's decoder wrapper builds the sliding-window mask (issue 85; with the plain
+    causal mask the wrappers built before and the layout check off: 6.4211 against the reference's 6.4170 at step 1,
+    every step off, largest relative gap 2.2e-3; with the check on, that run is refused before anything is built)."""
     model_dir = request.getfixturevalue(family)
     run_dir, ref_model = run_and_compare(tmp_path, cache, model_dir, "pipe2_zero1.json")
     info = json.loads((run_dir / "run_info.json").read_text())
