@@ -325,6 +325,20 @@ def check_pipeline(cfg: dict) -> None:
         raise UserError("pipeline stages together with tensor_parallel.autotp_size are not supported; use one")
 
 
+def check_tensor_parallel(cfg: dict) -> None:
+    """AutoTP's vocabulary-parallel head leaves each rank the logits of its share of the vocabulary; DeepSpeed unset
+    (null) turns it on for a tied head whose model plans a row-wise embedding (Gemma 3, Cohere), and every loss here
+    reads the whole logits: the run ended in `IndexError: Target 518 is out of bounds` at its first step. Set to
+    false when unset (the head's output gathered); true is refused."""
+    if parallel_sizes(cfg).tensor <= 1:
+        return
+    tp = cfg["tensor_parallel"]
+    if tp.get("vocab_parallel_lm_head") is True:
+        raise UserError("tensor_parallel.vocab_parallel_lm_head=true leaves each rank its share of the vocabulary's "
+                        "logits, and train.py's losses read whole logits; set it to false")
+    tp["vocab_parallel_lm_head"] = False
+
+
 # the keys DeepSpeed's pipeline section takes (deepspeed.runtime.pipe; it has no pydantic model to ask)
 PIPELINE_KEYS = {"stages", "partition_method", "partition", "seed_layers", "activation_checkpoint_interval",
                  "pipe_partitioned", "grad_partitioned"}
@@ -355,6 +369,7 @@ def resolve(raw: dict, recipe: Recipe, world_size: int, caps: DeviceCaps, hidden
     check_sequence_parallel(cfg)
     layout = Layout.from_ds_config(cfg, world_size, replicas=replicas)
     check_pipeline(cfg)
+    check_tensor_parallel(cfg)
     check_zeropp(cfg, caps, ranks_per_node)
     _precision(cfg, recipe, caps)
 

@@ -14,6 +14,13 @@ def test_tp2_matches_reference(tmp_path, cache, tiny_llama, zero_stage):
                                          extra=[f"--ds.zero_optimization.stage={zero_stage}"])
     if zero_stage != 1:
         return
+    # every attention and MLP projection split, the norms whole (the embedding and tied head apart): in the log
+    full = ref_model.state_dict()
+    projections = sum(v.numel() for k, v in full.items() if k.endswith("proj.weight"))
+    norms = sum(v.numel() for k, v in full.items() if k.endswith("norm.weight"))
+    said = (run_dir / "launch_stderr.txt").read_text()
+    assert (f"tensor parallelism: AutoTP split {projections / (projections + norms):.0%} of llama's weights between "
+            f"the embedding and the head over 2 ranks ({norms:,} weights stay whole on every rank)") in said, said[-3000:]
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     shard = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     full = ref_model.state_dict()
@@ -27,6 +34,14 @@ def test_tp2_matches_reference(tmp_path, cache, tiny_llama, zero_stage):
     ids = torch.arange(5, 60).view(1, -1)
     with torch.no_grad():
         assert torch.allclose(exported(ids).logits, ref_model.eval()(ids).logits, atol=1e-3, rtol=1e-3)
+
+
+def test_tp2_gemma3_with_deepspeeds_default_head_matches_reference(tmp_path, cache, tiny_gemma3):
+    """Issue 85: Gemma 3 (a sliding-window layer, a tied head its model plans row-wise) under AutoTP with the
+    config's vocab_parallel_lm_head unset, as a user's JSON leaves it: DeepSpeed then cut the logits by vocabulary
+    and the run ended at its first step (`IndexError: Target 518 is out of bounds`); now the plain loop's losses."""
+    run_and_compare(tmp_path, cache, tiny_gemma3, "tp2_zero1.json",
+                    extra=["--ds.tensor_parallel.vocab_parallel_lm_head=null"])
 
 
 def test_tp_resume_is_exact(tmp_path, cache, tiny_llama):

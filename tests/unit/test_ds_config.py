@@ -166,6 +166,18 @@ def test_world_not_divisible_by_model_parallel():
         dsc.resolve(raw, recipe(), 3, CPU)
 
 
+def test_autotps_vocabulary_parallel_head_is_off_unless_asked_and_refused_when_asked():
+    """Issue 85: DeepSpeed's unset vocab_parallel_lm_head turns on for a tied head whose model plans a row-wise
+    embedding (Gemma 3): each rank got its half of the logits and train.py ended in `IndexError: Target 518 is out
+    of bounds` at the first step (tiny Gemma 3 under tp2_zero1.json without the key)."""
+    raw = dsc.load("zero1.json") | {"tensor_parallel": {"autotp_size": 2}}
+    assert dsc.resolve(raw, recipe(), 2, CPU)["tensor_parallel"]["vocab_parallel_lm_head"] is False
+    raw["tensor_parallel"]["vocab_parallel_lm_head"] = True
+    with pytest.raises(UserError, match=r"^tensor_parallel.vocab_parallel_lm_head=true .* set it to false$"):
+        dsc.resolve(raw, recipe(), 2, CPU)
+    assert "tensor_parallel" not in dsc.resolve(dsc.load("zero1.json"), recipe(), 2, CPU)
+
+
 REAL = [p for p in sorted(RECIPES_DIR.rglob("*.yaml")) if not p.is_relative_to(RECIPES_DIR / "tiny")]
 
 

@@ -235,6 +235,72 @@ def test_tensor_parallel_mesh_init():
         "the AutoTP mesh order (data_parallel, tensor_parallel) that dstrain.parallel.layout's rank formula follows")
 
 
+def test_autotp_plan_problem_is_what_the_engine_raises_before_anything_is_built():
+    """ds_internals.autotp_plan_problem: the engine takes a custom partition_config or preset_model before the HF
+    tp_plan, reads the plan with _get_hf_tp_plan and converts it with TPPlanConverter, whose unsupported styles raise
+    ValueError. OLMo 2's plan (rowwise_split_input) is refused from the config and class alone; Llama's is taken."""
+    from deepspeed.runtime import engine
+    from transformers import AutoConfig, LlamaForCausalLM, Olmo2ForCausalLM
+
+    source = inspect.getsource(engine.DeepSpeedEngine._apply_autotp_partitioning)
+    assert source.index("get_partition_config_object") < source.index("_get_hf_tp_plan(model)") < \
+        source.index("TPPlanConverter.convert("), moved("the engine's AutoTP order (custom config, HF plan, convert)")
+    why = ds_internals.autotp_plan_problem(AutoConfig.for_model("olmo2"), Olmo2ForCausalLM, {})
+    assert why and "rowwise_split_input" in why and "\n" not in why
+    assert ds_internals.autotp_plan_problem(AutoConfig.for_model("llama"), LlamaForCausalLM, {}) is None
+    assert ds_internals.autotp_plan_problem(AutoConfig.for_model("olmo2"), Olmo2ForCausalLM,
+                                            {"preset_model": "llama"}) is None  # the engine would not read the plan
+
+
+def test_autotp_split_weights_counts_the_layers_autotp_replaced():
+    """ds_internals.autotp_split_weights: AutoTP's replacements derive from TensorParallel_Layer; the weights inside
+    them are split, the rest whole. A model with none of them (LFM2 under AutoTP: nothing split) is refused by the
+    tensor-parallel component in one line."""
+    from types import SimpleNamespace
+
+    from deepspeed.module_inject import layers
+    from torch import nn
+
+    from dstrain.components.tensor_parallel import TensorParallel
+    from dstrain.errors import UserError
+    for name in ("LinearLayer", "LinearAllreduce", "SubParamLinearLayer", "SubParamLinearAllreduce"):
+        assert issubclass(getattr(layers, name), layers.TensorParallel_Layer), moved(f"AutoTP's {name}")
+
+    class Split(layers.TensorParallel_Layer):  # stands for a LinearLayer without a process group
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.weight = nn.Parameter(torch.zeros(4, 8))
+
+        def forward(self, x):
+            return x
+
+        def gather_params(self, params_list):
+            pass
+
+        def _tp_partition(self, params_list):
+            pass
+
+    class Model(nn.Sequential):
+        def get_input_embeddings(self):
+            return self[0]
+
+        def get_output_embeddings(self):
+            return self[-1]
+
+    model = Model(nn.Embedding(10, 8), Split(), nn.LayerNorm(8), nn.Linear(8, 10, bias=False))
+    assert ds_internals.autotp_split_weights(model) == (32, 80 + 16 + 80)
+    assert ds_internals.autotp_split_weights(model, excluding=(model[0], model[-1])) == (32, 16)
+    said = []
+    setup = SimpleNamespace(model_config=SimpleNamespace(model_type="lfm2"), log=said.append)
+    TensorParallel(2).attach(SimpleNamespace(module=model), setup)
+    assert said == ["tensor parallelism: AutoTP split 80% of lfm2's weights between the embedding and the head over 2 "
+                    "ranks (16 weights stay whole on every rank)"]
+    only_the_head = Model(nn.Embedding(10, 8), nn.Linear(8, 8), Split())  # Falcon-H1's copy: its head alone split
+    with pytest.raises(UserError, match=r"^tensor_parallel.autotp_size=2 with lfm2: AutoTP found no layer to split "
+                                        r"between the embedding and the head"):
+        TensorParallel(2).attach(SimpleNamespace(module=only_the_head), setup)
+
+
 def test_tensor_parallel_groups_can_be_the_replicas():
     """ds_internals.use_replica_groups_for_tensor_parallel: AutoTP inside DiLoCo replicas sets the registry's group
     globals before the engine exists; the engine must read them (its mpu becomes the groups module) and the mesh
@@ -338,6 +404,7 @@ def test_jit_builds_are_announced(tmp_path, monkeypatch, capsys):
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    ds_internals.settle_flags(builder)  # the flags jit_load builds with (CPUAdam's without -g): its key
     assert callable(getattr(OpBuilder, "jit_load", None)), moved("OpBuilder.jit_load")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
     keyed = ds_internals.jit_build_dir_root(builder)
@@ -431,6 +498,7 @@ def test_a_build_lock_left_by_a_killed_process_is_removed_not_waited_for(tmp_pat
     assert "FileBaton(os.path.join(build_directory, 'lock'))" in inspect.getsource(_jit_compile), \
         moved("torch.utils.cpp_extension._jit_compile's lock file")
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    ds_internals.settle_flags(builder)  # the flags jit_load builds with: its key
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     root = ds_internals.jit_build_dir_root(builder)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))

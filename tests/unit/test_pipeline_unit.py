@@ -51,3 +51,21 @@ def test_tensor_parallel_size_must_divide_heads():
     check_heads(config, 2)
     with pytest.raises(UserError, match="autotp_size=4 does not divide the model's num_key_value_heads=2"):
         check_heads(config, 4)
+
+
+@pytest.mark.parametrize("family,style", [("olmo2", "rowwise_split_input"), ("phi3", "rowwise_split_input"),
+                                          ("glm4", "rowwise_split_input"), ("deepseek_v3", "mla_kv_a_proj")])
+def test_a_tensor_parallel_plan_autotp_cannot_apply_is_one_line_before_anything_is_built(family, style):
+    """Issue 85: these families' transformers plans hold a style DeepSpeed's AutoTP refuses: before, every rank's
+    traceback from deepspeed.initialize once the model was built; now one line from the config alone."""
+    from transformers import AutoConfig
+
+    from dstrain.components.tensor_parallel import check_plan
+    with pytest.raises(UserError) as caught:
+        check_plan(AutoConfig.for_model(family), {})
+    line = str(caught.value)
+    assert line.startswith(f"tensor_parallel with {family}: DeepSpeed's AutoTP cannot apply") and style in line
+    assert "\n" not in line and line.endswith("use a ds_config without tensor_parallel (ZeRO-3 shards the weights "
+                                              "instead)")
+    for attention_only in ("llama", "qwen3", "gemma3_text", "mistral"):  # held exact on 2 ranks (docs/models.md)
+        check_plan(AutoConfig.for_model(attention_only), {})

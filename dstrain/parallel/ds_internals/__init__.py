@@ -29,6 +29,8 @@ from .data import (  # noqa: F401
     dataset_fingerprint,
 )
 from .engine import (  # noqa: F401
+    autotp_plan_problem,
+    autotp_split_weights,
     consolidated_16bit_state_dict,
     drop_frozen_aliases,
     engine_config,

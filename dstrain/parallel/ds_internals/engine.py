@@ -154,3 +154,45 @@ def gate_optimizer_step(engine, decide: Callable[[float], bool]) -> Callable[[],
             del optimizer.overflow
         return undo_step
     return lambda: None
+
+
+def autotp_plan_problem(model_config, model_class, tp_section: dict) -> str | None:
+    """What deepspeed.initialize would raise about transformers' tensor-parallel plan of this model, asked from the
+    config and the class alone, before anything is built; None when AutoTP would take it. DeepSpeed's
+    engine._apply_autotp_partitioning takes a custom partition_config or preset_model first, then the model's HF
+    tp_plan (runtime.tensor_parallel.config._get_hf_tp_plan: the config's base_model_tp_plan merged with the class's
+    _tp_plan) through module_inject.tp_plan_converter.TPPlanConverter.convert, which raises ValueError for a style
+    it cannot apply (OLMo 2, Phi-3, GLM-4: `rowwise_split_input`; DeepSeek-V3: `mla_kv_a_proj`): a rank's traceback
+    after the model was built, before."""
+    if tp_section.get("partition_config") or tp_section.get("preset_model"):
+        return None
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    plan_only = type("PlanOnly", (), {"_tp_plan": getattr(model_class, "_tp_plan", None)})()
+    plan_only.config = model_config
+    plan = _get_hf_tp_plan(plan_only)
+    if not plan:
+        return None
+    try:
+        TPPlanConverter.convert(plan)
+    except ValueError as e:
+        return str(e).split(". ")[0]
+    return None
+
+
+def autotp_split_weights(module, excluding: tuple = ()) -> tuple[int, int]:
+    """(weights this rank holds in layers AutoTP split, weights in the rest), not counting the parameters of the
+    modules in `excluding`: AutoTP's replacements all derive from deepspeed.module_inject.layers.TensorParallel_Layer
+    (LinearLayer, LinearAllreduce, their fused variants)."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    inside = {id(p) for m in module.modules() if isinstance(m, TensorParallel_Layer) for p in m.parameters()}
+    left_out = {id(p) for m in excluding if m is not None for p in m.parameters()}
+    split = whole = 0
+    for p in {id(p): p for p in module.parameters() if id(p) not in left_out}.values():
+        if id(p) in inside:
+            split += p.numel()
+        else:
+            whole += p.numel()
+    return split, whole
