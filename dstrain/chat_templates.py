@@ -114,9 +114,6 @@ def _mistral(tokenizer, fmt: str) -> str:
     except ImportError:
         raise UserError(f"the model's tokenizer is Mistral's ({name}) with no chat template: pip install "
                         f"mistral-common to train on its own format, or set data.chat_template") from None
-    if fmt in ("preference", "prompt"):
-        raise UserError(f"data.format={fmt} with a Mistral tokenizer ({name}) that has no chat template is not "
-                        f"supported yet (SFT formats are, through mistral-common); set data.chat_template")
     return f"mistral-common's ({name})"
 
 
@@ -270,7 +267,24 @@ def render(tokenizer, messages: list[dict], tools=None) -> str:
     mistral = mistral_of(tokenizer)
     if mistral is None:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-    return tokenizer.decode(mistral_request(mistral, messages, tools)[1])
+    return tokenizer.decode(mistral_ids(mistral, messages, tools))
+
+
+def mistral_ids(mistral, messages: list[dict], tools=None) -> list[int]:
+    """A conversation's ids in mistral-common's own format; a prompt (ending with a user turn or tool results) up to
+    where the model writes (`[/INST]`), as a DPO pair's prompt, a GRPO prompt or a completion-only mask needs it.
+    mistral-common's finetuning mode encodes only conversations that end with the assistant (a prompt raised
+    InvalidMessageStructureException), so a prompt is encoded with a one-character reply whose own tokens, as
+    mistral-common encodes that message, are cut off the end: the system prompt lands where it does for the real
+    reply (Mistral's v3 puts it in the last user turn)."""
+    if messages and messages[-1]["role"] == "assistant":
+        return list(mistral_request(mistral, messages, tools)[1])
+    request, ids = mistral_request(mistral, [*messages, {"role": "assistant", "content": "."}], tools)
+    reply = mistral.instruct_tokenizer.encode_assistant_message(request.messages[-1],
+                                                                is_before_last_user_message=False)
+    if list(ids[-len(reply):]) != list(reply):
+        raise ValueError("mistral-common's encoding of the prompt does not end with its placeholder reply")
+    return list(ids[:-len(reply)])
 
 
 def mistral_request(mistral, messages: list[dict], tools=None):

@@ -467,6 +467,46 @@ def _mistral_folder(tmp_path):
     return tmp_path
 
 
+def test_a_mistral_tokenizer_without_a_template_gives_dpo_pairs_grpo_prompts_and_completion_masks(tmp_path):
+    """Issue 84: with Mistral's tekken.json and no Jinja template, preference and prompt data were refused ("not
+    supported yet"), and a prompt-completion row with assistant_only_loss false raised mistral-common's
+    InvalidMessageStructureException (its finetuning mode encodes only conversations ending with the assistant). The
+    prompts are now mistral-common's own inference encoding of them (test mode: up to `[/INST]`, where the model
+    writes), and each response what its finetuning encoding adds after that prompt, with the EOS."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from dstrain.data.formats import preference, prompt
+
+    folder = _mistral_folder(tmp_path)
+    tok = load_tokenizer(ModelConfig(name_or_path=str(folder)))
+    for fmt in ("preference", "prompt"):
+        assert chat_templates.apply(None, tok, print, fmt) == "mistral-common's (tekken.json)"
+    inference = MistralTokenizer.from_file(str(folder / "tekken.json"), mode=ValidationMode.test)
+    finetuning = MistralTokenizer.from_file(str(folder / "tekken.json"), mode=ValidationMode.finetuning)
+
+    def theirs(tokenizer, messages):
+        return tokenizer.encode_chat_completion(ChatCompletionRequest.from_openai(messages)).tokens
+
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+    want = theirs(inference, asked)
+    assert tok.decode(want) == "<s>[INST]Hi[/INST]Hello.</s>[INST]Be brief.\n\n2+2?[/INST]"
+    assert prompt.prompt_ids(asked, tok) == want  # GRPO
+    row = {"prompt": asked, "chosen": [{"role": "assistant", "content": "4"}],
+           "rejected": [{"role": "assistant", "content": "5"}]}
+    got = preference.pair_tokens(row, DataConfig(format="preference"), tok)
+    assert got[0] == want
+    for side, ids in zip(("chosen", "rejected"), got[1:]):
+        full = theirs(finetuning, asked + row[side])
+        assert full[:len(want)] == want and ids == full[len(want):] and tok.decode(ids).endswith("</s>")
+    completion = type("Rows", (list,), {})(normalize(asked + row["chosen"], {}))
+    completion.prompt_turns = len(asked)
+    ids, labels = sft._with_options(completion, tok, None, DataConfig(format="chat", assistant_only_loss=False))
+    assert ids == theirs(finetuning, asked + row["chosen"]) and _trained(ids, labels, tok) == ["4</s>"]
+
+
 def test_a_mistral_tokenizer_without_a_template_trains_on_mistral_commons_own_format(tmp_path, monkeypatch):
     """A folder with Mistral's tekken.json and no Jinja template trained on dstrain's `plain` format before (with a
     note): neither Mistral's [INST] format nor its tool calls. Now mistral-common renders it: the ids are

@@ -83,6 +83,9 @@ def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
 
 
 def _ids(tokenizer, content, generation_prompt: bool = False, tools=None) -> list[int]:
+    mistral = chat_templates.mistral_of(tokenizer) if isinstance(content, list) else None
+    if mistral is not None:  # Mistral's own format (a prompt: up to `[/INST]`, where the model writes)
+        return chat_templates.mistral_ids(mistral, content, tools)
     if isinstance(content, list):
         return list(tokenizer.apply_chat_template(content, tools=tools, tokenize=True, return_dict=True,
                                                   add_generation_prompt=generation_prompt)["input_ids"])

@@ -40,6 +40,9 @@ def prompt_ids(prompt, tokenizer, tools=None, role_map: dict | None = None) -> l
     kept: chat_templates.normalize) rendered with the row's function schemas and the generation prompt."""
     if isinstance(prompt, str):
         return tokenizer(prompt)["input_ids"]
+    mistral = chat_templates.mistral_of(tokenizer)
+    if mistral is not None:  # Mistral's own format, up to `[/INST]`
+        return chat_templates.mistral_ids(mistral, normalize(prompt, role_map or {}), tools)
     if not tokenizer.chat_template:
         raise UserError("the prompts are messages but the tokenizer has no chat template; set data.chat_template "
                         "(docs/data.md) or give text prompts")

@@ -310,7 +310,7 @@ def _with_options(messages: list[dict], tokenizer, tools, cfg: DataConfig) -> tu
         return ids, list(ids)
     mistral = chat_templates.mistral_of(tokenizer)
     if mistral is not None:  # the prompt's ids in Mistral's format (it ends with the user's turn)
-        prompt_ids = chat_templates.mistral_request(mistral, messages[:prompt_turns], tools)[1]
+        prompt_ids = chat_templates.mistral_ids(mistral, messages[:prompt_turns], tools)
     else:
         prompt = _render(tokenizer, messages[:prompt_turns], tools, generation_prompt=True)  # the completion: after
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
