@@ -2,11 +2,15 @@
 on the small random copy dstrain/families.py checks the other layouts on (issue 85).
 
     python scripts/family_tensor_parallel.py llama qwen3 lfm2 ...   # default: the families docs/models.md names
+    python scripts/family_tensor_parallel.py --all --write           # every family the matrix builds (~20 min)
 
 For each family: the one-line refusal train.py gives before anything is built (components/tensor_parallel.check_plan),
 else two gloo processes on loopback build the same copy, deepspeed.initialize splits it with autotp_size 2 (ZeRO-0,
 vocab_parallel_lm_head false as train.py sets it), and the largest logit difference against the unsplit copy and the
 share of weights AutoTP split are printed. A cell needs both processes, so it is not part of the in-process matrix.
+--write keeps the verdicts in dstrain/components/tensor_parallel_families.json (merged by family), which train.py
+reads before a run with tensor_parallel (a family that differs, fails or is not listed is refused there), and writes
+docs/models.md's table from it.
 """
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ def rank_main(rank: int, family: str, port: int, out: str) -> None:
     deepspeed.utils.logger.setLevel(logging.ERROR)
     tlog.set_verbosity_error()
     deepspeed.init_distributed(dist_backend="gloo")
+    from dstrain.parallel import dist  # DeepSpeed's shared-memory workspace would outlive the rank: 64 MiB each
+    dist.barrier()
+    Path(dist.shm_buffer_path(rank)).unlink(missing_ok=True)
     small, model = families.runnable_copy(AutoConfig.for_model(family, **families.REPRESENTATIVE.get(family, {})))
     ids = torch.randint(0, small.vocab_size, (1, families.LENGTH), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -95,30 +102,68 @@ def cell(family: str, timeout: int) -> dict:
         out.unlink(missing_ok=True)
 
 
+def row_of(r: dict) -> dict:
+    """A cell's verdict as tensor_parallel_families.json keeps it (components/tensor_parallel.VERDICTS)."""
+    family = r["family"]
+    if "refused" in r:
+        return {"family": family, "verdict": "plan", "why": r["refused"].split(": ", 1)[1].split(";")[0]}
+    if "error" in r:
+        return {"family": family, "verdict": "fails", "why": r["error"]}
+    if r["difference"] is None or r["difference"] > 1e-4:
+        return {"family": family, "verdict": "differs", "difference": r["difference"]}
+    if r["split"] == 0:
+        return {"family": family, "verdict": "splits nothing"}
+    return {"family": family, "verdict": "exact", "difference": float(f"{r['difference']:.1e}"),
+            "split": round(r["split"], 3)}
+
+
+def write_docs(table: dict) -> None:
+    """docs/models.md's table, between its two marker lines."""
+    from dstrain.components import tensor_parallel as tp
+    docs = ROOT / "docs/models.md"
+    begin = "<!-- tensor parallelism: scripts/family_tensor_parallel.py --write writes between these lines -->"
+    end = "<!-- end of the tensor-parallel table -->"
+    head, rest = docs.read_text().split(begin)
+    docs.write_text(head + begin + "\n" + tp.table(table) + "\n" + end + rest.split(end, 1)[1])
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser()
-    parser.add_argument("families", nargs="*", default=FAMILIES)
+    parser.add_argument("families", nargs="*")
+    parser.add_argument("--all", action="store_true", help="every family docs/family_matrix.json built small")
+    parser.add_argument("--write", action="store_true", help="merge the verdicts into the package's table and "
+                        "rewrite docs/models.md's")
+    parser.add_argument("--docs", action="store_true", help="only rewrite docs/models.md's table from the package's")
     parser.add_argument("--timeout", type=int, default=180)
     args = parser.parse_args()
+    if args.docs:
+        from dstrain.components import tensor_parallel as tp
+        write_docs(tp.verdicts())
+        return
     import deepspeed
     import transformers
+
+    from dstrain.components import tensor_parallel as tp
+    families = args.families or FAMILIES
+    if args.all:
+        matrix = json.loads((ROOT / "docs/family_matrix.json").read_text())
+        families = [r["family"] for r in matrix["rows"] if r["built"]]
     print(f"AutoTP on 2 gloo ranks, small random copies (dstrain/families.py); deepspeed {deepspeed.__version__}, "
           f"transformers {transformers.__version__}")
     print("| family | tensor parallelism (autotp_size 2) |\n|---|---|")
-    for family in args.families:
-        r = cell(family, args.timeout)
-        if "refused" in r:
-            said = f"refused before the build: {r['refused'].split(': ', 1)[1].split(';')[0]}"
-        elif "error" in r:
-            said = f"failed: {r['error']}"
-        elif r["difference"] is None or r["difference"] > 1e-4:
-            said = f"DIFFERS from the whole model ({r['difference']})"
-        elif r["split"] == 0:
-            said = "refused at the run: AutoTP splits no layer"
-        else:
-            said = f"exact ({r['difference']:.0e}), {r['split']:.0%} of the weights between embedding and head split"
-        print(f"| {family} | {said} |", flush=True)
+    rows = []
+    for family in families:
+        rows.append(row_of(cell(family, args.timeout)))
+        print(f"| {family} | {tp.said(rows[-1])} |", flush=True)
+    if args.write:
+        known = {r["family"]: r for r in tp.verdicts()["rows"]} if tp.VERDICTS.is_file() else {}
+        known.update({r["family"]: r for r in rows})
+        table = {"deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+                 "rows": sorted(known.values(), key=lambda r: r["family"])}
+        tp.VERDICTS.write_text(json.dumps(table, indent=1) + "\n")
+        write_docs(table)
+        print(f"wrote {tp.VERDICTS.relative_to(ROOT)} ({len(table['rows'])} families) and docs/models.md's table")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ checked while the model was being built, after a damaged newer checkpoint had al
 """
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 from ..errors import UserError
 from ..parallel.layout import parallel_sizes
 from . import Component, Setup
@@ -40,6 +44,84 @@ def check_plan(config, tp_section: dict) -> None:
                         f"plan ({why}); use a ds_config without tensor_parallel (ZeRO-3 shards the weights instead)")
 
 
+# Each family's verdict from scripts/family_tensor_parallel.py --all --write: its small random copy (the matrix's,
+# dstrain/families.py) split by AutoTP over 2 gloo ranks against the whole copy's logits. A cell needs two processes,
+# so it is not asked again at a run as the in-process layout cells are: a run with tensor_parallel reads it.
+VERDICTS = Path(__file__).with_name("tensor_parallel_families.json")
+_INSTEAD = "use a ds_config without tensor_parallel (ZeRO-3 shards the weights instead)"
+
+
+@functools.cache
+def verdicts() -> dict:
+    return json.loads(VERDICTS.read_text())
+
+
+def said(row: dict) -> str:
+    """A verdict in words: docs/models.md's table cell."""
+    kind = row["verdict"]
+    if kind == "exact":
+        return f"exact ({row['difference']:.0e}), {row['split']:.0%} of the weights between embedding and head split"
+    if kind == "plan":
+        return f"refused before the build: {row['why']}"
+    if kind == "splits nothing":
+        return "refused before the build: AutoTP splits no layer between the embedding and the head"
+    if kind == "differs":
+        return f"refused before the build: its split's logits differ from the whole model's ({row['difference']:.2g})"
+    return f"refused before the build: AutoTP fails on it ({row['why']})"
+
+
+def table(verdict_table: dict) -> str:
+    lines = [f"{sum(r['verdict'] == 'exact' for r in verdict_table['rows'])} of {len(verdict_table['rows'])} "
+             f"families exact under AutoTP on 2 ranks (deepspeed {verdict_table['deepspeed']}, transformers "
+             f"{verdict_table['transformers']}); the others are refused before anything is built.", "",
+             "| family | tensor parallelism (autotp_size 2) |", "|---|---|"]
+    lines += [f"| {r['family']} | {said(r).replace('|', '/')} |" for r in verdict_table["rows"]]
+    return "\n".join(lines)
+
+
+def check_family(config, tp_section: dict, check_layouts: bool, log) -> None:
+    """The family's verdict on 2 ranks (VERDICTS), before anything is built: a split that differs from the whole
+    model (CodeGen's fused qkv_proj: 0.89 apart on its small copy, exit 0 before), that fails at the first forward or
+    AutoTP's parse (its traceback from every rank, after the build), or that splits nothing is one line; a family
+    the table has not seen is refused unless model.check_layouts=false, said in the log. A custom partition_config or
+    preset_model is the user's own split: said, not checked."""
+    family = getattr(config, "model_type", type(config).__name__)
+    if tp_section.get("partition_config") or tp_section.get("preset_model"):
+        log(f"tensor parallelism: {family} split by the JSON's own partition_config / preset_model (not verified "
+            f"against the whole model here)")
+        return
+    row = next((r for r in verdicts()["rows"] if r["family"] == family), None)
+    if row is None:
+        if not check_layouts:
+            log(f"tensor parallelism: {family} has not been verified under AutoTP (model.check_layouts=false)")
+            return
+        raise UserError(f"tensor_parallel with {family}: AutoTP has not been verified on this family "
+                        f"(`python scripts/family_tensor_parallel.py {family}` checks it on 2 CPU ranks in seconds); "
+                        f"set model.check_layouts=false to train unverified, or {_INSTEAD}")
+    if row["verdict"] == "exact":
+        log(f"tensor parallelism: {family} verified under AutoTP (2 ranks, a small copy: {said(row)})")
+        return
+    if row["verdict"] == "plan":  # check_plan says it from the model's own plan
+        return
+    problem = {"splits nothing": "AutoTP finds no layer to split between the embedding and the head, so every "
+               "rank would hold and compute the whole model",
+               "differs": f"AutoTP's split gives other logits than the whole model ({row.get('difference') or 0:.2g} "
+               "apart on a small copy over 2 ranks): the run would train a wrong model",
+               "fails": f"AutoTP fails on it ({row.get('why')})"}[row["verdict"]]
+    raise UserError(f"tensor_parallel with {family}: {problem}; {_INSTEAD}")
+
+
+def refusal(config, tp_section: dict, check_layouts: bool) -> str | None:
+    """The line a run with tensor_parallel on this model is refused with before anything is built, else None (the
+    planner offers tensor-parallel layouts only where it is None)."""
+    try:
+        check_plan(config, tp_section)
+        check_family(config, tp_section, check_layouts, lambda line: None)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 class TensorParallel(Component):
     name = "tensor_parallel"
 
@@ -48,7 +130,9 @@ class TensorParallel(Component):
 
     def validate(self, setup: Setup) -> None:
         check_heads(setup.model_config, self.size)
-        check_plan(setup.model_config, setup.ds_cfg.get("tensor_parallel") or {})
+        section = setup.ds_cfg.get("tensor_parallel") or {}
+        check_plan(setup.model_config, section)
+        check_family(setup.model_config, section, setup.recipe.model.check_layouts, setup.log)
 
     def attach(self, engine, setup: Setup) -> None:
         """What AutoTP split, said; nothing split is refused. AutoTP leaves a layer it does not recognise whole on

@@ -180,6 +180,7 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
     """Every shipped strategy (and tensor/pipeline sizes that divide the world), each with every micro batch x
     accumulation that keeps the recipe's global batch; the recipe's precision and optimizer stay as written.
     On more than one node (ranks_per_node given), DiLoCo with one replica per node too."""
+    from ..components import tensor_parallel
     from ..parallel import ds_config
 
     load = load or ds_config.load
@@ -199,6 +200,9 @@ def candidates(recipe, raw_ds: dict, world: int, model_config, load=None,
                 if world % size or (key == "tensor_parallel" and (heads % size or kv % size)) or \
                         (key == "pipeline" and layers < size) or recipe.lora.enabled:
                     continue
+                if key == "tensor_parallel" and tensor_parallel.refusal(model_config, raw.get(key) or {},
+                                                                        recipe.model.check_layouts):
+                    continue  # the family is refused tensor parallelism (docs/models.md)
                 sized = copy.deepcopy(raw)
                 sized[key][field_] = size
                 bases.append((name, sized, "none"))

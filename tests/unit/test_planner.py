@@ -62,6 +62,11 @@ def test_candidates_keep_the_global_batch_and_the_recipes_numerics(tiny):
     # issue 85: on one rank nothing is sent, so compression only adds its error (zero0_powersgd ranked above zero0)
     alone = {c.name for c in cost.candidates(recipe, raw, 1, config)}
     assert "zero0" in alone and not [n for n in alone if n.endswith(("_powersgd", "_topk", "_sign"))], alone
+    # issue 85: a family refused tensor parallelism (CodeGen's split differs from the whole model) is offered none
+    from transformers import CodeGenConfig
+    codegen = CodeGenConfig(n_head=4, n_layer=2, n_embd=64)
+    assert not [c for c in cost.candidates(recipe, raw, 4, codegen) if c.name.startswith("tp")]
+    assert [c for c in cost.candidates(recipe, raw, 4, codegen) if c.name.startswith("pipe")]
 
 
 def test_link_curve_interpolates_and_extrapolates():
