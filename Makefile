@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the 2 cores better than one (measured: see docs/testing.md)
 TEST_WORKERS ?= 2
 
-.PHONY: docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-family-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-vlm bench-planner bench-long-context bench-prepare-data lint assets clean
+.PHONY: family-tensor-parallel docs docs-serve setup system-deps test-deps packages prebuild-ops train test test-moe-matrix test-family-matrix test-fast bench bench-launches bench-profile bench-loss-gap bench-checkpoints bench-gpu bench-memory bench-loss bench-compression bench-slow-links bench-lora bench-dpo bench-grpo bench-vlm bench-planner bench-long-context bench-prepare-data lint assets clean
 
 setup: system-deps $(VENV)/.installed $(VENV)/.ops-built
 
@@ -97,6 +97,11 @@ test-moe-matrix: setup
 # `make test` rechecks the families issue 85 named)
 test-family-matrix: setup
 	DSTRAIN_TEST_FAMILY_MATRIX=1 $(PY) -m pytest tests/unit/test_families.py -q -k every_family $(PYTEST_ARGS)
+
+# AutoTP on 2 gloo ranks for every family the matrix builds: the verdicts train.py reads before a tensor-parallel run
+# (dstrain/components/tensor_parallel_families.json) and docs/models.md's table (about 20 minutes on 2 cores)
+family-tensor-parallel: setup
+	$(PY) scripts/family_tensor_parallel.py --all --write
 
 test-fast: setup lint
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
