@@ -99,7 +99,7 @@ def check_family(config, tp_section: dict, check_layouts: bool, log) -> None:
                         f"(`python scripts/family_tensor_parallel.py {family}` checks it on 2 CPU ranks in seconds); "
                         f"set model.check_layouts=false to train unverified, or {_INSTEAD}")
     if row["verdict"] == "exact":
-        log(f"tensor parallelism: {family} verified under AutoTP (2 ranks, a small copy: {said(row)})")
+        log(f"tensor parallelism: {family} verified under AutoTP (2 ranks, a small copy: {said(row)}){_stale()}")
         return
     if row["verdict"] == "plan":  # check_plan says it from the model's own plan
         return
@@ -109,6 +109,17 @@ def check_family(config, tp_section: dict, check_layouts: bool, log) -> None:
                "apart on a small copy over 2 ranks): the run would train a wrong model",
                "fails": f"AutoTP fails on it ({row.get('why')})"}[row["verdict"]]
     raise UserError(f"tensor_parallel with {family}: {problem}; {_INSTEAD}")
+
+
+def _stale() -> str:
+    """Where the installed deepspeed or transformers is not the one the verdicts were found with: said."""
+    from importlib.metadata import version
+    made = {name: verdicts()[name] for name in ("deepspeed", "transformers")}
+    now = {name: version(name) for name in made}
+    if made == now:
+        return ""
+    return (f"; found with deepspeed {made['deepspeed']} and transformers {made['transformers']}, this is "
+            f"{now['deepspeed']} and {now['transformers']}: `make family-tensor-parallel` checks again")
 
 
 def refusal(config, tp_section: dict, check_layouts: bool) -> str | None:

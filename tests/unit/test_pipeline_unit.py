@@ -102,6 +102,9 @@ def test_a_family_held_exact_under_autotp_is_said_and_an_unseen_one_refused_unle
     """The families verified on 2 ranks train with a line saying so; a family the table has not seen (a newer
     transformers, remote code: here a config class registered by the test) is refused with the command that checks
     it, or said unverified with model.check_layouts=false; a JSON with its own partition is said, not checked."""
+    from unittest.mock import patch
+
+    import deepspeed
     from transformers import AutoConfig, LlamaConfig
     said = _tp_check(AutoConfig.for_model("llama"))
     assert said == [said[0]] and said[0].startswith("tensor parallelism: llama verified under AutoTP (2 ranks, a "
@@ -117,6 +120,14 @@ def test_a_family_held_exact_under_autotp_is_said_and_an_unseen_one_refused_unle
         "tensor parallelism: dstrain_unseen_family has not been verified under AutoTP (model.check_layouts=false)"]
     own = _tp_check(AutoConfig.for_model("codegen"), section={"preset_model": "codegen"})
     assert own and "own partition_config / preset_model (not verified" in own[0]
+    # verdicts found with another deepspeed or transformers than the installed one: said with the command
+    from dstrain.components import tensor_parallel as tp
+    table = dict(tp.verdicts(), deepspeed="0.0.1")
+    with patch.object(tp, "verdicts", lambda: table):
+        said = _tp_check(AutoConfig.for_model("llama"))
+    assert said[0].endswith("found with deepspeed 0.0.1 and transformers " + table["transformers"] + ", this is "
+                            + deepspeed.__version__ + " and " + table["transformers"] +
+                            ": `make family-tensor-parallel` checks again")
 
 
 def test_the_tensor_parallel_table_covers_every_family_the_matrix_builds_and_docs_show_it():
