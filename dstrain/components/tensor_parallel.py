@@ -15,6 +15,9 @@ from ..errors import UserError
 from ..parallel.layout import parallel_sizes
 from . import Component, Setup
 
+# what every tensor-parallel refusal here advises instead
+_INSTEAD = "use a ds_config without tensor_parallel (ZeRO-3 shards the weights instead)"
+
 
 def check_heads(config, tp: int) -> None:
     """AutoTP splits attention by heads: the sizes must divide evenly."""
@@ -41,19 +44,23 @@ def check_plan(config, tp_section: dict) -> None:
     if why:
         family = getattr(config, "model_type", type(config).__name__)
         raise UserError(f"tensor_parallel with {family}: DeepSpeed's AutoTP cannot apply the model's tensor-parallel "
-                        f"plan ({why}); use a ds_config without tensor_parallel (ZeRO-3 shards the weights instead)")
+                        f"plan ({why}); {_INSTEAD}")
 
 
 # Each family's verdict from scripts/family_tensor_parallel.py --all --write: its small random copy (the matrix's,
 # dstrain/families.py) split by AutoTP over 2 gloo ranks against the whole copy's logits. A cell needs two processes,
 # so it is not asked again at a run as the in-process layout cells are: a run with tensor_parallel reads it.
 VERDICTS = Path(__file__).with_name("tensor_parallel_families.json")
-_INSTEAD = "use a ds_config without tensor_parallel (ZeRO-3 shards the weights instead)"
 
 
 @functools.cache
 def verdicts() -> dict:
     return json.loads(VERDICTS.read_text())
+
+
+def _apart(row: dict) -> str:
+    """How far a differing split is from the whole model: its largest logit difference, or another shape."""
+    return "logits of another shape" if row.get("difference") is None else f"{row['difference']:.2g} apart"
 
 
 def said(row: dict) -> str:
@@ -66,7 +73,7 @@ def said(row: dict) -> str:
     if kind == "splits nothing":
         return "refused before the build: AutoTP splits no layer between the embedding and the head"
     if kind == "differs":
-        return f"refused before the build: its split's logits differ from the whole model's ({row['difference']:.2g})"
+        return f"refused before the build: its split's logits differ from the whole model's ({_apart(row)})"
     return f"refused before the build: AutoTP fails on it ({row['why']})"
 
 
@@ -105,8 +112,8 @@ def check_family(config, tp_section: dict, check_layouts: bool, log) -> None:
         return
     problem = {"splits nothing": "AutoTP finds no layer to split between the embedding and the head, so every "
                "rank would hold and compute the whole model",
-               "differs": f"AutoTP's split gives other logits than the whole model ({row.get('difference') or 0:.2g} "
-               "apart on a small copy over 2 ranks): the run would train a wrong model",
+               "differs": f"AutoTP's split gives other logits than the whole model ({_apart(row)} on a small copy "
+               "over 2 ranks): the run would train a wrong model",
                "fails": f"AutoTP fails on it ({row.get('why')})"}[row["verdict"]]
     raise UserError(f"tensor_parallel with {family}: {problem}; {_INSTEAD}")
 
@@ -158,7 +165,7 @@ class TensorParallel(Component):
         if not split:
             raise UserError(f"tensor_parallel.autotp_size={self.size} with {family}: AutoTP found no layer to split "
                             f"between the embedding and the head, so every rank would hold and compute the whole "
-                            f"model; use a ds_config without tensor_parallel (ZeRO-3 shards the weights instead)")
+                            f"model; {_INSTEAD}")
         share = split * self.size / (split * self.size + whole)
         setup.log(f"tensor parallelism: AutoTP split {share:.0%} of {family}'s weights between the embedding and the "
                   f"head over {self.size} ranks ({whole:,} weights stay whole on every rank)")

@@ -128,6 +128,12 @@ def test_a_family_held_exact_under_autotp_is_said_and_an_unseen_one_refused_unle
     assert said[0].endswith("found with deepspeed 0.0.1 and transformers " + table["transformers"] + ", this is "
                             + deepspeed.__version__ + " and " + table["transformers"] +
                             ": `make family-tensor-parallel` checks again")
+    # a split whose logits came out in another shape (the script records no difference) is refused all the same
+    shaped = dict(table, rows=[{"family": "llama", "verdict": "differs", "difference": None}])
+    with patch.object(tp, "verdicts", lambda: shaped), pytest.raises(UserError, match=r"^tensor_parallel with llama: "
+                                                                     r"AutoTP's split gives other logits than the "
+                                                                     r"whole model \(logits of another shape on"):
+        _tp_check(AutoConfig.for_model("llama"))
 
 
 def test_the_tensor_parallel_table_covers_every_family_the_matrix_builds_and_docs_show_it():
