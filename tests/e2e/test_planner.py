@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT, env, launch
+from tests.helpers import launch
 
-# measures compute and links and checks the prediction's scale: run alone
-pytestmark = pytest.mark.serial
+# the plan's tests measure compute and links and check the prediction's scale: run alone (`serial`); --simulate
+# and the refusals measure nothing: the parallel part, on warm processes (one interpreter, as `python train.py`)
+serial = pytest.mark.serial
 
 COMMON = ["--recipe", "recipes/tiny/pretrain.yaml", "--train.precision=fp32", "--log.wandb=false"]
 
@@ -28,6 +27,7 @@ def planned(tmp_path_factory):
     return out / "plan", proc.stderr
 
 
+@serial
 def test_plan_measures_links_and_compute(planned):
     plan_dir, said = planned
     meas = json.loads((plan_dir / "plan.json").read_text())["measurements"]
@@ -43,6 +43,7 @@ def test_plan_measures_links_and_compute(planned):
     assert "collectives (nccl-tests convention" in said and "plan: best" in said
 
 
+@serial
 def test_trials_are_real_runs_and_bytes_match_the_model(planned):
     plan_dir, said = planned
     plan = json.loads((plan_dir / "plan.json").read_text())
@@ -74,6 +75,7 @@ def test_trials_are_real_runs_and_bytes_match_the_model(planned):
     assert not (plan_dir / "trial-1" / "run" / "checkpoints").exists()  # trials keep no checkpoints
 
 
+@serial
 def test_best_json_is_accepted_by_train_py(planned):
     plan_dir, _ = planned
     command = (plan_dir / "best.txt").read_text().split()
@@ -90,8 +92,7 @@ def test_best_json_is_accepted_by_train_py(planned):
 
 def test_simulate_and_bad_input(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "train.py", *COMMON, "--plan", *args], cwd=ROOT,
-                              env=env(tmp_path), capture_output=True, text=True, timeout=120)
+        return launch([*COMMON, "--plan", *args], tmp_path, launcher="warm-python", check=False, timeout=120)
     sim = run("--simulate", "--device", "a100-80gb", "--interconnect", "ib-hdr", "--max_gpus", "16")
     assert sim.returncode == 0, sim.stderr[-2000:]
     lines = [line.split() for line in sim.stdout.splitlines() if line.strip()[:1].isdigit()]
