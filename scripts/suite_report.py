@@ -61,6 +61,13 @@ def main(folder: Path) -> None:
                 files[r[3].split("::")[0]] += float(r[2])
             print("seconds in launches: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.most_common()) +
                   "; most: " + ", ".join(f"{f} {v:.0f}" for f, v in files.most_common(8)))
+        # warm launches that ran for real because their environment held a variable a fork cannot give: slower, and
+        # the exit code is the real launcher's (a changed worker environment did this silently, 2026-12-07)
+        unforked = [r for r in rows if len(r) >= 5 and r[4]]
+        if unforked:
+            names = sorted({name for r in unforked for name in r[4].split(",")})
+            print(f"warm launches run for real for their environment: {len(unforked)} (variables {', '.join(names)};"
+                  f" tests {', '.join(sorted({r[3] for r in unforked})[:5])})")
     print("ten slowest tests (setup + call + teardown, seconds on a worker that shares the cores):")
     for seconds, name in slowest([folder / "parallel.xml", folder / "serial.xml"]):
         print(f"  {seconds:7.1f}  {name}")

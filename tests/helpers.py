@@ -176,8 +176,9 @@ def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int
     launcher = launcher or ("warm" if check else "deepspeed")
     environ = env(cache, **extra_env)
     real = {"warm": "torchrun", "warm-python": "python"}.get(launcher, launcher)  # what ran here before issue 83
+    blocked = []  # a warm launch run for real for its environment: the variables (the suite's report counts them)
     if launcher in ("warm", "warm-python") and (os.environ.get("DSTRAIN_TEST_LAUNCH") == "real" or
-                                                not warm.can_fork(environ)):
+                                                (blocked := warm.unforkable(environ))):
         launcher = real
     began = time.monotonic()
     try:
@@ -186,7 +187,7 @@ def launch(args: list[str], cache: Path, launcher: str | None = None, nproc: int
         if os.environ.get("DSTRAIN_TEST_LAUNCH_LOG"):  # make test counts the launches of each kind and their seconds
             with open(os.environ["DSTRAIN_TEST_LAUNCH_LOG"], "a") as log:  # (suite_report.py)
                 test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
-                log.write(f"{launcher}\t{real}\t{time.monotonic() - began:.1f}\t{test}\n")
+                log.write(f"{launcher}\t{real}\t{time.monotonic() - began:.1f}\t{test}\t{','.join(blocked)}\n")
 
 
 def _launch(args: list[str], environ: dict, launcher: str, nproc: int, check: bool,

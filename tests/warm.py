@@ -49,8 +49,13 @@ _PRELOAD = "tests.warm_preload"
 _READ_AT_START = ("MALLOC_", "GLIBC_", "LD_", "HF_")
 _RUNTIME_PREFIXES = ("WANDB_", "PYTEST_")
 # inductor reads its cache folder each time it compiles (torch/_inductor/runtime/cache_dir_utils.py; only dynamo's
-# opt-in precompile cache keeps the import's): the compiled tests' own folders, checked to hold their kernels
-_RUNTIME_NAMES = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"}
+# opt-in precompile cache keeps the import's): the compiled tests' own folders, checked to hold their kernels. And
+# inductor sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR (a pointer of its own process) each time it loads a compiled
+# kernel, just before the kernel reads it (torch/_inductor/codecache.py, _load_library_inner): a worker that compiled
+# in-process (tests/unit/test_compiler.py) holds it from then on, and every later warm launch of that worker ran for
+# real (a fresh clone, 2026-12-07: test_health's four, test_chat_templates' two; one failed on torchrun's exit 1)
+_RUNTIME_NAMES = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR",
+                  "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 # Set by the preload's imports when unset, as a fresh process's imports set them: deepspeed/__init__.py's
 # PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch then asks NVML whether CUDA is there, at call time) and torch._dynamo's
 # TORCHINDUCTOR_CACHE_DIR (its default). A launch whose environment lacks them or holds the import's value (a worker
@@ -71,6 +76,11 @@ _SET_IN_FORK = {"MALLOC_MMAP_THRESHOLD_": -3}  # M_MMAP_THRESHOLD in glibc's mal
 
 def can_fork(environ: dict) -> bool:
     """Whether a fork of the forkserver can stand for a fresh process started with `environ`."""
+    return not unforkable(environ)
+
+
+def unforkable(environ: dict) -> list[str]:
+    """The variables in which `environ` differs from the forkserver's in a way a fork cannot give (none: it forks)."""
     from dstrain.env import DOCUMENTED
     started = _started_with if _started_with is not None else dict(os.environ)
 
@@ -85,7 +95,7 @@ def can_fork(environ: dict) -> bool:
     def same(name: str) -> bool:
         return environ.get(name, imported.get(name)) == started.get(name, imported.get(name))
 
-    return all(runtime(name) for name in set(environ) | set(started) if not same(name))
+    return sorted(name for name in set(environ) | set(started) if not same(name) and not runtime(name))
 
 
 _started_with: dict | None = None  # the forkserver's environment

@@ -56,6 +56,9 @@ def test_the_variables_the_imports_set_are_set_in_every_fork():
     assert warm.can_fork({**started, **warm._set_by_import()})
     assert warm.can_fork({k: v for k, v in started.items() if k not in warm._set_by_import()})
     assert warm.can_fork({**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/another-inductor-cache"})  # read when used
+    # set by inductor in the process that loads a compiled kernel, before the kernel reads it: a worker that compiled
+    # in-process holds its own pointer from then on
+    assert warm.can_fork({**started, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "140000000000000"})
 
 
 def test_an_environment_a_fork_cannot_give_launches_for_real():
@@ -72,6 +75,24 @@ def test_an_environment_a_fork_cannot_give_launches_for_real():
                         ("HF_DATASETS_CACHE", "/tmp/elsewhere"), ("TORCH_LOGS", "+dynamo")):
         value = value if base.get(name) != value else value + "0"  # a change, whatever the forkserver started with
         assert not warm.can_fork({**base, name: value}), name  # read at import or at a process's start
+        assert warm.unforkable({**base, name: value}) == [name]  # named in the launch log and the suite's report
+
+
+def test_the_suite_report_counts_warm_launches_run_for_real(tmp_path, capsys):
+    """scripts/suite_report.py says how many warm launches ran for real for their environment, and why: a worker's
+    changed environment made them silently (test_health's four in a fresh clone, 2026-12-07)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("suite_report", warm.ROOT / "scripts" / "suite_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    (tmp_path / "launches.log").write_text("warm\ttorchrun\t5.0\ttests/e2e/a.py::t\t\n"
+                                           "torchrun\ttorchrun\t9.0\ttests/e2e/b.py::u\tLD_PRELOAD,TORCH_LOGS\n")
+    report.machine_speed = lambda: 1.0
+    report.main(tmp_path)
+    out = capsys.readouterr().out
+    assert "warm launches run for real for their environment: 1 (variables LD_PRELOAD, TORCH_LOGS; tests " \
+           "tests/e2e/b.py::u)" in out, out
+    assert "launches through tests.helpers.launch: torchrun 1, warm 1" in out
 
 
 # glibc's allocator after a 1 MiB block was freed: is a 256 KiB block then mmapped (a fixed threshold of 128 KiB, as
