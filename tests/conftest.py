@@ -162,21 +162,25 @@ def tiny_qwen2_moe(tmp_path_factory) -> Path:
 # The order `make test`'s two workers take the test files in (pytest-xdist, --dist loadfile
 # --no-loadscope-reorder): the longest files first, so the run does not end with one worker alone on a
 # five-minute file while the other idles. xdist's own order (most tests first) put the one-test Docker file
-# last: the whole image build ran on one worker after the other had finished. Figures: seconds per file on
-# 2 cores, from a fresh-clone `make test` (docs/testing.md); files not listed follow, e2e before unit.
-LONGEST_FIRST = {  # worker-seconds per file in the parallel part, 2026-12-07 at 061cf1a (the speed bench's estimated)
+# last: the whole image build ran on one worker after the other had finished. Figures: worker-seconds per file in
+# the parallel part on 2 cores (2026-12-07, 061cf1a's suite run alone here; the speed bench's estimated before it
+# joined the parallel part); files not listed follow, e2e before unit.
+LONGEST_FIRST = {
     "e2e/test_faults.py": 230, "cluster/test_sweep.py": 230, "cluster/test_docker.py": 200,
     "e2e/test_default_recipe.py": 180, "e2e/test_vs_reference.py": 170, "e2e/test_signals.py": 160,
     "e2e/test_muon.py": 150, "cluster/test_slurm.py": 140, "e2e/test_diloco.py": 140, "e2e/test_lora.py": 140,
     "e2e/test_moe.py": 130, "e2e/test_elastic.py": 130, "e2e/test_bench_speed.py": 110, "e2e/test_memory.py": 110,
     "cluster/test_hostfile.py": 80, "e2e/test_vision.py": 70, "e2e/test_preference.py": 70,
-    "e2e/test_prepared_data.py": 70, "e2e/test_resume.py": 60, "unit/test_compression.py": 60,
-    "unit/test_ds_internals.py": 50, "e2e/test_errors.py": 50, "e2e/test_data_layouts.py": 50,
-    "e2e/test_bench_loss_chunks.py": 50, "e2e/test_run_dir.py": 50, "e2e/test_background_save.py": 40,
-    "e2e/test_ring_attention.py": 40, "unit/test_prepared_data.py": 40, "e2e/test_sequence_parallel.py": 40,
-    "e2e/test_gradient_compression.py": 40, "unit/test_compiler.py": 30, "e2e/test_rl_vs_trl.py": 30,
-    "unit/test_ring_attention.py": 30, "e2e/test_tensor_parallel.py": 30, "unit/test_families.py": 30,
+    "e2e/test_prepared_data.py": 70, "e2e/test_resume.py": 60, "e2e/test_errors.py": 50,
+    "e2e/test_data_layouts.py": 50, "e2e/test_bench_loss_chunks.py": 50, "e2e/test_run_dir.py": 50,
+    "e2e/test_background_save.py": 40, "e2e/test_ring_attention.py": 40, "e2e/test_sequence_parallel.py": 40,
+    "e2e/test_gradient_compression.py": 40, "e2e/test_rl_vs_trl.py": 30, "e2e/test_tensor_parallel.py": 30,
     "e2e/test_health.py": 20, "e2e/test_pipeline.py": 20, "e2e/test_init.py": 20,
+    # the unit files keep the order they had (make test-fast runs them in one process in this order): with
+    # test_compression.py and test_prepared_data.py before test_compiler.py, its background-compile test counted 2
+    # graphs for 3 identical blocks in 2 of 3 runs (a guard on the blocks' `cache` keyword failed to build; not
+    # explained yet, and not seen alone or in the old order)
+    "unit/test_preference.py": 90, "unit/test_ds_internals.py": 80, "unit/test_ring_attention.py": 40,
 }
 
 

@@ -32,11 +32,8 @@ def _step(model, opt, ids):
 
 @pytest.fixture
 def inductor_dir(tmp_path, monkeypatch):
-    from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()
-    counters.clear()  # process-wide and not cleared by reset(): an earlier test's graphs were counted here (make
-    # test-fast runs every unit test in one process: "2 graphs for 3 identical blocks" after test_compression.py)
     yield tmp_path / "inductor"
     torch._dynamo.reset()
 
