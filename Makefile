@@ -78,6 +78,11 @@ packages:
 HARMONY_VOCAB := $(VENV)/share/tiktoken/o200k_base.tiktoken
 $(HARMONY_VOCAB): | $(VENV)/.installed
 	-@$(PY) scripts/harmony_vocab.py $(dir $@)
+# torchvision for the tests of Qwen2.5-VL and SmolVLM (their processors need it), beside the venv where its torch
+# has none (scripts/torchvision_side.py says how and why)
+TORCHVISION_SIDE := $(VENV)/share/torchvision/.done
+$(TORCHVISION_SIDE): | $(VENV)/.installed
+	-@$(PY) scripts/torchvision_side.py $(dir $@)
 
 # the files that hold `serial` tests (marked with pytest.mark.serial in the file itself): the serial part collects
 # only these, not all 1,288 tests again (7-11 s alone on 2 cores, all of it on the serial part's clock)
@@ -88,7 +93,7 @@ test:
 	@rm -rf .suite && mkdir -p .suite && date +%s.%N > .suite/started.at
 	@$(MAKE) --no-print-directory -j2 packages $(VENV)/.installed
 	@# lint, then the docs build, beside the ops' compile (lint and docs keep one core busy where they ran alone)
-	@$(MAKE) --no-print-directory -j2 prebuild-ops lint docs $(HARMONY_VOCAB)
+	@$(MAKE) --no-print-directory -j2 prebuild-ops lint docs $(HARMONY_VOCAB) $(TORCHVISION_SIDE)
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
 	@date +%s.%N > .suite/parallel.at; rc=0; export DSTRAIN_TEST_LAUNCH_LOG=$(CURDIR)/.suite/launches.log; \
@@ -112,7 +117,7 @@ test-family-matrix: setup
 family-tensor-parallel: setup
 	$(PY) scripts/family_tensor_parallel.py --all --write
 
-test-fast: setup lint $(HARMONY_VOCAB)
+test-fast: setup lint $(HARMONY_VOCAB) $(TORCHVISION_SIDE)
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
 # the documentation site (mkdocs.yml): reference pages regenerated from the code, then built with --strict

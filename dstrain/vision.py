@@ -38,10 +38,13 @@ def load_processor(location: str, trust_remote_code: bool, model_type: str):
         processor = AutoProcessor.from_pretrained(location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, AttributeError, ImportError, TypeError) as error:
         # a video processor needs torchvision (Qwen2-VL, Qwen2.5-VL, SmolVLM): transformers fails in its class check
+        # with "\nQwen2VLVideoProcessor requires the Torchvision library ..." (its first line empty)
+        said = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        said = said.split(". ")[0]
         hint = ("; its processor needs torchvision: pip install torchvision (the release matching torch)"
-                if "VIDEO_PROCESSOR" in str(error) or "torchvision" in str(error) else "")
+                if "video_processor" in str(error).lower() or "torchvision" in str(error).lower() else "")
         raise UserError(f"'{location}' is a {model_type} vision-language model, and transformers cannot load its "
-                        f"processor ({str(error).splitlines()[0][:160]}){hint}") from None
+                        f"processor ({said[:160]}){hint}") from None
     if not hasattr(processor, "image_processor") or not getattr(processor, "image_token", None):
         raise UserError(f"'{location}' is a {model_type} vision-language model whose processor "
                         f"({type(processor).__name__}) has no image processor or image token: not trainable here")

@@ -1,5 +1,8 @@
+import importlib.util
 import os
 import shutil
+import site
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torchvision beside the venv (scripts/torchvision_side.py, where the venv's torch has none) for the vision families
+# whose processors need it: on the path of this process and of every process the tests start, before transformers
+# looks for it
+TORCHVISION_SIDE = Path(sys.prefix) / "share" / "torchvision"
+if importlib.util.find_spec("torchvision") is None and (TORCHVISION_SIDE / "sitecustomize.py").exists():
+    site.addsitedir(str(TORCHVISION_SIDE))  # the folder is a site directory of its own, as PYTHONPATH makes it below
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHVISION_SIDE), os.environ.get("PYTHONPATH")]))
+    importlib.import_module("sitecustomize")
 
 
 def _save(model, tokenizer_src: Path, out: Path) -> Path:
@@ -206,8 +217,24 @@ def vlm_template(placeholder: str) -> str:
             "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
+def vlm_template_tagged(placeholder: str) -> str:
+    """The run's template (conftest.vlm_template) with transformers' assistant-mask tags around what the assistant
+    writes: its reply and end of turn."""
+    content = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+               "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '" + placeholder + "' }}"
+               "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ eos_token }}")
+    template = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+                "{% if message['role'] == 'assistant' %}{% generation %}" + content + "{% endgeneration %}{% else %}" +
+                content + "{% endif %}{% endfor %}")
+    untagged = template.replace("{% generation %}", "").replace("{% endgeneration %}", "").replace(
+        "{% if message['role'] == 'assistant' %}" + content + "{% else %}" + content + "{% endif %}", content)
+    assert untagged + "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}" == vlm_template(placeholder)
+    return template
+
+
 VLM_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 30)}
-VLM_PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>"}
+VLM_PLACEHOLDER = {"llava": "<image>", "gemma3": "<start_of_image>",
+                   "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "smolvlm": "<image>"}
 
 
 def _tiny_vlm(root: Path, family: str) -> Path:
@@ -223,11 +250,55 @@ def _tiny_vlm(root: Path, family: str) -> Path:
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
+    if family in ("qwen2_5_vl", "smolvlm") and importlib.util.find_spec("torchvision") is None:
+        message = f"{family}'s processor needs torchvision: `make test-fast` puts it beside the venv"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
     if family == "llava":  # the tiny vision-language recipe's model (scripts/make_tiny_assets.py: make_vlm)
         from transformers import AutoProcessor
         config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/vlm_model")
         processor = AutoProcessor.from_pretrained(ROOT / "recipes/tiny/vlm_model")
         assert processor.chat_template == vlm_template("<image>")
+    elif family == "qwen2_5_vl":  # its processor needs torchvision (TORCHVISION_SIDE)
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+        tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model", extra_special_tokens={
+            "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>"})
+        processor = Qwen2_5_VLProcessor(
+            image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56), tokenizer=tok,
+            video_processor=Qwen2VLVideoProcessor(), chat_template=vlm_template(VLM_PLACEHOLDER[family]))
+        ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start",
+                                                                          "vision_end")}
+        config = Qwen2_5_VLConfig(
+            text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256,
+                         "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}, "bos_token_id": 1,
+                         "eos_token_id": 2, "pad_token_id": 3},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                           "out_hidden_size": 64, "fullatt_block_indexes": [1], "window_size": 56},
+            image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+            vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
+    elif family == "smolvlm":  # its processor needs torchvision and num2words
+        from transformers import SmolVLMConfig, SmolVLMImageProcessor, SmolVLMProcessor
+        from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+        tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model", extra_special_tokens={
+            "image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+            "global_image_token": "<global-img>"},
+            additional_special_tokens=[f"<row_{i}_col_{j}>" for i in (1, 2) for j in (1, 2)])
+        # each image resized to 56 px on its longest side and cut into 28 px tiles (2 x 2 here), each tile and the
+        # whole image one image token (a 28 px tower in 7 px patches, pixel-shuffled by 4)
+        processor = SmolVLMProcessor(
+            image_processor=SmolVLMImageProcessor(do_image_splitting=True, max_image_size={"longest_edge": 28},
+                                                  size={"longest_edge": 56}),
+            tokenizer=tok, video_processor=SmolVLMVideoProcessor(), image_seq_len=1,
+            chat_template=vlm_template(VLM_PLACEHOLDER[family]))
+        config = SmolVLMConfig(
+            text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+                         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                         "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3},
+            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 28, "patch_size": 7},
+            scale_factor=4, image_token_id=tok.convert_tokens_to_ids("<image>"))
     else:
         from transformers import Gemma3Config, Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -269,6 +340,20 @@ def _tiny_vlm(root: Path, family: str) -> Path:
 def tiny_vlm(tmp_path_factory) -> Path:
     """A tiny LLaVA and its rows (_tiny_vlm)."""
     return _tiny_vlm(tmp_path_factory.mktemp("vlm"), "llava")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_vlm(tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-VL (dynamic resolution: 1 to 4 image tokens an image; 3-D rotary positions; a windowed and a
+    full attention block in its vision tower, the merger its projector) and its rows (_tiny_vlm)."""
+    return _tiny_vlm(tmp_path_factory.mktemp("vlm-qwen2_5_vl"), "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm_vlm(tmp_path_factory) -> Path:
+    """A tiny SmolVLM (each image split into tiles beside the whole, rows of several tiles and images padded with
+    blank ones by its processor) and its rows (_tiny_vlm)."""
+    return _tiny_vlm(tmp_path_factory.mktemp("vlm-smolvlm"), "smolvlm")
 
 
 @pytest.fixture(scope="session")

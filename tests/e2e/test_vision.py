@@ -14,28 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import VLM_PLACEHOLDER, vlm_template
+from tests.conftest import VLM_PLACEHOLDER
+from tests.conftest import vlm_template_tagged as tagged
 from tests.helpers import kill_rank_after_checkpoint, launch, metrics
 
 STEPS, LR, WARMUP, MIN_LR, SEQ = 6, 3e-3, 2, 0.1, 64
 RTOL = 2e-6  # fp32: what summation order alone moves (tests/e2e/test_vs_reference.py's bound)
 BF16_RTOL = 2e-3  # bf16's 8 mantissa bits in forward and backward (tests/e2e/test_vs_reference.py's bound)
-# the template with transformers' assistant-mask tags around what the assistant writes (its reply and end of turn)
-def tagged(placeholder: str) -> str:
-    """The run's template (conftest.vlm_template) with transformers' assistant-mask tags around what the assistant
-    writes: its reply and end of turn."""
-    content = ("{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-               "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '" + placeholder + "' }}"
-               "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ eos_token }}")
-    template = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-                "{% if message['role'] == 'assistant' %}{% generation %}" + content + "{% endgeneration %}{% else %}" +
-                content + "{% endif %}{% endfor %}")
-    untagged = template.replace("{% generation %}", "").replace("{% endgeneration %}", "").replace(
-        "{% if message['role'] == 'assistant' %}" + content + "{% else %}" + content + "{% endif %}", content)
-    assert untagged + "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}" == vlm_template(placeholder)
-    return template
-
-
 ARGS = [f"--train.max_steps={STEPS}", f"--train.lr={LR}", f"--train.warmup_steps={WARMUP}",
         f"--train.min_lr_ratio={MIN_LR}", "--train.micro_batch_size=2", "--train.grad_accum_steps=2",
         f"--train.seq_len={SEQ}", "--train.precision=fp32", "--data.format=chat", "--data.val_fraction=0",
@@ -63,10 +48,16 @@ def processor_rows(root, family: str) -> list[dict]:
         rows.append({"input_ids": F.pad(ids, (0, n), value=pad), "labels": F.pad(torch.where(mask.bool(), ids, -100),
                                                                                (0, n), value=-100),
                      "attention_mask": F.pad(torch.ones_like(ids), (0, n)),
-                     **({"pixel_values": out["pixel_values"]} if "pixel_values" in out else {}),
-                     **({"token_type_ids": F.pad(out["token_type_ids"][0], (0, n))} if "token_type_ids" in out
-                        else {})})
+                     **{k: out[k] for k in PER_IMAGE if k in out},
+                     **{k: F.pad(out[k][0], (0, n)) for k in PER_TOKEN if k in out}})
     return rows
+
+
+# the processor's outputs of one row for its images (Qwen2.5-VL's patches and their grid), concatenated over a batch,
+# and those of one per token (Gemma 3's token_type_ids, Qwen2.5-VL's mm_token_type_ids), padded with 0
+PER_IMAGE = ("pixel_values", "image_grid_thw", "pixel_attention_mask")
+PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
+PADDED = ("pixel_values", "pixel_attention_mask")  # with an images axis (rows, images, ...): SmolVLM's
 
 
 def plain_loop(model_dir, rows: list[dict], global_batch: int, frozen: bool, seed: int = 42,
@@ -78,12 +69,13 @@ def plain_loop(model_dir, rows: list[dict], global_batch: int, frozen: bool, see
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train()
-    if frozen:
-        for module in (model.model.vision_tower, model.model.multi_modal_projector):
-            module.requires_grad_(False)
+    language = "text_model" if hasattr(model.model, "text_model") else "language_model"  # SmolVLM's / the others'
+    if frozen:  # all but the language model and its head
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith((f"model.{language}.", "lm_head.")))
     if lora_r:  # peft's adapters on every linear layer of the language model, named one by one
         from peft import LoraConfig, get_peft_model
-        targets = [f"model.language_model.{name}" for name, m in model.model.language_model.named_modules()
+        targets = [f"model.{language}.{name}" for name, m in getattr(model.model, language).named_modules()
                    if isinstance(m, torch.nn.Linear)]
         torch.manual_seed(seed)
         model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=16, target_modules=targets,
@@ -101,8 +93,16 @@ def plain_loop(model_dir, rows: list[dict], global_batch: int, frozen: bool, see
             group["lr"] = LR * factor
         picked = [rows[int(np.random.default_rng([seed, k // n]).permutation(n)[k % n])]
                   for k in range(step * global_batch, (step + 1) * global_batch)]
-        batch = {k: torch.cat([r[k] if k == "pixel_values" else r[k][None] for r in picked if k in r])
-                 for k in {k for r in picked for k in r}}
+        most = max((r["pixel_values"].shape[1] for r in picked if r.get("pixel_values", torch.zeros(0)).dim() == 5),
+                   default=0)
+        batch = {k: torch.cat([r[k] if k in PER_IMAGE else r[k][None] for r in picked if k in r])
+                 for k in {k for r in picked for k in r} if not (most and k in PADDED)}
+        for key in PADDED:  # SmolVLM's: each row's images padded with blank ones to the row with the most, as its
+            if most:  # processor pads a batch of rows (the model drops images that are all zeros)
+                shape = next(r[key].shape[2:] for r in picked if key in r)
+                batch[key] = torch.cat([F.pad(r[key], (0, 0) * len(shape) + (0, most - r[key].shape[1])) if key in r
+                                        else torch.zeros(1, most, *shape, dtype=torch.bool if "mask" in key
+                                                         else torch.float32) for r in picked])
         labels = batch.pop("labels")
         logits = model(**batch).logits
         target = labels[:, 1:]
@@ -136,15 +136,23 @@ def reference(request):
 TRAIN_ALL = ["--model.train_vision_tower=true", "--model.train_projector=true"]
 
 
-# LLaVA under ZeRO-2 with the defaults (the vision tower and projector frozen), under ZeRO-3 (zero.Init) training
+# LLaVA under ZeRO-0 and ZeRO-2 with the defaults (the vision tower and projector frozen), under ZeRO-3 (zero.Init) training
 # all of it, and under ZeRO-3 with parameters and optimizer on the CPU (DeepSpeedCPUAdam) and activation
 # checkpointing (the tower's and the language model's layers recomputed); Gemma 3 (image tokens attending both ways,
-# a sliding-window layer) under ZeRO-3 with the defaults. fp32: every cell to the plain loop's losses within RTOL
+# a sliding-window layer) under ZeRO-0 and ZeRO-3 with the defaults; Qwen2.5-VL (images of 1 to 4 tokens by their size, 3-D
+# rotary positions) under ZeRO-0 with the defaults and under ZeRO-3 training all of it (zero.Init with its windowed
+# tower). fp32: every cell to the plain loop's losses within RTOL
 @pytest.mark.parametrize("family,ds_config,extra", [
+    ("llava", "zero0.json", []),
     ("llava", "zero2.json", []),
     ("llava", "zero3.json", TRAIN_ALL),
     ("llava", "zero3_offload.json", [*TRAIN_ALL, "--train.activation_checkpointing=true"]),
-    ("gemma3", "zero3.json", [])])
+    ("gemma3", "zero0.json", []),
+    ("gemma3", "zero3.json", []),
+    ("qwen2_5_vl", "zero0.json", []),
+    ("qwen2_5_vl", "zero3.json", TRAIN_ALL),
+    ("smolvlm", "zero0.json", []),
+    ("smolvlm", "zero3.json", TRAIN_ALL)])
 def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, cache, request, reference, family,
                                                                     ds_config, extra):
     root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
@@ -169,10 +177,12 @@ def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, ca
     for mine, theirs in zip(cached, rows):
         assert torch.equal(mine["input_ids"], theirs["input_ids"]) and torch.equal(mine["labels"], theirs["labels"])
         assert torch.equal(mine["attention_mask"], theirs["attention_mask"])
-        assert torch.allclose(torch.as_tensor(mine["pixel_values"]).reshape(-1),
-                              theirs.get("pixel_values", torch.zeros(0)).reshape(-1), atol=1e-6)
-        assert set(mine) - {"pixel_values"} == set(theirs) - {"pixel_values"}
-        assert all(torch.equal(mine[k], theirs[k]) for k in ("token_type_ids",) if k in theirs)
+        for key in PER_IMAGE:  # a row without images: an empty list in the cache, no key in the processor's
+            if key in mine or key in theirs:
+                assert torch.allclose(torch.as_tensor(mine[key]).reshape(-1).float(),
+                                      theirs.get(key, torch.zeros(0)).reshape(-1).float(), atol=1e-6), key
+        assert set(mine) - set(PER_IMAGE) == set(theirs) - set(PER_IMAGE)
+        assert all(torch.equal(mine[k], theirs[k]) for k in PER_TOKEN if k in theirs)
     # the export: model and processor, loaded as a user would, equal to the plain loop's weights, and generating
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -259,13 +269,17 @@ def test_vlm_killed_then_resumed_on_one_rank_matches_the_plain_loop(tmp_path, ca
     assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
 
 
-def test_vlm_lora_on_the_language_model_matches_peft_and_merges(tmp_path, cache, tiny_vlm, reference):
-    """lora.r=8 under ZeRO-3: adapters on the language model's linear layers only (not the vision tower's or the
-    projector's), as peft adds them when named one by one; the export merges them into a model equal to peft's."""
-    _, want, _, ref_model = reference(frozen=True, lora_r=8)
+@pytest.mark.parametrize("family,ds_config", [("llava", "zero3.json"), ("gemma3", "zero0.json"),
+                                               ("qwen2_5_vl", "zero3.json"), ("smolvlm", "zero3.json")])
+def test_vlm_lora_on_the_language_model_matches_peft_and_merges(tmp_path, cache, request, reference, family,
+                                                                ds_config):
+    """lora.r=8: adapters on the language model's linear layers only (not the vision tower's or the projector's), as
+    peft adds them when named one by one; the export merges them into a model equal to peft's."""
+    root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
+    _, want, _, ref_model = reference(frozen=True, lora_r=8, family=family)
     run = tmp_path / "run"
-    proc = launch([*ARGS, f"--model.name_or_path={tiny_vlm / 'model'}", f"--data.path={tiny_vlm / 'data/train.jsonl'}",
-                   "--ds_config", "zero3.json", "--output_dir", str(run), "--lora.r=8"], cache)
+    proc = launch([*ARGS, f"--model.name_or_path={root / 'model'}", f"--data.path={root / 'data/train.jsonl'}",
+                   "--ds_config", ds_config, "--output_dir", str(run), "--lora.r=8"], cache)
     got, _ = metrics(run)
     assert len(got) == STEPS and got == pytest.approx(want, rel=RTOL)
     adapted = sum(p.numel() for p in ref_model.parameters() if p.requires_grad)

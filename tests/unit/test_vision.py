@@ -13,6 +13,7 @@ from dstrain import vision
 from dstrain.config import DataConfig
 from dstrain.data.formats import images as rows_with_images
 from dstrain.errors import UserError
+from tests.conftest import VLM_PLACEHOLDER
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_tower_projector_and_language_model_are_told_apart(tiny_vlm):
     assert not any(p.requires_grad for p in parts["tower"]) and all(p.requires_grad for p in parts["projector"])
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "smolvlm"])
 def test_a_blank_image_after_an_imageless_micro_batch_changes_nothing_but_runs_the_tower(request, family):
     """with_fake_image: the real tokens' logits are the same to fp32 rounding with the blank image appended, the
     loss's gradient reaches the vision tower as exact zeros (its parameters all get a gradient, as every rank's
@@ -124,7 +125,7 @@ def test_a_blank_image_after_an_imageless_micro_batch_changes_nothing_but_runs_t
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from dstrain.data.formats.images import fake_image, with_fake_image
-    root = request.getfixturevalue("tiny_vlm" if family == "llava" else "tiny_gemma3_vlm")
+    root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
     processor = AutoProcessor.from_pretrained(root / "model")
     model = AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32).train()
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."},
@@ -132,8 +133,8 @@ def test_a_blank_image_after_an_imageless_micro_batch_changes_nothing_but_runs_t
     enc = processor.tokenizer([text, text[:-8]], padding="max_length", max_length=24, return_tensors="pt")
     batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
              "labels": torch.where(enc["attention_mask"].bool(), enc["input_ids"], -100)}
-    if family == "gemma3":
-        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    if family != "llava":
+        batch["token_type_ids" if family == "gemma3" else "mm_token_type_ids"] = torch.zeros_like(batch["input_ids"])
     faked = with_fake_image(batch, fake_image(processor, processor.tokenizer.pad_token_id))
     assert "pixel_values" in faked and faked["input_ids"].shape[1] > 24
     assert torch.equal(faked["input_ids"][:, :24], batch["input_ids"]) and faked["attention_mask"][:, 24:].sum() == 0
@@ -145,12 +146,14 @@ def test_a_blank_image_after_an_imageless_micro_batch_changes_nothing_but_runs_t
     assert torch.allclose(with_blank[:, :24][real], plain[real], atol=1e-5)
     logits, labels = with_blank[:, :-1], faked["labels"][:, 1:]
     torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1)).backward()
-    tower = dict(model.model.vision_tower.named_parameters())
+    tower = getattr(model.model, {"qwen2_5_vl": "visual", "smolvlm": "vision_model"}.get(family, "vision_tower"))
+    tower = dict(tower.named_parameters())
     reached = {n for n, p in tower.items() if p.grad is not None}
     assert all(torch.count_nonzero(tower[n].grad) == 0 for n in reached)
     model.zero_grad(set_to_none=True)  # the parameters a real image's loss reaches: the same ones
     from PIL import Image
-    pictured = processor(text=[processor.image_token + "Red."], images=[Image.new("RGB", (28, 28), (200, 0, 0))],
+    image = VLM_PLACEHOLDER[family] if family == "qwen2_5_vl" else processor.image_token  # Qwen: the start tag too
+    pictured = processor(text=[image + "Red."], images=[Image.new("RGB", (28, 28), (200, 0, 0))],
                          return_tensors="pt")
     model(**pictured, labels=pictured["input_ids"]).loss.backward()
     assert reached == {n for n, p in tower.items() if p.grad is not None} and reached
@@ -283,3 +286,67 @@ def test_the_vision_recipes_fit_the_hardware_they_name(real_vlm_configs, name, p
         adapters = sum(recipe.lora.r * (m.in_features + m.out_features) for m in language_model.modules()
                        if isinstance(m, torch.nn.Linear))
         assert f"LoRA r={recipe.lora.r}: {adapters / 1e6:,.1f}M adapter parameters train" in text, text
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "smolvlm"])
+def test_every_row_is_what_trls_vision_collator_makes(request, family):
+    """Each tiny family's 48 rows (one image, two, or none) tokenized as a run tokenizes them, against TRL's
+    DataCollatorForVisionLanguageModeling on the same rows (assistant_only_loss, the template with transformers'
+    generation tags): the same ids and labels token for token, the same pixels (Qwen2.5-VL's patches and grid,
+    SmolVLM's tiles of every image), the same per-token inputs."""
+    import datasets
+    from PIL import Image
+    from transformers import AutoProcessor
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from dstrain.data.formats import chat
+    from dstrain.model import load_tokenizer
+    from tests.conftest import vlm_template_tagged
+    root = request.getfixturevalue("tiny_vlm" if family == "llava" else f"tiny_{family}_vlm")
+    rows = [json.loads(line) for line in (root / "data/train.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(__import__("dstrain.config", fromlist=["ModelConfig"]).ModelConfig(
+        name_or_path=str(root / "model")))
+    ours, _ = chat.tokenize(datasets.Dataset.from_list(rows), DataConfig(path=str(root / "data/train.jsonl"),
+                                                                         format="chat", val_fraction=0),
+                            tokenizer, 64, None)
+    collator = DataCollatorForVisionLanguageModeling(AutoProcessor.from_pretrained(root / "model"),
+                                                     assistant_only_loss=True,
+                                                     chat_template=vlm_template_tagged(VLM_PLACEHOLDER[family]))
+    assert len(ours) == len(rows)
+    for mine, row in zip(ours.with_format("torch"), rows):
+        theirs = collator([{"images": [Image.open(root / "data" / p).convert("RGB") for p in row["images"]],
+                            "messages": row["messages"]}])
+        n = theirs["input_ids"].shape[1]
+        assert torch.equal(mine["input_ids"][:n], theirs["input_ids"][0])
+        assert torch.equal(mine["labels"][:n], theirs["labels"][0]) and (mine["labels"][n:] == -100).all()
+        assert mine["attention_mask"].sum() == n
+        for key in ("pixel_values", "image_grid_thw", "pixel_attention_mask"):
+            if key in theirs:
+                assert torch.allclose(mine[key].reshape(-1).float(), theirs[key].reshape(-1).float(), atol=1e-6)
+            elif key in mine:
+                assert len(mine[key]) == 0, key
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            if key in theirs:
+                assert torch.equal(mine[key][:n], theirs[key][0]) and not mine[key][n:].any()
+
+
+def test_a_processor_that_needs_torchvision_without_it_is_one_line_with_the_fix(tiny_qwen2_5_vl_vlm, tiny_smolvlm_vlm):
+    """Where torchvision is missing, Qwen2.5-VL's and SmolVLM's processors do not load: the line names the class
+    transformers names and the fix. Before: transformers' message starts with a newline, so the line said
+    "processor ()" with no fix (its "Torchvision" capitalized). One interpreter without the suite's torchvision."""
+    import os
+    import subprocess
+    import sys
+    folders = {"qwen2_5_vl": tiny_qwen2_5_vl_vlm / "model", "smolvlm": tiny_smolvlm_vlm / "model"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # without tests/conftest.py's torchvision
+    code = ("import sys\nfrom dstrain import vision\nfrom dstrain.errors import UserError\n"
+            "for family, folder in zip(sys.argv[1::2], sys.argv[2::2]):\n    try:\n"
+            "        vision.load_processor(folder, False, family)\n    except UserError as error:\n        print(error)\n")
+    out = subprocess.run([sys.executable, "-c", code, *[str(x) for kv in folders.items() for x in kv]],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        f"'{folder}' is a {family} vision-language model, and transformers cannot load its processor ({name} "
+        f"requires the Torchvision library but it was not found in your environment); its processor needs "
+        f"torchvision: pip install torchvision (the release matching torch)"
+        for (family, folder), name in zip(folders.items(), ("Qwen2VLVideoProcessor", "SmolVLMVideoProcessor"))]

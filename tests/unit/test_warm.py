@@ -104,12 +104,15 @@ class Info(ctypes.Structure):
                                                "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], Info
-libc.free(libc.malloc(1 << 20))
+libc.free(libc.malloc(16 << 20))  # glibc's dynamic threshold rises to 16 MiB, unless the variable (or mallopt) fixed it
+size = libc.mallinfo2().fordblks + (1 << 20)  # more than the arena's free chunks together: never from one of them
 before = libc.mallinfo2().hblks
-block = libc.malloc(256 << 10)
+block = libc.malloc(size)
 mmapped = libc.mallinfo2().hblks > before
 libc.free(block)
 """
+# (a probe of 256 KiB after 1 MiB read False under the variable in a process whose imports (torchvision's) had left
+# a free chunk that size in the arena: glibc serves a request from a free chunk before it considers mmap)
 
 
 def _mmapped(rank: int, environ: dict) -> bool:

@@ -89,7 +89,7 @@ def tokens(messages: list[dict], images: list, tokenizer, processor, tools=None,
                         per_token.setdefault(key, [0] * len(ids))
                         per_token[key] += [int(v) for v in value[0]]
                     elif key in PER_IMAGE:
-                        per_image.setdefault(key, []).append(np.asarray(value))
+                        per_image.setdefault(key, []).append(images_first(key, np.asarray(value)))
             else:
                 piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
             ids += piece_ids
@@ -99,6 +99,16 @@ def tokens(messages: list[dict], images: list, tokenizer, processor, tools=None,
         at = end
     extras = {key: np.concatenate(parts) for key, parts in per_image.items()}
     return ids, labels, extras | per_token
+
+
+def images_first(key: str, value):
+    """A per-image input with the images on its first axis: Idefics3's and SmolVLM's processors give pixels as
+    (rows, images, C, H, W) and their mask as (rows, images, H, W), padded with blank images to the row with the
+    most; a row's are kept image by image (the others' already are), so rows with different numbers of images
+    concatenate (with_fake_image gives the model its axes back)."""
+    if value.ndim == {"pixel_values": 5, "pixel_attention_mask": 4}.get(key):
+        return value.reshape(-1, *value.shape[2:])
+    return value
 
 
 def image_token_ids(processor) -> set[int]:
@@ -172,6 +182,8 @@ def with_fake_image(batch: dict, fake: dict) -> dict:
     micro-batch that has none, at the end, so real tokens keep their positions."""
     import torch
     if "pixel_values" in batch:
+        if fake["pixel_values"].dim() == batch["pixel_values"].dim() + 1:  # (rows, images, ...): all in one row
+            return batch | {k: batch[k][None] for k in ("pixel_values", "pixel_attention_mask") if k in batch}
         return batch
     ids = fake["input_ids"]
     n, rows = len(ids), batch["input_ids"].shape[0]
@@ -267,8 +279,8 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
     # a row without images holds empty arrays of the per-image shape: the rows' arrays go to arrow as numpy, not as
     # Python lists (.tolist() of every row's pixels was rank 0's peak while building the cache: bench/vlm.py's
     # tiny job 690 MiB against 584), and arrow takes a batch of them only if every row's has the same rank
-    empty = {key: np.zeros((0, *probe[key].shape[1:]), dtype=probe[key].numpy().dtype) for key in keys
-             if key in PER_IMAGE}
+    empty = {key: np.zeros((0, *images_first(key, probe[key].numpy()).shape[1:]), dtype=probe[key].numpy().dtype)
+             for key in keys if key in PER_IMAGE}
     # TRL's `images` (data.images_field), or LLaVA's layout: one `image` per row, `<image>` in the conversation's text
     column = cfg.images_field if cfg.images_field in dataset.column_names else \
         LLAVA_IMAGE if LLAVA_IMAGE in dataset.column_names else None
@@ -293,19 +305,20 @@ def tokenize(dataset, cfg, tokenizer, seq_len: int, num_proc: int | None, to_mes
         example = fit(ids, labels, extras, seq_len, pad, image_ids, where)
         if example is None:
             return {"input_ids": [], "labels": [], "attention_mask": [], **{key: empty.get(key, []) for key in keys},
-                    "full_length": -len(ids), "has_reply": any(label != IGNORE_INDEX for label in labels)}
-        return example | {"full_length": len(ids), "has_reply": True}
+                    "full_length": -len(ids), "has_reply": any(label != IGNORE_INDEX for label in labels),
+                    "image_count": 0}
+        return example | {"full_length": len(ids), "has_reply": True, "image_count": len(images)}
 
     marked = dataset.map(fn, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
                          desc="tokenizing (images through the processor)")
     lengths = np.asarray(marked["full_length"], dtype=np.int64)
     kept = np.flatnonzero(lengths >= 0)
-    out = marked.select(kept).remove_columns(["full_length", "has_reply"])
+    out = marked.select(kept).remove_columns(["full_length", "has_reply", "image_count"])
     stats = {"examples": len(dataset), "sequences": len(out), "truncated": int((lengths > seq_len).sum()),
              "dropped": int((lengths < 0).sum()), "no_reply": int(len(dataset) - sum(marked["has_reply"]))}
     if len(out):
         stats["tokens"] = int(sum(sum(mask) for mask in out["attention_mask"]))
         stats["trained_tokens"] = int(sum(sum(label != IGNORE_INDEX for label in labels) for labels in out["labels"]))
         stats["padding"] = 1 - int(np.minimum(lengths[kept], seq_len).sum()) / (len(out) * seq_len)
-        stats["images"] = int(sum(len(v) for v in out["pixel_values"])) if "pixel_values" in out.column_names else 0
+        stats["images"] = int(np.asarray(marked["image_count"], dtype=np.int64)[kept].sum())  # not crops or patches
     return out, stats
