@@ -189,6 +189,8 @@ def test_vlm_sft_matches_a_plain_loop_and_exports_a_model_that_sees(tmp_path, ca
     model = AutoModelForImageTextToText.from_pretrained(run / "hf", dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(run / "hf")
     theirs = ref_model.state_dict()
+    worst = max((tensor - theirs[name]).abs().max().item() for name, tensor in model.state_dict().items())
+    print(f"{family} {ds_config}: export's largest difference to the plain loop's weights {worst:.1e}")
     for name, tensor in model.state_dict().items():
         assert torch.allclose(tensor, theirs[name], atol=2e-5), name
     messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (28, 28), (220, 30, 30))},
@@ -287,6 +289,8 @@ def test_vlm_lora_on_the_language_model_matches_peft_and_merges(tmp_path, cache,
     from transformers import AutoModelForImageTextToText
     merged = AutoModelForImageTextToText.from_pretrained(run / "hf", dtype=torch.float32).state_dict()
     theirs = ref_model.merge_and_unload().state_dict()
+    worst = max((tensor - theirs[name]).abs().max().item() for name, tensor in merged.items())
+    print(f"{family} LoRA {ds_config}: merged export's largest difference to peft's {worst:.1e}")
     for name, tensor in merged.items():
         assert torch.allclose(tensor, theirs[name], atol=2e-5), name
 
