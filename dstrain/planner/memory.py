@@ -403,6 +403,16 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                  f"{recipe.train.seq_len // layout.sequence_shards:,} tokens of every sequence and sends "
                  f"{sent / 2**20:,.1f} MiB per layer per micro-batch (keys/values forward, and with their gradients "
                  f"backward; with activation checkpointing the forward's again)")
+    if vision.is_vision(config):  # what the preflight counts of the vision tower, and what not yet
+        from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        with torch.device("meta"):
+            tower = vision.vision_parameters(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config))
+        states = ("as weights (LoRA's adapters are what trains)" if recipe.lora.enabled else
+                  "with gradients and optimizer states as if they trained (model.train_vision_tower / train_projector:"
+                  " frozen by default)")
+        text += (f"\nvision-language model: the vision tower's and projector's {tower / 1e6:,.1f}M parameters are "
+                 f"counted above {states}; the activations are the language model's over every token, image tokens "
+                 f"included; the tower's own activations are not counted yet")
     if layout.expert_parallel > 1:
         routed, top_k, _ = _routed_experts(config)
         text += (f"\nexpert parallelism: the routed experts' {routed / 1e6:,.1f}M parameters split over "

@@ -325,3 +325,7 @@ def test_preflight_counts_the_vision_tower(cache, tiny_vlm):
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"preflight: {total / 1e6:.1f}M parameters, zero2.json" in out.stdout, out.stdout[-2000:]
     assert "512 (the model's maximum positions" in out.stdout
+    from dstrain import vision  # what it counts of the tower, and what not (issue 86: said, not silent)
+    tower = vision.vision_parameters(AutoModelForImageTextToText.from_pretrained(tiny_vlm / "model"))
+    assert (f"vision-language model: the vision tower's and projector's {tower / 1e6:,.1f}M parameters are counted "
+            f"above") in out.stdout and "the tower's own activations are not counted yet" in out.stdout
