@@ -81,8 +81,8 @@ def _tokenizer(template: str | None):
     return tok
 
 
-def _trained(ids: list[int], labels: list[int], tok) -> list[str]:
-    """Each run of trained tokens, decoded."""
+def _runs(ids: list[int], labels: list[int]) -> list[list[int]]:
+    """Each run of trained tokens."""
     runs, current = [], []
     for token, label in zip(ids, labels):
         if label != IGNORE:
@@ -93,7 +93,12 @@ def _trained(ids: list[int], labels: list[int], tok) -> list[str]:
             current = []
     if current:
         runs.append(current)
-    return [tok.decode(run) for run in runs]
+    return runs
+
+
+def _trained(ids: list[int], labels: list[int], tok) -> list[str]:
+    """Each run of trained tokens, decoded."""
+    return [tok.decode(run) for run in _runs(ids, labels)]
 
 
 def test_normalize_keeps_what_a_template_renders():
@@ -521,14 +526,7 @@ def test_gpt_oss_trains_what_openai_harmony_writes_for_the_assistant(gpt_oss, co
     messages = normalize(conversation, {})
     ids, labels = sft._sft_tokens(messages, tok, tools)
     want_ids, want_runs = _harmony_trained(encoding, _harmony_messages(messages, tools))
-    runs, current = [], []
-    for token, label in zip(ids, labels):
-        if label != IGNORE:
-            current.append(token)
-        elif current:
-            runs, current = runs + [current], []
-    runs += [current] if current else []
-    assert runs == want_runs
+    assert _runs(ids, labels) == want_runs
     text = tok.decode(ids)
     for template, harmony in GPT_OSS_TEMPLATE_NOT_HARMONY:
         text = text.replace(template, harmony)
