@@ -81,7 +81,7 @@ $(HARMONY_VOCAB): | $(VENV)/.installed
 # torchvision for the tests of Qwen2.5-VL and SmolVLM (their processors need it), beside the venv where its torch
 # has none (scripts/torchvision_side.py says how and why)
 TORCHVISION_SIDE := $(VENV)/share/torchvision/.done
-$(TORCHVISION_SIDE): | $(VENV)/.installed
+$(TORCHVISION_SIDE): scripts/torchvision_side.py | $(VENV)/.installed
 	-@$(PY) scripts/torchvision_side.py $(dir $@)
 
 # the files that hold `serial` tests (marked with pytest.mark.serial in the file itself): the serial part collects

@@ -32,8 +32,10 @@ class _DeclareOps(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         import torch
-        if torch.version.cuda is None:
-            library = torch.library.Library("torchvision", "DEF")
+        # once per process, however many copies of this file were loaded (the interpreter's sitecustomize and
+        # tests/conftest.py's where pytest-xdist gave a worker its controller's sys.path)
+        if torch.version.cuda is None and not hasattr(torch.ops.torchvision, "nms"):
+            library = torch.library.Library("torchvision", "FRAGMENT")
             for op in ("nms", "qnms"):
                 library.define(op + "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
             _kept.append(library)

@@ -18,11 +18,14 @@ TORCHVISION_SIDE = Path(sys.prefix) / "share" / "torchvision"
 if importlib.util.find_spec("torchvision") is None and (TORCHVISION_SIDE / "sitecustomize.py").exists():
     site.addsitedir(str(TORCHVISION_SIDE))  # the folder is a site directory of its own, as PYTHONPATH makes it below
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHVISION_SIDE), os.environ.get("PYTHONPATH")]))
-    # this one, whatever else is on the path, kept in sys.modules as an interpreter keeps its sitecustomize: the
-    # operators it declares live as long as its torch.library.Library does
-    _spec = importlib.util.spec_from_file_location("dstrain_torchvision_shim", TORCHVISION_SIDE / "sitecustomize.py")
-    sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules[_spec.name])
+    # its sitecustomize, unless this interpreter started with the folder on PYTHONPATH and has run it already (a
+    # pytest-xdist worker: it then gets its controller's sys.path, without the folder); kept in sys.modules as an
+    # interpreter keeps its sitecustomize: the operators it declares live as long as its torch.library.Library does
+    _loaded = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+    if _loaded is None or Path(_loaded).resolve() != (TORCHVISION_SIDE / "sitecustomize.py").resolve():
+        _spec = importlib.util.spec_from_file_location("dstrain_torchvision_shim", TORCHVISION_SIDE / "sitecustomize.py")
+        sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules[_spec.name])
 
 
 def _save(model, tokenizer_src: Path, out: Path) -> Path:

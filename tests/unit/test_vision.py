@@ -4,6 +4,7 @@ language model (what freezing and LoRA's exclusion act on) on LLaVA and on Qwen2
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -351,3 +352,31 @@ def test_a_processor_that_needs_torchvision_without_it_is_one_line_with_the_fix(
         f"requires the Torchvision library but it was not found in your environment); its processor needs "
         f"torchvision: pip install torchvision (the release matching torch)"
         for (family, folder), name in zip(folders.items(), ("Qwen2VLVideoProcessor", "SmolVLMVideoProcessor"))]
+
+
+def test_the_torchvision_shim_declares_its_operators_once_however_often_it_is_loaded():
+    """CI of stop 97: a pytest-xdist worker ran the side folder's sitecustomize at start (PYTHONPATH) and
+    tests/conftest.py loaded it again (the worker gets its controller's sys.path, without the folder); both declared
+    torchvision::nms and the first import of transformers failed ("Only a single TORCH_LIBRARY"). As that worker."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import TORCHVISION_SIDE
+    if not (TORCHVISION_SIDE / "sitecustomize.py").exists():
+        pytest.skip("the venv has its own torchvision: no shim (scripts/torchvision_side.py)")
+    script = f"""
+import importlib.util, sys
+side = {str(TORCHVISION_SIDE)!r}
+assert sys.modules["sitecustomize"].__file__.startswith(side)
+sys.path = [p for p in sys.path if p != side]          # pytest-xdist's worker: the controller's sys.path
+assert importlib.util.find_spec("torchvision") is None  # the interpreter's copy has fired
+spec = importlib.util.spec_from_file_location("second_copy", side + "/sitecustomize.py")
+module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+sys.path.insert(0, side)
+import torchvision, transformers
+assert transformers.utils.is_torchvision_available()
+"""
+    env = {**os.environ, "PYTHONPATH": str(TORCHVISION_SIDE)}
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=Path.home())
+    assert got.returncode == 0, got.stderr[-800:]
