@@ -148,6 +148,10 @@ def kill_tree(pid: int) -> None:
             proc.kill()
         except psutil.Error:
             pass
+    # and until they are gone: a killed process still holds its files (a run's lock) while the kernel tears it down,
+    # and a warm relaunch reaches the lock within milliseconds ("is in use by another run": seen, a fresh clone of
+    # 5d5f690). The caller waits for its own child, `pid` (reaped here, its exit status would be lost)
+    psutil.wait_procs([proc for proc in procs if proc.pid != pid], timeout=60)
 
 
 def env(cache: Path, **extra) -> dict:

@@ -366,14 +366,14 @@ def test_the_torchvision_shim_declares_its_operators_once_however_often_it_is_lo
     if not (TORCHVISION_SIDE / "sitecustomize.py").exists():
         pytest.skip("the venv has its own torchvision: no shim (scripts/torchvision_side.py)")
     script = f"""
-import importlib.util, sys
+import importlib.util, site, sys
 side = {str(TORCHVISION_SIDE)!r}
 assert sys.modules["sitecustomize"].__file__.startswith(side)
 sys.path = [p for p in sys.path if p != side]          # pytest-xdist's worker: the controller's sys.path
 assert importlib.util.find_spec("torchvision") is None  # the interpreter's copy has fired
 spec = importlib.util.spec_from_file_location("second_copy", side + "/sitecustomize.py")
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
-sys.path.insert(0, side)
+site.addsitedir(side)                                  # as tests/conftest.py does
 import torchvision, transformers
 assert transformers.utils.is_torchvision_available()
 """
