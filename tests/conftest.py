@@ -1,31 +1,19 @@
 import importlib.util
 import os
 import shutil
-import site
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.torchvision_side import activate as _torchvision
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# torchvision beside the venv (scripts/torchvision_side.py, where the venv's torch has none) for the vision families
-# whose processors need it: on the path of this process and of every process the tests start, before transformers
-# looks for it
-TORCHVISION_SIDE = Path(sys.prefix) / "share" / "torchvision"
-if importlib.util.find_spec("torchvision") is None and (TORCHVISION_SIDE / "sitecustomize.py").exists():
-    site.addsitedir(str(TORCHVISION_SIDE))  # the folder is a site directory of its own, as PYTHONPATH makes it below
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHVISION_SIDE), os.environ.get("PYTHONPATH")]))
-    # its sitecustomize, unless this interpreter started with the folder on PYTHONPATH and has run it already (a
-    # pytest-xdist worker: it then gets its controller's sys.path, without the folder); kept in sys.modules as an
-    # interpreter keeps its sitecustomize: the operators it declares live as long as its torch.library.Library does
-    _loaded = getattr(sys.modules.get("sitecustomize"), "__file__", None)
-    if _loaded is None or Path(_loaded).resolve() != (TORCHVISION_SIDE / "sitecustomize.py").resolve():
-        _spec = importlib.util.spec_from_file_location("dstrain_torchvision_shim", TORCHVISION_SIDE / "sitecustomize.py")
-        sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-        _spec.loader.exec_module(sys.modules[_spec.name])
+# torchvision for the vision families' processors, here and in the warm ranks (tests/torchvision_side.py)
+
+_torchvision()
 
 
 def _save(model, tokenizer_src: Path, out: Path) -> Path:
@@ -265,7 +253,7 @@ def _tiny_vlm(root: Path, family: str) -> Path:
         config = AutoConfig.from_pretrained(ROOT / "recipes/tiny/vlm_model")
         processor = AutoProcessor.from_pretrained(ROOT / "recipes/tiny/vlm_model")
         assert processor.chat_template == vlm_template("<image>")
-    elif family == "qwen2_5_vl":  # its processor needs torchvision (TORCHVISION_SIDE)
+    elif family == "qwen2_5_vl":  # its processor needs torchvision (tests/torchvision_side.py)
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
         tok = AutoTokenizer.from_pretrained(ROOT / "recipes/tiny/model", extra_special_tokens={

@@ -7,6 +7,10 @@ import os
 
 _BEFORE = dict(os.environ)
 
+from tests.torchvision_side import activate  # noqa: E402
+
+activate()  # torchvision for the vision families' processors, where the suite has it beside the venv
+
 import datasets  # noqa: F401, E402
 import deepspeed  # noqa: F401, E402
 import peft  # noqa: F401, E402

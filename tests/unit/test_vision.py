@@ -362,7 +362,7 @@ def test_the_torchvision_shim_declares_its_operators_once_however_often_it_is_lo
     import sys
     from pathlib import Path
 
-    from tests.conftest import TORCHVISION_SIDE
+    from tests.torchvision_side import SIDE as TORCHVISION_SIDE
     if not (TORCHVISION_SIDE / "sitecustomize.py").exists():
         pytest.skip("the venv has its own torchvision: no shim (scripts/torchvision_side.py)")
     script = f"""
