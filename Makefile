@@ -68,20 +68,6 @@ $(VENV)/.ops-built: $(VENV)/.installed scripts/prebuild_ops.py
 	@touch $@
 prebuild-ops: system-deps $(VENV)/.ops-built
 
-# `make test` builds ahead only the op every CPU rank loads (the ranks' shared-memory collectives); CPUAdam (offload)
-# and AsyncIO (NVMe offload) build at nice 19 beside the parallel part, in the moments its two workers leave a core
-# idle (4.3% of that part: about 170 core-seconds, 2026-12-07), instead of about 210 s ahead of it. A rank that needs
-# one first waits for the builder at the op's build turn (dstrain/parallel/ds_internals/ops.py: build_turn), as the
-# second rank of a first run on a machine does
-PREBUILD_FIRST ?= ShareMemCommBuilder
-PREBUILD_LATER = $(filter-out $(PREBUILD_FIRST),$(PREBUILD_OPS))
-$(VENV)/.ops-first: $(VENV)/.installed scripts/prebuild_ops.py
-	@$(MAKE) --no-print-directory -q $(VENV)/.ops-built 2>/dev/null || { \
-	  echo "building DeepSpeed's $(PREBUILD_FIRST) op now, $(PREBUILD_LATER) beside the tests"; \
-	  $(PY) scripts/prebuild_ops.py $(PREBUILD_FIRST) > $(VENV)/prebuild_ops.log 2>&1 || \
-	  { tail -20 $(VENV)/prebuild_ops.log; exit 1; }; }
-	@touch $@
-
 # every Debian package in one apt call (one dpkg lock), beside pip's install; the ops are built after both (the
 # AsyncIO op needs libaio) with the machine to themselves
 packages:
@@ -107,15 +93,11 @@ test:
 	@rm -rf .suite && mkdir -p .suite && date +%s.%N > .suite/started.at
 	@$(MAKE) --no-print-directory -j2 packages $(VENV)/.installed
 	@# lint, then the docs build, beside the ops' compile (lint and docs keep one core busy where they ran alone)
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.ops-first lint docs $(HARMONY_VOCAB) $(TORCHVISION_SIDE)
+	@$(MAKE) --no-print-directory -j2 prebuild-ops lint docs $(HARMONY_VOCAB) $(TORCHVISION_SIDE)
 	@# two workers, one test file each at a time (module fixtures share launched runs), then the `serial` tests
 	@# (timings, a deliberately busy machine) alone; both parts run and report before the target fails
-	@date +%s.%N > .suite/parallel.at; rc=0; export DSTRAIN_TEST_LAUNCH_LOG=$(CURDIR)/.suite/launches.log; ops=; \
-	if ! $(MAKE) --no-print-directory -q $(VENV)/.ops-built 2>/dev/null; then \
-	  (nice -n 19 $(PY) scripts/prebuild_ops.py $(PREBUILD_LATER) > .suite/ops.log 2>&1 && touch $(VENV)/.ops-built) & ops=$$!; fi; \
+	@date +%s.%N > .suite/parallel.at; rc=0; export DSTRAIN_TEST_LAUNCH_LOG=$(CURDIR)/.suite/launches.log; \
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --junitxml=.suite/parallel.xml $(PYTEST_ARGS) || rc=$$?; \
-	if [ -n "$$ops" ]; then wait $$ops && sed -n 's/^built/beside the parallel part: built/p' .suite/ops.log || \
-	  { echo "DeepSpeed's ops did not build:"; tail -20 .suite/ops.log; rc=1; }; fi; \
 	date +%s.%N > .suite/serial.at; \
 	$(PY) -m pytest $(SERIAL_FILES) -q -m serial --junitxml=.suite/serial.xml $(PYTEST_ARGS) || { r=$$?; [ $$r = 5 ] || rc=$$r; }; \
 	date +%s.%N > .suite/ended.at; $(PY) scripts/suite_report.py .suite || true; exit $$rc
