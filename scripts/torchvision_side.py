@@ -32,8 +32,8 @@ class _DeclareOps(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         import torch
-        # once per process, however many copies of this file were loaded (the interpreter's sitecustomize and
-        # tests/conftest.py's where pytest-xdist gave a worker its controller's sys.path)
+        # once per process, however many copies of this file were loaded (the interpreter's sitecustomize from
+        # PYTHONPATH and tests/torchvision_side.py's, which loads it by its path)
         if torch.version.cuda is None and not hasattr(torch.ops.torchvision, "nms"):
             library = torch.library.Library("torchvision", "FRAGMENT")
             for op in ("nms", "qnms"):

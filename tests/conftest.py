@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torchvision for the vision families' processors, here and in the warm ranks (tests/torchvision_side.py)
-
 _torchvision()
 
 

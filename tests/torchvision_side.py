@@ -1,9 +1,8 @@
 """torchvision beside the venv (scripts/torchvision_side.py, where the venv's torch has none) for the processors of
 Qwen2.5-VL and SmolVLM: on the path of the test process and of tests/warm.py's forkserver, with the two operators
-its side folder's sitecustomize declares; not on PYTHONPATH for every process the tests start. There it cost each
-of them about 0.8 s (transformers.utils.type_validators imports torchvision whenever it is present; measured
-2026-12-07: `import torch, transformers.utils.type_validators` 3.5 s without it, 4.3 with), and the sweeps', SLURM's,
-the signals' and the faults' real launches are many processes. Plain Python (no pytest): the forkserver imports it."""
+its side folder's sitecustomize declares; not on PYTHONPATH for every process the tests start: there each
+interpreter ran its own copy of the shim beside conftest's (stop 97's CI failure), and each paid torchvision's
+import (0.1-0.2 CPU-s per `python train.py` of the tiny recipe, measured 2026-12-07). Plain Python (no pytest): the forkserver imports it."""
 import importlib.util
 import site
 import sys
