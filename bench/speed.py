@@ -59,6 +59,11 @@ PRESETS = {
     "cpu": dict(sizes=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=32),
                 seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=64, skip=36, precision="fp32"),
+    # ~0.3M parameters and half the tokens: the suite's check that the bench runs (tests/e2e/test_bench_speed.py), its
+    # steps a fifth of `cpu`'s; no speed figure worth quoting
+    "cpu-check": dict(sizes=dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32),
+                      seq_len=256, micro_batch_size=8, grad_accum_steps=1, steps=12, skip=2, precision="fp32"),
     # ~100M parameters: minutes per run on CPU, seconds on a GPU
     "large": dict(sizes=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                              num_key_value_heads=12, head_dim=64),
