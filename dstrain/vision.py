@@ -60,6 +60,70 @@ def vision_parameters(model) -> int:
     return _whole(p for part in vision_parts(model).values() for p in part)
 
 
+def part_sizes(config) -> dict:
+    """{"tower": n, "projector": m, "gated": bool}: the vision tower's and the projector's parameters, and whether
+    the tower's MLPs are gated (a gate projection beside up and down: Qwen2.5-VL's, Pixtral's; CLIP's, SigLIP's and
+    Qwen3-VL's are not), read off a model built on the meta device (no memory), once per config (the preflight's
+    search estimates many layouts)."""
+    key = config.to_json_string()
+    if key not in _PART_SIZES:
+        import torch
+        from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        with torch.device("meta"):
+            model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config)
+        parts = vision_parts(model)
+        tower = {id(p) for p in parts["tower"]}
+        modules = {name.split(".")[-2] for name, p in model.named_parameters() if id(p) in tower and "." in name}
+        _PART_SIZES[key] = {"tower": _whole(parts["tower"]), "projector": _whole(parts["projector"]),
+                            "gated": any("gate" in name for name in modules)}
+    return dict(_PART_SIZES[key])
+
+
+_PART_SIZES: dict[str, dict] = {}
+
+
+def frozen_parameters(config, model_cfg) -> int:
+    """The tower's and projector's parameters that model.train_vision_tower / train_projector leave frozen (0 for a
+    text model): they keep their weights only, no gradient or optimizer state."""
+    if not is_vision(config):
+        return 0
+    sizes = part_sizes(config)
+    return (0 if model_cfg.train_vision_tower else sizes["tower"]) + \
+        (0 if model_cfg.train_projector else sizes["projector"])
+
+
+def tower_shape(config) -> dict | None:
+    """What the memory estimate reads of a vision-language model's tower: width, depth and MLP width, the input
+    elements of one patch, and how many patches one image token of the language model stands for (Qwen2-VL,
+    Qwen2.5-VL, Mistral 3: the merger's spatial_merge_size squared; Idefics3 / SmolVLM: the pixel shuffle's
+    scale_factor squared; Gemma 3: the tower's patches pooled to mm_tokens_per_image; LLaVA: one token a patch).
+    None where the config says none of these (the preflight then says the tower's activations are not counted)."""
+    vc = getattr(config, "vision_config", None)
+    if vc is None:
+        return None
+    hidden = getattr(vc, "hidden_size", None) or getattr(vc, "embed_dim", None)
+    layers = getattr(vc, "num_hidden_layers", None) or getattr(vc, "depth", None)
+    if not hidden or not layers:
+        return None
+    ffn = getattr(vc, "intermediate_size", None) or int(getattr(vc, "mlp_ratio", 4) * hidden)
+    patch = getattr(vc, "patch_size", None) or 14
+    pixels = getattr(vc, "num_channels", None) or getattr(vc, "in_channels", None) or 3
+    pixels *= patch * patch * (getattr(vc, "temporal_patch_size", None) or 1)
+    merge = getattr(vc, "spatial_merge_size", None) or getattr(config, "spatial_merge_size", None)
+    if merge:
+        per_token = merge * merge
+    elif getattr(config, "scale_factor", None):
+        per_token = config.scale_factor ** 2
+    elif getattr(config, "mm_tokens_per_image", None) and getattr(vc, "image_size", None):
+        per_token = (vc.image_size // patch) ** 2 / config.mm_tokens_per_image
+    elif config.model_type in ("llava", "llava_next", "vipllava"):
+        per_token = 1
+    else:
+        return None
+    return {"hidden": hidden, "layers": layers, "ffn": ffn, "patch_elements": pixels, "patches_per_token": per_token,
+            "gated": part_sizes(config)["gated"]}
+
+
 def _whole(params) -> int:
     """Elements of the whole tensors (under zero.Init a rank holds a partition)."""
     return sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in params)

@@ -38,12 +38,19 @@ width. Expert parallelism over E ranks (AutoEP): a rank holds psi_d dense parame
 experts' psi_e, whose gradients and optimizer states ZeRO partitions over the N/E ranks holding the same experts;
 each MoE layer's dispatch and combine all-to-alls hold 4 s*b*k*h elements at a time (send and receive, k experts
 per token).
+A vision-language model: its tower and projector count as parameters, frozen ones (model.train_vision_tower /
+train_projector, off by default) with no gradient or optimizer state. The tower's activations are a decoder
+layer's terms at its width h_v and MLP width f_v for P patches per micro-batch, P = b*s*m at most (every token an
+image token, each standing for m patches: the merger's, pixel shuffle's or pooling's factor, vision.tower_shape),
+plus their pixels: every layer's for a tower that trains (checkpointed: each layer's input, one recomputed), one
+layer's at a time for a frozen one (no gradients).
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,7 +131,9 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
 
     # What DeepSpeed allocates (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py):
     split = layout.pipeline_stages * layout.tensor_parallel
-    psi_t = psi if trained is None else trained // split  # what trains: everything, or the adapters
+    # what trains: everything but a vision-language model's frozen tower / projector (the default), or the adapters
+    frozen = vision.frozen_parameters(config, recipe.model) if trained is None else 0
+    psi_t = (psi - frozen // split) if trained is None else trained // split
     partitioned = stage >= 1 or sixteen_bit            # ZeRO-0 in 16 bit runs the (partitioning) BF16 optimizer
     opt_elems = psi_t // n if partitioned else psi_t   # elements the optimizer updates on this rank
     stored = w * psi if trained is None else w * (psi - quantized // split + psi_t) + NF4_BYTES * quantized // split
@@ -189,6 +198,8 @@ def estimate(config, parameters: int, recipe, ds_cfg: dict, layout, trained: int
     ring = _ring(config, tokens, w) if layout.context_parallel > 1 else 0  # one layer's at a time
     full = layers_here * per_layer + head + tokens * hidden * w + ring
     checkpointed = layers_here * tokens * hidden * w + per_layer + head + tokens * hidden * w + ring
+    tower_full, tower_checkpointed = vision_activations(config, recipe, rows, w, trained)
+    full, checkpointed = full + tower_full, checkpointed + tower_checkpointed
     est = Estimate(parameters, psi, device, host, checkpointed, full)
     est.device["activations"] = checkpointed if train.activation_checkpointing else full
     if routed is not None and layout.expert_parallel > 1:  # one MoE layer's dispatch and combine at a time
@@ -361,6 +372,35 @@ def report(est: Estimate, recipe, ds_name: str, layout, capacity: int, capacity_
     return "\n".join(lines)
 
 
+def vision_patches(config, recipe, rows: int) -> int:
+    """Patches a vision tower runs per micro-batch at most: every token of every sequence an image token (the
+    number of images and their sizes are the data's; a sequence holds seq_len tokens at most), each standing for
+    vision.tower_shape's patches_per_token patches. 0 for a text model or a tower whose shape is not known."""
+    shape = vision.tower_shape(config) if vision.is_vision(config) else None
+    return int(rows * recipe.train.seq_len * shape["patches_per_token"]) if shape else 0
+
+
+def vision_activations(config, recipe, rows: int, w: int, trained: int | None) -> tuple[int, int]:
+    """(without, with activation checkpointing) bytes of a vision-language model's tower for one micro-batch: its
+    layers' activations for vision_patches' patches, and their pixels. A layer keeps 8 h elements a patch as a
+    decoder layer does (the norms' inputs, q/k/v, the attention's output and the MLP's input) and its MLP's: 4 f for
+    a gated one (gate, up, the activation, their product: Qwen2.5-VL's), 2 f otherwise (the first projection's output
+    and the activation's: CLIP, SigLIP, Qwen3-VL). A tower that trains (model.train_vision_tower, or LoRA's adapters
+    in it with lora.vision_tower) keeps every layer's for backward (checkpointed: each layer's input, one layer
+    recomputed); a frozen one runs without gradients, one layer's at a time."""
+    patches = vision_patches(config, recipe, rows)
+    if not patches:
+        return 0, 0
+    shape = vision.tower_shape(config)
+    h, layers, f = shape["hidden"], shape["layers"], shape["ffn"]
+    per_layer = patches * (8 * h + (4 if shape["gated"] else 2) * f) * w
+    pixels = patches * shape["patch_elements"] * w
+    keeps = recipe.lora.vision_tower if recipe.lora.enabled else (trained is None and recipe.model.train_vision_tower)
+    if not keeps:
+        return per_layer + pixels, per_layer + pixels
+    return layers * per_layer + pixels, layers * patches * h * w + per_layer + pixels
+
+
 def ring_bytes_per_layer(config, recipe, layout, w: int) -> int:
     """What one rank sends round its ring for one layer of one micro-batch (components/ring_attention.py): its
     key/value block C-1 times forward; in backward the block C-1 times more and the fp32 key/value gradients C
@@ -372,6 +412,39 @@ def ring_bytes_per_layer(config, recipe, layout, w: int) -> int:
     c = layout.context_parallel
     block = tokens * (2 * kv_width * w + 8)  # keys, values and the tokens' document starts
     return (c - 1) * 2 * block + c * tokens * 2 * kv_width * 4
+
+
+def vision_report(config, recipe, trained: int | None, w: int) -> str:
+    """The preflight's lines on a vision-language model: what its tower and projector count as, and its tower's
+    activations."""
+    sizes = vision.part_sizes(config)
+    frozen = vision.frozen_parameters(config, recipe.model)
+    if recipe.lora.enabled:
+        states = "as weights (LoRA's adapters are what trains)"
+    elif frozen == sizes["tower"] + sizes["projector"]:
+        states = "as weights only: frozen (model.train_vision_tower / train_projector to train them)"
+    elif frozen:
+        states = (f"with gradients and optimizer states but for the frozen {frozen / 1e6:,.1f}M "
+                  f"({'tower' if not recipe.model.train_vision_tower else 'projector'}), weights only")
+    else:
+        states = "with gradients and optimizer states (both train)"
+    text = (f"vision-language model: the vision tower's {sizes['tower'] / 1e6:,.1f}M and the projector's "
+            f"{sizes['projector'] / 1e6:,.1f}M parameters are counted above {states}")
+    from ..objectives import sequences_per_sample
+    rows = recipe.train.micro_batch_size * sequences_per_sample(recipe)
+    patches = vision_patches(config, recipe, rows)
+    if not patches:
+        return text + (f"; the tower's activations are not counted ({config.model_type}'s config names no patch "
+                       f"merge, pixel shuffle or image-token count)")
+    full, checkpointed = vision_activations(config, recipe, rows, w, trained)
+    kept = full if not recipe.train.activation_checkpointing else checkpointed
+    how = ("one layer's at a time (a frozen tower runs without gradients)" if full == checkpointed else
+           "every layer's kept for backward" + (" (checkpointed: each layer's input)"
+                                                if recipe.train.activation_checkpointing else ""))
+    per_token = vision.tower_shape(config)["patches_per_token"]
+    return text + (f"; the tower's activations, {how}: {_fmt(kept).strip()} for {patches:,} patches per "
+                   f"micro-batch, the most its sequences can hold (every token an image token, {per_token:g} "
+                   f"patches each)")
 
 
 def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_node: int, caps,
@@ -403,16 +476,8 @@ def preflight(recipe, raw_ds: dict, ds_name: str, world_size: int, ranks_per_nod
                  f"{recipe.train.seq_len // layout.sequence_shards:,} tokens of every sequence and sends "
                  f"{sent / 2**20:,.1f} MiB per layer per micro-batch (keys/values forward, and with their gradients "
                  f"backward; with activation checkpointing the forward's again)")
-    if vision.is_vision(config):  # what the preflight counts of the vision tower, and what not yet
-        from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-        with torch.device("meta"):
-            tower = vision.vision_parameters(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config))
-        states = ("as weights (LoRA's adapters are what trains)" if recipe.lora.enabled else
-                  "with gradients and optimizer states as if they trained (model.train_vision_tower / train_projector:"
-                  " frozen by default)")
-        text += (f"\nvision-language model: the vision tower's and projector's {tower / 1e6:,.1f}M parameters are "
-                 f"counted above {states}; the activations are the language model's over every token, image tokens "
-                 f"included; the tower's own activations are not counted yet")
+    if vision.is_vision(config):  # what the preflight counts of the vision tower
+        text += "\n" + vision_report(config, recipe, trained, w=4 if ds_config.precision(resolved) == "fp32" else 2)
     if layout.expert_parallel > 1:
         routed, top_k, _ = _routed_experts(config)
         text += (f"\nexpert parallelism: the routed experts' {routed / 1e6:,.1f}M parameters split over "
@@ -529,11 +594,14 @@ def reset_peak() -> None:
 SMALL_ESTIMATE = 512 * 2**20
 
 
-def record(path: Path, ctx, baseline: int, setup_peak: int, estimate: Estimate) -> None:
+def record(path: Path, ctx, baseline: int, setup_peak: int, estimate: Estimate | Callable[[], Estimate]) -> None:
     """Rank 0 writes memory.json: the measured peak of the training phase (train.py resets the mark once the
-    model is built and loaded) next to the estimate (bench/memory.py reads it), and the peak of setup."""
+    model is built and loaded) next to the estimate (bench/memory.py reads it), and the peak of setup. `estimate`
+    may be a function, called once the peak is read: making one can allocate (a vision-language model's tower is
+    counted on a model built on the meta device, tens of MiB of Python objects), which the peak must not hold."""
     if ctx.is_main:
         measured = peak_bytes() - baseline
+        estimate = estimate() if callable(estimate) else estimate
         ratio = measured / estimate.device_total if estimate.device_total else None
         extra = {"estimated_device_bytes": estimate.device_total, "estimate": estimate.device,
                  "setup_peak_above_baseline_bytes": setup_peak - baseline,

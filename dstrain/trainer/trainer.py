@@ -277,8 +277,8 @@ class Trainer:
         self.watchdog.close()  # past the last collective: ranks may now leave at different times
         outcome = self._outcome(final, stopper)
         memory.record(self.run_dir / "memory.json", self.ctx, self.baseline_memory, self.setup_peak,
-                      memory.estimate(self.resolved.model_config, self.params_total, self.recipe,
-                                      self.resolved.ds_cfg, self.layout, self.trained))
+                      lambda: memory.estimate(self.resolved.model_config, self.params_total, self.recipe,
+                                              self.resolved.ds_cfg, self.layout, self.trained))
         self.metrics.close(outcome)
         return stopper.exit_code if stopper else preempt.EXIT_CODE if self.stop.stopped_at else EXIT_OK
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.conftest import VLM_PLACEHOLDER
 from tests.conftest import vlm_template_tagged as tagged
-from tests.helpers import kill_rank_after_checkpoint, launch, metrics
+from tests.helpers import ROOT, kill_rank_after_checkpoint, launch, metrics
 
 STEPS, LR, WARMUP, MIN_LR, SEQ = 6, 3e-3, 2, 0.1, 64
 RTOL = 2e-6  # fp32: what summation order alone moves (tests/e2e/test_vs_reference.py's bound)
@@ -325,7 +325,11 @@ def test_preflight_counts_the_vision_tower(cache, tiny_vlm):
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"preflight: {total / 1e6:.1f}M parameters, zero2.json" in out.stdout, out.stdout[-2000:]
     assert "512 (the model's maximum positions" in out.stdout
-    from dstrain import vision  # what it counts of the tower, and what not (issue 86: said, not silent)
-    tower = vision.vision_parameters(AutoModelForImageTextToText.from_pretrained(tiny_vlm / "model"))
-    assert (f"vision-language model: the vision tower's and projector's {tower / 1e6:,.1f}M parameters are counted "
-            f"above") in out.stdout and "the tower's own activations are not counted yet" in out.stdout
+    from transformers import AutoConfig
+
+    from dstrain import vision  # what it counts of the tower (issue 86: the recipe trains tower and projector)
+    sizes = vision.part_sizes(AutoConfig.from_pretrained(ROOT / "recipes/tiny/vlm_model"))
+    assert (f"vision-language model: the vision tower's {sizes['tower'] / 1e6:,.1f}M and the projector's "
+            f"{sizes['projector'] / 1e6:,.1f}M parameters are counted above with gradients and optimizer states "
+            f"(both train); the tower's activations, every layer's kept for backward:") in out.stdout, out.stdout
+    assert "for 384 patches per micro-batch, the most its sequences can hold" in out.stdout  # 8 rows x 48 tokens

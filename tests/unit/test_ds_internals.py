@@ -580,9 +580,12 @@ def test_cuda_arch_suffixes_are_dropped_for_jit_builds(monkeypatch):
     assert seen[-1] == "8.0;9.0+PTX"
 
 
-def test_jit_loads_probe_the_flags_once_and_cpu_ops_build_without_debug_info(monkeypatch):
+def test_jit_loads_probe_the_flags_once_and_cpu_ops_build_without_debug_info(monkeypatch, tmp_path):
     """Issue 30: the AsyncIO op's 12 files at -O0 -g were 175 s of `make setup` on 2 cores; 119 s without -g. And
     each cxx_args() of the CPU builders probes the CPU (2.3 s): a JIT load asked twice, on every offload rank."""
+    # a build folder of its own: the load takes the op's build turn, which `make test`'s AsyncIO build beside the
+    # tests holds while it compiles (this test waited 107 s for it, 2026-12-08)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     import cpuinfo
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder.builder import OpBuilder

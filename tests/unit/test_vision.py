@@ -289,6 +289,58 @@ def test_the_vision_recipes_fit_the_hardware_they_name(real_vlm_configs, name, p
         assert f"LoRA r={recipe.lora.r}: {adapters / 1e6:,.1f}M adapter parameters train" in text, text
 
 
+def test_the_estimate_counts_a_frozen_tower_as_weights_and_its_activations_as_the_sequences_bound_them(
+        real_vlm_configs, monkeypatch):
+    """Issue 86: the preflight counted the tower and projector with gradients and optimizer states although they
+    are frozen by default, and none of the tower's activations. Qwen3-VL-8B's recipe (ZeRO-3 on 8 ranks, bf16,
+    tower and projector frozen, 1 x 4096 tokens a micro-batch, activation checkpointing): the optimizer holds the
+    language model's states alone; the frozen tower runs one layer at a time over at most 4096 x 4 patches (every
+    token an image token, each merged from 2 x 2 patches of 16 x 16 pixels x 2 frames); trained, it keeps each of
+    its 27 layers' inputs (checkpointed) or every layer's activations. Seen failing before the change: the
+    optimizer states held the tower's and projector's too, and the activations no tower term."""
+    from transformers import AutoConfig
+
+    from dstrain.config import load_recipe, parse_overrides
+    from dstrain.parallel import ds_config as dsc
+    from dstrain.parallel.layout import Layout
+    from dstrain.planner import memory
+
+    name = "qwen3-vl-8b/sft_zero3.yaml"
+    config = AutoConfig.from_pretrained(real_vlm_configs[name])
+
+    def estimate(*extra):
+        recipe = load_recipe(name, parse_overrides([f"--model.name_or_path={real_vlm_configs[name]}",
+                                                    "--model.tokenizer=recipes/tiny/model", *extra]))
+        cfg = dsc.resolve(dsc.load("zero3.json"), recipe, 8, dsc.DeviceCaps("cuda", bf16=True, fp16=True),
+                          hidden_size=4096)
+        psi = memory.count_parameters(config)
+        return recipe, psi, memory.estimate(config, psi, recipe, cfg, Layout.from_ds_config(cfg, 8))
+
+    sizes = vision.part_sizes(config)
+    assert sizes["tower"] > 5e8 and 0 < sizes["projector"] < sizes["tower"] and not sizes["gated"]
+    # Qwen2.5-VL's tower has gated MLPs (gate, up, down): 4 f elements a patch
+    assert vision.part_sizes(AutoConfig.from_pretrained(real_vlm_configs["qwen2.5-vl-7b/lora_sft.yaml"]))["gated"]
+    recipe, psi, frozen = estimate()
+    _, _, trained = estimate("--model.train_vision_tower=true", "--model.train_projector=true")
+    assert frozen.device["optimizer_states"] == 12 * ((psi - sizes["tower"] - sizes["projector"]) // 8)
+    assert trained.device["optimizer_states"] == 12 * (psi // 8)
+    assert frozen.device["parameters"] == trained.device["parameters"] == 2 * psi // 8  # weights either way
+    patches, h, f = 4096 * 4, 1152, 4304
+    layer, pixels = patches * (8 * h + 2 * f) * 2, patches * 3 * 16 * 16 * 2 * 2  # an MLP of two projections
+    text_only = 36 * 4096 * 4096 * 2  # the language model's checkpointed layer inputs, as for a text model
+    assert frozen.activations_checkpointed - trained.activations_checkpointed == layer - (27 * patches * h * 2 + layer)
+    assert frozen.activations_full - trained.activations_full == layer - 27 * layer
+    assert frozen.activations_checkpointed > text_only + layer + pixels  # the tower's one layer and pixels on top
+    assert memory.vision_activations(config, recipe, 1, 2, None) == (layer + pixels, layer + pixels)
+    said = memory.vision_report(config, recipe, None, 2)
+    assert (f"the vision tower's {sizes['tower'] / 1e6:,.1f}M and the projector's {sizes['projector'] / 1e6:,.1f}M "
+            f"parameters are counted above as weights only: frozen") in said, said
+    assert "one layer's at a time (a frozen tower runs without gradients)" in said and "16,384 patches" in said
+    monkeypatch.setattr(vision, "tower_shape", lambda config: None)  # a family whose config names no merge
+    assert "the tower's activations are not counted (qwen3_vl's config names no" in \
+        memory.vision_report(config, recipe, None, 2)
+
+
 @pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_5_vl", "smolvlm"])
 def test_every_row_is_what_trls_vision_collator_makes(request, family):
     """Each tiny family's 48 rows (one image, two, or none) tokenized as a run tokenizes them, against TRL's
