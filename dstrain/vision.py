@@ -63,8 +63,9 @@ def vision_parameters(model) -> int:
 def part_sizes(config) -> dict:
     """{"tower": n, "projector": m, "gated": bool}: the vision tower's and the projector's parameters, and whether
     the tower's MLPs are gated (a gate projection beside up and down: Qwen2.5-VL's, Pixtral's; CLIP's, SigLIP's and
-    Qwen3-VL's are not), read off a model built on the meta device (no memory), once per config (the preflight's
-    search estimates many layouts)."""
+    Qwen3-VL's are not), read off a model built on the meta device (no tensor storage, but tens of MiB of Python
+    objects: memory.record reads the peak before it), once per config (the preflight's search estimates many
+    layouts)."""
     key = config.to_json_string()
     if key not in _PART_SIZES:
         import torch
@@ -73,7 +74,7 @@ def part_sizes(config) -> dict:
             model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config)
         parts = vision_parts(model)
         tower = {id(p) for p in parts["tower"]}
-        modules = {name.split(".")[-2] for name, p in model.named_parameters() if id(p) in tower and "." in name}
+        modules = {name.split(".")[-2] for name, p in model.named_parameters() if id(p) in tower}
         _PART_SIZES[key] = {"tower": _whole(parts["tower"]), "projector": _whole(parts["projector"]),
                             "gated": any("gate" in name for name in modules)}
     return dict(_PART_SIZES[key])
